@@ -1,0 +1,103 @@
+"""One frozen configuration tree, read from config.toml and command-line overrides.
+
+Each component receives only its own section. Values discovered at run time (the number of
+KV blocks, EOS ids) are constructor arguments elsewhere, never written back here. This module
+imports nothing of chatd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how."""
+
+    path: str = ""  # local folder or Hugging Face hub id; empty = the demo model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int = 0  # 0 = the model's own context length
+    attention_backend: str = "auto"  # auto | sdpa
+    seed: int = 0  # seeds requests that bring no seed of their own
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 0  # 0 = size the pool from the memory budget below
+    cpu_kv_cache_gb: float = 2.0  # KV pool size on CPU
+    gpu_memory_utilization: float = 0.90  # share of free GPU memory given to the KV pool
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
+    max_num_seqs: int = 256  # sequences running at once
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:
+    """Build a Config from nested `{section: {key: value}}`, rejecting unknown keys by name."""
+    values = values or {}
+    sections = {}
+    for name, section_values in values.items():
+        if name not in SECTIONS:
+            raise ValueError(f"unknown config section [{name}]; known: {', '.join(SECTIONS)}")
+        cls = SECTIONS[name]
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        for key, value in section_values.items():
+            if key not in known:
+                raise ValueError(f"unknown setting {name}.{key}; known: {', '.join(known)}")
+            expected = type(getattr(cls(), key))
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                section_values = {**section_values, key: float(value)}
+            elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+                raise ValueError(
+                    f"setting {name}.{key} must be {expected.__name__}, got {value!r}"
+                )
+        sections[name] = cls(**section_values)
+    return Config(**sections)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
+    """Read config.toml (when given) and apply overrides (e.g. from command-line flags)."""
+    values: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    for section, section_values in (overrides or {}).items():
+        values.setdefault(section, {}).update(section_values)
+    return build_config(values)
+
+
+def config_from_options(base: Config | None = None, **options: Any) -> Config:
+    """Apply flat keyword options (`block_size=8`, `device="cpu"`) to the section that owns each."""
+    base = base or Config()
+    values: dict[str, dict[str, Any]] = {name: dataclasses.asdict(getattr(base, name)) for name in SECTIONS}
+    owners = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    for key, value in options.items():
+        if key not in owners:
+            raise ValueError(f"unknown engine option {key!r}; known: {', '.join(sorted(owners))}")
+        values[owners[key]][key] = value
+    return build_config(values)

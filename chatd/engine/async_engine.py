@@ -1,0 +1,194 @@
+"""AsyncEngine: the engine steps in its own thread; asyncio callers stream its outputs.
+
+The only asyncio-aware engine module. Callers never touch LLMEngine state: adds and aborts
+are queued as commands the engine thread applies between steps. Each request has a stream
+that merges deltas as they arrive, so a consumer that reads slowly gets bigger deltas and
+never holds the batch back. Leaving `async for` early (or being cancelled) aborts the
+request; its blocks are free once the engine thread has applied the abort, before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from chatd.engine.engine import EngineStats, LLMEngine
+from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams
+
+log = logging.getLogger("chatd.engine")
+
+
+class RequestStream:
+    """Collects one request's deltas on the event loop; `get` returns all that arrived since the last get."""
+
+    def __init__(self) -> None:
+        self._pending: RequestOutput | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        if self._pending is None:
+            self._pending = out
+        else:
+            self._pending.merge(out)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        self._ready.clear()
+        out, self._pending = self._pending, None
+        assert out is not None
+        return out
+
+
+class AsyncEngine:
+    """Runs an LLMEngine in a background thread and streams its outputs to coroutines."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._stats = engine.stats()
+        self.error: BaseException | None = None  # set if the engine thread died
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def start(self) -> None:
+        """Start the engine thread (bound to the running event loop)."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="chatd-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort everything in flight and stop the engine thread."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    def stats(self) -> EngineStats:
+        """The counters as of the engine thread's last step (or applied command)."""
+        return self._stats
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's deltas. Raises ValueError (naming the field) before anything is queued."""
+        if self.error is not None or not self.is_running:
+            raise RuntimeError(f"the engine is not running: {self.error!r}")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = self.engine.prepare_request(request_id, prompt, params, priority, cache_salt)
+        stream = RequestStream()
+        self._streams[request_id] = stream
+        self._send(("add", request))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine thread to abort a request (no-op if it already ended)."""
+        self._send(("abort", request_id))
+
+    async def sync(self) -> None:
+        """Wait until the engine thread has applied every command sent before this call."""
+        done = asyncio.get_running_loop().create_future()
+        self._send(("sync", done))
+        await done
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                outputs = self.engine.step()
+                self._stats = self.engine.stats()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except BaseException as exc:  # a bug outside a step's own error handling: nothing can go on
+            log.exception("engine thread died")
+            self.error = exc
+        finally:
+            self._shutdown()
+
+    def _apply_commands(self) -> None:
+        synced = []
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                try:
+                    self.engine.add_prepared(arg)
+                except ValueError as exc:
+                    self._loop.call_soon_threadsafe(self._dispatch, [_error_output(arg.request_id, arg.prompt_token_ids, str(exc))])
+            elif kind == "abort":
+                self.engine.abort(arg)
+            elif kind == "sync":
+                synced.append(arg)
+        self._stats = self.engine.stats()
+        for future in synced:
+            self._loop.call_soon_threadsafe(_resolve, future)
+
+    def _shutdown(self) -> None:
+        """Abort what is left and tell every open stream why it ends."""
+        message = f"engine stopped: {self.error!r}" if self.error else "engine stopped"
+        outputs = []
+        for request_id in list(self.engine.requests):
+            request = self.engine.requests[request_id]
+            self.engine.abort(request_id)
+            outputs.append(_error_output(request_id, request.prompt_token_ids, message, len(request.seqs)))
+        self._stats = self.engine.stats()
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _error_output(request_id: str, prompt_token_ids: list[int], message: str, n: int = 1) -> RequestOutput:
+    outputs = [CompletionOutput(i, finish_reason=FinishReason.ERROR) for i in range(n)]
+    return RequestOutput(request_id, prompt_token_ids, outputs, finished=True, error=message)

@@ -1,0 +1,159 @@
+"""The KV block pool: ref-counted blocks, block tables, and the automatic prefix cache.
+
+A full block is named by a hash chained on its parent block's hash and its own token ids
+(the first block's parent is the request's cache salt), so equal prefixes get equal names.
+A block whose last user leaves keeps its name and stays findable in the free list until it is
+reused; the free list hands out plain blocks first, then named ones least recently freed
+first. Plain Python: the runner owns the tensors, this module only hands out block numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from chatd.engine.sequence import Sequence
+
+
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    """The name of a full block: a 128-bit digest of its parent's name and its token ids."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences, shares equal prefixes, and counts prefix-cache hits."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached_blocks: dict[bytes, int] = {}  # name -> block, for live and free-but-findable blocks
+        # Blocks nobody uses, in eviction order: plain blocks at the front, then named ones LRU.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of those, tokens found
+
+    # -- counters -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences (free blocks that still cache a prefix count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- allocation -----------------------------------------------------------------------
+
+    def allocate(self, seq: Sequence) -> None:
+        """Admit a sequence holding no blocks: take the longest cached chain of its full blocks.
+
+        At least one token is left to compute, because the model must run on the last token to
+        produce the next one. Sets `num_computed_tokens` and `num_cached_tokens`.
+        """
+        assert not seq.block_table, f"{seq} already holds blocks"
+        seq.block_hashes = []
+        if self.enable_prefix_caching:
+            parent = (seq.cache_salt or "").encode()
+            max_blocks = (seq.num_tokens - 1) // self.block_size
+            for i in range(max_blocks):
+                name = hash_block(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                block = self.cached_blocks.get(name)
+                if block is None:
+                    break
+                self._take(block)
+                seq.block_table.append(block)
+                seq.block_hashes.append(name)
+                parent = name
+            self.num_prefix_queries += seq.num_tokens
+            self.num_prefix_hits += len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+
+    def can_allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return needed <= self.num_free_blocks
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for `num_new_tokens` more computed tokens; False (and no change) if the pool is short."""
+        if not self.can_allocate_slots(seq, num_new_tokens):
+            return False
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        for _ in range(needed):
+            block, _ = self.free_blocks.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            seq.block_table.append(block)
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
+        """Let `child` share the first `num_blocks` computed blocks of `parent` (for `n > 1` choices)."""
+        assert not child.block_table and num_blocks * self.block_size <= parent.num_computed_tokens
+        for block in parent.block_table[:num_blocks]:
+            self.ref_counts[block] += 1
+        child.block_table = parent.block_table[:num_blocks]
+        child.block_hashes = parent.block_hashes[:num_blocks]
+        child.num_computed_tokens = child.num_cached_tokens = num_blocks * self.block_size
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks. Named blocks stay findable; the chain's tail is evicted first."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+                if self.block_hashes[block] is None or not self.enable_prefix_caching:
+                    self.free_blocks.move_to_end(block, last=False)  # nothing worth keeping: reuse first
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Name the sequence's blocks that became full of computed tokens, so later requests find them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else (seq.cache_salt or "").encode()
+        for i in range(len(seq.block_hashes), num_full):
+            name = hash_block(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            seq.block_hashes.append(name)
+            block = seq.block_table[i]
+            # Another sequence may have computed the same block at the same time; the first keeps the name.
+            if self.block_hashes[block] is None and name not in self.cached_blocks:
+                self.block_hashes[block] = name
+                self.cached_blocks[name] = block
+            parent = name
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _take(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_blocks[block]
+        self.ref_counts[block] += 1
+
+    def _evict(self, block: int) -> None:
+        name = self.block_hashes[block]
+        if name is not None:
+            del self.cached_blocks[name]
+            self.block_hashes[block] = None
+
+    def check_invariants(self, seqs: list[Sequence]) -> None:
+        """Assert the pool's bookkeeping agrees with the given live sequences (for tests)."""
+        expected = [0] * self.num_blocks
+        for seq in seqs:
+            for block in seq.block_table:
+                expected[block] += 1
+        assert expected == self.ref_counts, "ref counts disagree with block tables"
+        assert set(self.free_blocks) == {b for b in range(self.num_blocks) if self.ref_counts[b] == 0}
+        for name, block in self.cached_blocks.items():
+            assert self.block_hashes[block] == name
+        assert sum(h is not None for h in self.block_hashes) == len(self.cached_blocks)

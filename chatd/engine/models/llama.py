@@ -1,0 +1,225 @@
+"""One decoder for the Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 and Qwen3.
+
+The model runs a flat batch: the new tokens of many sequences concatenated, each with its own
+position. It knows nothing of scheduling or of how the KV cache is allocated: every attention
+layer hands its new K/V and queries to the attention backend with the step's metadata.
+The families differ only in a few switches read from the Hugging Face config: bias on the q/k/v
+projections (Qwen2), per-head RMSNorm on q and k (Qwen3), an explicit head_dim, rope scaling,
+and whether the output projection shares the embedding matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from chatd.engine.attention import AttentionBackend, AttentionMetadata, KVCache
+
+# Rope types whose frequencies are fixed at load time; "dynamic" and "longrope" change with the
+# batch's length, which a precomputed table cannot follow.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def max_positions(config: PretrainedConfig) -> int:
+    """The longest context the model's rope supports: linear and yarn scaling stretch the original length."""
+    rope = rope_parameters(config)
+    if rope["rope_type"] in ("linear", "yarn"):
+        original = rope.get("original_max_position_embeddings") or config.max_position_embeddings
+        return max(config.max_position_embeddings, int(original * rope["factor"]))
+    return config.max_position_embeddings
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    """Rope settings; transformers 5 keeps them (rope_theta included) in `config.rope_parameters`."""
+    # transformers 4.x named the dict `rope_scaling` and kept rope_theta beside it.
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return rope
+
+
+def build_rope_cache(config: PretrainedConfig, head_dim: int, device: torch.device | None = None) -> Tensor:
+    """cos | sin for every position: [max_positions, head_dim], float32, computed as transformers does."""
+    rope = rope_parameters(config)
+    rope_type = rope["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim
+        inv_freq, attention_scaling = 1.0 / (rope["rope_theta"] ** exponents), 1.0
+    else:
+        # transformers' own init functions, so llama3/linear/yarn frequencies match it bit for bit.
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+    if inv_freq.numel() * 2 != head_dim:
+        raise ValueError("partial rotary embeddings (rotary dim < head_dim) are not supported")
+    positions = torch.arange(max_positions(config), dtype=torch.float, device=device)
+    freqs = positions[:, None] * inv_freq.float()[None, :]  # [positions, head_dim // 2]
+    return torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the two halves of each head (the "rotate_half" layout Hugging Face checkpoints use)."""
+    # x: [tokens, heads, head_dim]; cos, sin: [tokens, 1, head_dim // 2]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and scaled after casting back, in transformers' order."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over the paged KV cache."""
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, head_dim: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        attention_bias = getattr(config, "attention_bias", False)
+        # Qwen2 always has q/k/v biases (and none on o_proj); its config has no field that says so.
+        qkv_bias = attention_bias or config.model_type == "qwen2"
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=attention_bias)
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend
+    ) -> Tensor:
+        # x: [tokens, hidden]
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # q: [tokens, heads, head_dim]
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # k: [tokens, kv_heads, head_dim]
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        backend.write_kv(kv_cache, k, v, meta)
+        out = backend.attend(q, kv_cache, meta, self.scale)  # out: [tokens, heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))  # [tokens, hidden]
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, head_dim: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, head_dim)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The Llama-family decoder, built from a Hugging Face config; weights come in through load_weights."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only silu")
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # Module names mirror Hugging Face's (minus the "model." prefix), so loading is a name lookup.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.head_dim) for i in range(self.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # A tied head reuses embed_tokens.weight at compute time rather than sharing a Parameter:
+        # Module.to_empty() (used to load without a random init) silently unties shared Parameters.
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Built on the current default device: on "meta" it costs nothing and load_model rebuilds it.
+        self.register_buffer("rope_cache", build_rope_cache(config, self.head_dim), persistent=False)
+
+    def reset_rope_cache(self) -> None:
+        """Recompute the cos/sin table on the model's device (after `to_empty()` left it uninitialized)."""
+        self.rope_cache = build_rope_cache(self.config, self.head_dim, self.embed_tokens.weight.device)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> Tensor:
+        """input_ids, positions: [T] flat batch -> hidden states [T, hidden_size] after the final norm."""
+        x = self.embed_tokens(input_ids)  # x: [tokens, hidden]
+        # Like transformers, cos/sin are computed in float32 and cast to the activations' dtype.
+        cos, sin = self.rope_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)  # [tokens, 1, head_dim // 2]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the model; every parameter must be given exactly once."""
+        params = dict(self.named_parameters())
+        missing = set(params)
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue  # old checkpoints saved the rope buffer; we compute our own
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # some tied checkpoints still carry a copy of the embedding
+            name = hf_name.removeprefix("model.")
+            if name not in params:
+                raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint for {self.config.model_type}")
+            param = params[name]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            missing.discard(name)
+        if missing:
+            hf_names = sorted(n if n.startswith("lm_head") else f"model.{n}" for n in missing)
+            names = ", ".join(hf_names[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {names}")

@@ -1,0 +1,124 @@
+"""Find a checkpoint, read its config, and stream its safetensors weights into the model.
+
+A checkpoint is a Hugging Face folder (config.json + *.safetensors, single file or sharded with
+model.safetensors.index.json), local or downloaded from the hub. This module decides nothing
+about the KV cache or the batch; it only turns a path into a ready model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+from transformers import AutoConfig, PretrainedConfig
+
+from chatd.engine.models.llama import LlamaForCausalLM, max_positions
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+
+# What a serving engine needs from a hub repo: config, weights, tokenizer, chat template.
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ALLOWED_DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16", "float32")}
+
+
+def resolve_model_path(path_or_id: str) -> Path:
+    """A local folder as is; otherwise download the hub repo of that id (weights, config, tokenizer)."""
+    local = Path(path_or_id).expanduser()
+    if local.is_dir():
+        return local
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path_or_id, allow_patterns=HUB_PATTERNS))
+    except Exception as exc:  # invalid id, offline, not found, gated: all mean "can't get it"
+        raise ValueError(
+            f"model.path {path_or_id!r} is neither a local folder nor a downloadable Hugging Face hub id ({exc})"
+        ) from exc
+
+
+def resolve_dtype(name: str, device: torch.device, config_dtype: torch.dtype | str | None = None) -> torch.dtype:
+    """The weights' dtype: `auto` is float32 on CPU, bfloat16 on CUDA (float16 if the checkpoint is float16)."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return torch.float16 if config_dtype in (torch.float16, "float16") else torch.bfloat16
+    allowed = ALLOWED_DTYPES.get(device.type, ())
+    if name not in allowed:
+        choices = ", ".join(("auto", *allowed))
+        raise ValueError(f"model.dtype {name!r} is not supported on {device.type}; choose one of: {choices}")
+    return DTYPES[name]
+
+
+def check_architecture(hf_config: PretrainedConfig) -> None:
+    """Raise a ValueError naming the supported architectures when the checkpoint is not one of them."""
+    architectures = getattr(hf_config, "architectures", None) or ["(none given)"]
+    if architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model architecture {architectures[0]} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+
+
+def max_model_len(hf_config: PretrainedConfig) -> int:
+    """The longest context this engine serves for the model: its rope length, capped by a sliding window."""
+    length = max_positions(hf_config)
+    window = getattr(hf_config, "sliding_window", None)
+    # Qwen2/Qwen3 carry a sliding_window value that only applies when use_sliding_window is set.
+    if not getattr(hf_config, "use_sliding_window", True):
+        window = None
+    # The attention backends attend to the whole context and have no sliding-window mask, so past
+    # the window they would compute something the model was not trained for. Capping the context
+    # to the window keeps every answer exact (Mistral v0.1: 4096 instead of 32768).
+    if window and window < length:
+        length = window
+    return length
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: those listed in the shard index, or every *.safetensors file."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights found in {path}")
+    return files
+
+
+def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one tensor at a time, so host memory holds one tensor, not the checkpoint."""
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def count_tensors(files: list[Path]) -> int:
+    """How many tensors the files hold (reads only their headers)."""
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            total += len(f.keys())
+    return total
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, PretrainedConfig]:
+    """Build the model from `path`'s config.json and load its safetensors weights onto `device` in `dtype`."""
+    hf_config = AutoConfig.from_pretrained(path)
+    check_architecture(hf_config)
+    # Built on "meta", parameters get storage only on the target device and only once, with no
+    # random init that the checkpoint would overwrite anyway.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config)
+    model = model.to(dtype).to_empty(device=device)
+    model.reset_rope_cache()
+    files = safetensors_files(path)
+    weights = tqdm(iter_weights(files), total=count_tensors(files), desc="Loading weights", unit="tensor")
+    model.load_weights(weights)
+    return model.eval(), hf_config

@@ -1,0 +1,87 @@
+"""A Sequence: one choice of one request, with its tokens, status, block table and counters.
+
+Plain Python (no torch), so the block manager and the scheduler are tested without a model.
+The block manager changes a sequence only through `allocate`, `allocate_slots`, `fork`, `free`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from chatd.engine.params import FinishReason, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"  # not holding KV blocks (new, or preempted and to be recomputed)
+    RUNNING = "running"  # holds blocks; gets tokens computed each step
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated choice. `token_ids` = prompt + output; KV exists for the first `num_computed_tokens`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    index: int = 0  # the choice index within its request (OpenAI `choices[i].index`)
+    priority: int = 0  # lower runs first (vLLM's convention)
+    arrival: int = 0  # admission order; ties in priority go first-come first-served
+    cache_salt: str | None = None  # keeps prefix-cache hits within one tenant where set
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of this sequence's full blocks, in order
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    waiting_for_parent: bool = False  # an `n > 1` sibling waits for choice 0's prefill, then forks
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to go through the model before this sequence can sample again."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True until the prompt (and, after a preemption, the output so far) is all computed."""
+        return self.num_uncomputed_tokens > 1 or self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id}#{self.index}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

@@ -1,0 +1,249 @@
+"""Model and loader tests: tiny random checkpoints of each family, transformers' forward as the reference."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from chatd.engine.attention import AttentionMetadata, SdpaBackend
+from chatd.engine.models import (
+    LlamaForCausalLM,
+    load_model,
+    max_model_len,
+    resolve_dtype,
+    resolve_model_path,
+)
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 8
+PROMPT_LEN = 40  # crosses two block boundaries
+
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+    initializer_range=0.3,  # large weights make logits decisive, so a wrong op shows up clearly
+)
+
+FAMILIES = {
+    "llama": lambda: LlamaConfig(**SMALL, tie_word_embeddings=False),
+    "llama3-tied": lambda: LlamaConfig(
+        **SMALL,
+        tie_word_embeddings=True,
+        # original_max_position_embeddings small enough that all three llama3 bands (kept,
+        # smoothed, scaled) occur at head_dim 16.
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "mistral": lambda: MistralConfig(**SMALL, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**SMALL, tie_word_embeddings=False),
+    "qwen2-yarn": lambda: Qwen2Config(
+        **SMALL,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    "qwen3": lambda: Qwen3Config(**SMALL, head_dim=32, tie_word_embeddings=True),  # head_dim != hidden / heads
+}
+
+HF_CLASSES = {
+    "llama": transformers.LlamaForCausalLM,
+    "mistral": transformers.MistralForCausalLM,
+    "qwen2": transformers.Qwen2ForCausalLM,
+    "qwen3": transformers.Qwen3ForCausalLM,
+}
+
+
+def make_hf_model(family: str, path: Path, **save_kwargs) -> transformers.PreTrainedModel:
+    """A tiny random transformers model of `family`, saved as safetensors to `path`."""
+    config = FAMILIES[family]()
+    torch.manual_seed(0)
+    model = HF_CLASSES[config.model_type](config).eval()
+    with torch.no_grad():
+        # transformers initialises norms to 1 and biases to 0; random values make a norm or bias
+        # that is skipped or misloaded change the logits.
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(path, **save_kwargs)
+    return model
+
+
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """transformers' logits for one sequence: [len, vocab]."""
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
+    return torch.randint(0, SMALL["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@dataclass
+class Chunk:
+    """One sequence's new tokens in a step."""
+
+    token_ids: list[int]
+    start: int  # position of the first new token = tokens already in the cache
+    block_table: list[int]
+
+
+class PagedRunner:
+    """A minimal stand-in for the runner: owns KV caches and builds AttentionMetadata for each step."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        shape = (NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+        dtype = model.embed_tokens.weight.dtype
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(model.num_layers)]
+        self.backend = SdpaBackend()
+
+    def step(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Run one flat batch (decodes first) and return logits for every new token: [T, vocab]."""
+        input_ids, positions, slots = [], [], []
+        for chunk in chunks:
+            for offset, token in enumerate(chunk.token_ids):
+                pos = chunk.start + offset
+                input_ids.append(token)
+                positions.append(pos)
+                slots.append(chunk.block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+        query_lens = [len(c.token_ids) for c in chunks]
+        seq_lens = [c.start + len(c.token_ids) for c in chunks]
+        max_blocks = max(len(c.block_table) for c in chunks)
+        num_decodes = 0
+        while num_decodes < len(chunks) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor([c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks], dtype=torch.int32),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            num_decodes=num_decodes,
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta, self.backend)
+            return self.model.compute_logits(hidden)
+
+
+def load_tiny(family: str, path: Path) -> tuple[transformers.PreTrainedModel, LlamaForCausalLM]:
+    hf_model = make_hf_model(family, path)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    return hf_model, model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_prompt_logits_match_transformers(family, tmp_path):
+    hf_model, model = load_tiny(family, tmp_path)
+    ids = prompt(seed=1)
+    logits = PagedRunner(model).step([Chunk(ids, 0, [5, 2, 7])])
+    torch.testing.assert_close(logits, hf_logits(hf_model, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_then_decodes_match_transformers(family, tmp_path):
+    hf_model, model = load_tiny(family, tmp_path)
+    ids, table = prompt(seed=2), [3, 6, 1]
+    expected = hf_logits(hf_model, ids)
+    runner = PagedRunner(model)
+    prefill = runner.step([Chunk(ids[:25], 0, table)])
+    torch.testing.assert_close(prefill, expected[:25], atol=1e-4, rtol=1e-4)
+    for pos in range(25, len(ids)):
+        decode = runner.step([Chunk([ids[pos]], pos, table)])
+        torch.testing.assert_close(decode[0], expected[pos], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_decode_and_prefill_chunk_in_one_batch_match_each_alone(family, tmp_path):
+    hf_model, model = load_tiny(family, tmp_path)
+    a, b = prompt(seed=3, length=31), prompt(seed=4, length=36)
+    table_a, table_b = [4, 0], [7, 2, 5]
+    runner = PagedRunner(model)
+    runner.step([Chunk(a[:30], 0, table_a)])
+    runner.step([Chunk(b[:16], 0, table_b)])
+    # A decodes its 31st token while B prefills the rest of its prompt (a chunk after a cached block).
+    logits = runner.step([Chunk(a[30:], 30, table_a), Chunk(b[16:], 16, table_b)])
+    torch.testing.assert_close(logits[0], hf_logits(hf_model, a)[30], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1:], hf_logits(hf_model, b)[16:], atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf_model = make_hf_model("llama", tmp_path, max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    ids = prompt(seed=5)
+    logits = PagedRunner(model).step([Chunk(ids, 0, [0, 1, 2])])
+    torch.testing.assert_close(logits, hf_logits(hf_model, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_load_keeps_greedy_tokens(tmp_path):
+    hf_model = make_hf_model("qwen2", tmp_path)
+    model, _ = load_model(tmp_path, torch.bfloat16, torch.device("cpu"))
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    ids = prompt(seed=6)
+    logits = PagedRunner(model).step([Chunk(ids, 0, [0, 1, 2])])
+    assert logits.dtype == torch.float32
+    agree = (logits.argmax(-1) == hf_logits(hf_model, ids).argmax(-1)).float().mean()
+    assert agree > 0.9
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_load_weights_rejects_missing_and_unexpected_tensors(tmp_path):
+    hf_model = make_hf_model("llama", tmp_path)
+    state = dict(hf_model.state_dict())
+    model = LlamaForCausalLM(hf_model.config)
+    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.9.mlp.up_proj.weight'"):
+        model.load_weights([*state.items(), ("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])
+    del state["lm_head.weight"]
+    with pytest.raises(ValueError, match="missing 1 tensors: lm_head.weight"):
+        model.load_weights(state.items())
+
+
+def test_max_model_len_is_capped_by_an_active_sliding_window():
+    assert max_model_len(FAMILIES["llama"]()) == 256
+    assert max_model_len(MistralConfig(**SMALL, sliding_window=32)) == 32
+    # Qwen2's sliding_window is inert unless use_sliding_window is set.
+    assert max_model_len(Qwen2Config(**SMALL, sliding_window=32, use_sliding_window=False)) == 256
+    assert max_model_len(Qwen2Config(**SMALL, sliding_window=32, use_sliding_window=True)) == 32
+    # yarn stretches the original context by its factor: 64 * 4
+    assert max_model_len(FAMILIES["qwen2-yarn"]()) == 256
+
+
+def test_resolve_dtype():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("auto", cuda) == torch.bfloat16
+    assert resolve_dtype("auto", cuda, config_dtype=torch.float16) == torch.float16
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="'float16' is not supported on cpu; choose one of: auto, float32, bfloat16"):
+        resolve_dtype("float16", cpu)
+    with pytest.raises(ValueError, match="'int8'"):
+        resolve_dtype("int8", cuda)
+
+
+def test_resolve_model_path(tmp_path):
+    assert resolve_model_path(str(tmp_path)) == tmp_path
+    with pytest.raises(ValueError, match="neither a local folder nor a downloadable Hugging Face hub id"):
+        resolve_model_path(str(tmp_path / "no" / "such" / "folder"))
