@@ -107,7 +107,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         # OpenAI: only generated tokens count, so a long prompt does not mute its own words.
         presence_t = torch.tensor(presence, device=device).unsqueeze(1)
         frequency_t = torch.tensor(frequency, device=device).unsqueeze(1)
-        logits = logits - frequency_t * (output_counts>0) - presence_t * (output_counts > 0)
+        logits = logits - frequency_t * output_counts - presence_t * (output_counts > 0)
     return logits
 
 

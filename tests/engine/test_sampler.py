@@ -131,6 +131,12 @@ def test_top_k_1_equals_greedy():
     assert Sampler()(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
 
 
+def test_tiny_top_p_still_keeps_the_most_likely_token():
+    logits = random_logits(16, seed=12)
+    rows = [make_row(seed=i, top_p=1e-9) for i in range(16)]
+    assert Sampler()(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
+
+
 def test_banned_tokens_are_never_sampled():
     logits = torch.tensor([[5.0, 4.9, 0.0, -1.0]]).repeat(200, 1)
     banned = (0, 1)
