@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from chatd.config import CacheConfig, Config
 from chatd.engine.attention import select_backend
@@ -67,7 +68,8 @@ def load_engine_parts(config: Config) -> EngineParts:
     if demo:
         log.warning(DEMO_WARNING)
     device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device)
+    checkpoint_dtype = AutoConfig.from_pretrained(model_path).dtype
+    dtype = resolve_dtype(config.model.dtype, device, checkpoint_dtype)
     model, hf_config = load_model(model_path, dtype, device)
 
     context = max_model_len(hf_config)

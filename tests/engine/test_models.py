@@ -55,7 +55,12 @@ FAMILIES = {
     "qwen2": lambda: Qwen2Config(**SMALL, tie_word_embeddings=False),
     "qwen2-yarn": lambda: Qwen2Config(
         **SMALL,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     "qwen3": lambda: Qwen3Config(**SMALL, head_dim=32, tie_word_embeddings=True),  # head_dim != hidden / heads
 }
@@ -111,7 +116,9 @@ class PagedRunner:
         self.model = model
         shape = (NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
         dtype = model.embed_tokens.weight.dtype
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(model.num_layers)]
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(model.num_layers)
+        ]
         self.backend = SdpaBackend()
 
     def step(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -126,6 +133,7 @@ class PagedRunner:
         query_lens = [len(c.token_ids) for c in chunks]
         seq_lens = [c.start + len(c.token_ids) for c in chunks]
         max_blocks = max(len(c.block_table) for c in chunks)
+        block_tables = [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks]
         num_decodes = 0
         while num_decodes < len(chunks) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -133,7 +141,7 @@ class PagedRunner:
             slot_mapping=torch.tensor(slots),
             query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=torch.tensor([c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks], dtype=torch.int32),
+            block_tables=torch.tensor(block_tables, dtype=torch.int32),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             num_decodes=num_decodes,
@@ -204,6 +212,19 @@ def test_bfloat16_load_keeps_greedy_tokens(tmp_path):
     assert agree > 0.9
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bfloat16_load_keeps_greedy_tokens(tmp_path):
+    hf_model = make_hf_model("qwen3", tmp_path)
+    model, _ = load_model(tmp_path, torch.bfloat16, torch.device("cuda"))
+    runner = PagedRunner(model)
+    runner.kv_caches = [(k.cuda(), v.cuda()) for k, v in runner.kv_caches]
+    ids = prompt(seed=7)
+    logits = runner.step([Chunk(ids, 0, [0, 1, 2])]).cpu()
+    agree = (logits.argmax(-1) == hf_logits(hf_model, ids).argmax(-1)).float().mean()
+    assert agree > 0.9
+
+
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported.*LlamaForCausalLM.*Qwen3ForCausalLM"):
@@ -227,8 +248,9 @@ def test_max_model_len_is_capped_by_an_active_sliding_window():
     # Qwen2's sliding_window is inert unless use_sliding_window is set.
     assert max_model_len(Qwen2Config(**SMALL, sliding_window=32, use_sliding_window=False)) == 256
     assert max_model_len(Qwen2Config(**SMALL, sliding_window=32, use_sliding_window=True)) == 32
-    # yarn stretches the original context by its factor: 64 * 4
-    assert max_model_len(FAMILIES["qwen2-yarn"]()) == 256
+    # yarn stretches the original context by its factor (Qwen2.5's 32k -> 128k): 256 * 4
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    assert max_model_len(Qwen2Config(**SMALL, rope_parameters=yarn)) == 1024
 
 
 def test_resolve_dtype():

@@ -172,7 +172,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # A tied head reuses embed_tokens.weight at compute time rather than sharing a Parameter:
         # Module.to_empty() (used to load without a random init) silently unties shared Parameters.
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Built on the current default device: on "meta" it costs nothing and load_model rebuilds it.
         self.register_buffer("rope_cache", build_rope_cache(config, self.head_dim), persistent=False)
 
@@ -215,7 +217,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint for {self.config.model_type}")
             param = params[name]
             if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+                raise ValueError(
+                    f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
+                )
             with torch.no_grad():
                 param.copy_(tensor)
             missing.discard(name)

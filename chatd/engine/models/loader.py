@@ -59,9 +59,8 @@ def check_architecture(hf_config: PretrainedConfig) -> None:
     """Raise a ValueError naming the supported architectures when the checkpoint is not one of them."""
     architectures = getattr(hf_config, "architectures", None) or ["(none given)"]
     if architectures[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"model architecture {architectures[0]} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise ValueError(f"model architecture {architectures[0]} is not supported; supported: {supported}")
 
 
 def max_model_len(hf_config: PretrainedConfig) -> int:
