@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import logging
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
@@ -204,17 +205,17 @@ class LLMEngine:
             return [self._fail(self.requests[rid], f"engine step failed: {exc}") for rid in failed if rid in self.requests]
 
         deltas: dict[str, RequestOutput] = {}
-        samples = iter(zip(sampled.token_ids, sampled.logprobs))
+        sampled_tokens = iter(zip(sampled.token_ids, sampled.logprobs))
         for scheduled in plan.scheduled:
             seq = scheduled.seq
-            was_prefilling = seq.is_prefilling
-            seq.num_computed_tokens += scheduled.num_new_tokens
-            if was_prefilling:
+            samples = scheduled.samples  # read it before the counters move
+            if seq.is_prefilling:
                 self.num_prompt_tokens += scheduled.num_new_tokens
+            seq.num_computed_tokens += scheduled.num_new_tokens
             self.block_manager.cache_blocks(seq)
-            if not scheduled.samples:
+            if not samples:
                 continue
-            token_id, logprob = next(samples)
+            token_id, logprob = next(sampled_tokens)
             request = self.requests.get(seq.request_id)
             if request is None:  # failed earlier in this loop
                 continue
@@ -317,9 +318,9 @@ class LLMEngine:
 class LLM:
     """Offline batch generation: `LLM(model, **engine_options).generate(prompts, sampling_params)`."""
 
-    def __init__(self, model: str | None = None, **engine_options) -> None:
+    def __init__(self, model: str | os.PathLike | None = None, **engine_options) -> None:
         if model is not None:
-            engine_options["path"] = model
+            engine_options["path"] = str(model)
         self.engine = LLMEngine.from_config(config_from_options(**engine_options))
         self._ids = itertools.count()
 

@@ -1,0 +1,27 @@
+# chatd's everyday commands. Everything runs from a local virtual environment in .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: install run test bench clean
+
+# pyproject caps torch at the tested release, so pip keeps the CPU build of torch where one is
+# installed or offered locally, instead of fetching the newest multi-GB CUDA build.
+$(BIN)/chatd: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(BIN)/chatd
+
+install: $(BIN)/chatd
+
+run: install
+	$(BIN)/chatd generate $(if $(MODEL),--model $(MODEL),) "Tell me about chatd."
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python benchmarks/offline.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,83 @@
+"""The `chatd` command: the composition root, the one module that sees every part.
+
+Subcommands: `generate` (stream one completion to the terminal), `demo-model DIR` (build
+the random-weight demo model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import uuid
+from pathlib import Path
+
+from chatd.config import load_config
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from chatd.engine.engine import LLMEngine
+    from chatd.engine.params import SamplingParams
+
+    overrides = {"model": {"path": args.model}} if args.model else {}
+    if args.device:
+        overrides.setdefault("model", {})["device"] = args.device
+    engine = LLMEngine.from_config(load_config(args.config, overrides))
+    prompt: str | list[int] = args.prompt
+    tokenizer = engine.tokenizer
+    if tokenizer is not None and not args.raw and tokenizer.hf.chat_template:
+        prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    engine.add_request(uuid.uuid4().hex, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].text)
+            sys.stdout.flush()
+            if out.error:
+                print(f"\nerror: {out.error}", file=sys.stderr)
+                return 1
+    sys.stdout.write("\n")
+    return 0
+
+
+def _demo_model(args: argparse.Namespace) -> int:
+    from chatd.engine.demo import DEMO_WARNING, build_demo_model
+
+    path = build_demo_model(Path(args.dir))
+    print(f"built the demo model in {path}\n{DEMO_WARNING}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chatd", description="A self-hosted LLM chat server you can read end to end.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate one reply and stream it to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", help="model folder or Hugging Face hub id (default: the demo model)")
+    gen.add_argument("--config", help="path to a config.toml")
+    gen.add_argument("--device", help="auto | cpu | cuda[:N]")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.set_defaults(func=_generate)
+
+    demo = sub.add_parser("demo-model", help="build the tiny random-weight demo model in DIR")
+    demo.add_argument("dir")
+    demo.set_defaults(func=_demo_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # a user's mistake (bad model path, bad config): say it plainly
+        print(f"chatd: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""LLMEngine and LLM end to end on CPU: greedy output equals transformers' own generate.
+
+Every comparison runs chatd's paged, batched, chunked path against transformers' plain
+forward on the same random weights (fp32, initializer range 0.3 so logits are decisive).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from chatd.engine.params import FinishReason, ParamError, SamplingParams
+from tests.engine.conftest import FAMILIES, hf_greedy, make_llm
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_transformers_for_each_family(family, model_dirs):
+    llm = make_llm(model_dirs[family])
+    batch = prompts(llm.engine.vocab_size, [5, 17, 40])  # 1, 3 and 5 blocks of 8
+    got = token_ids(llm.generate(batch, GREEDY))
+    want = [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in batch]
+    assert got == want
+
+
+def test_small_prefill_chunks_give_the_same_tokens(model_dirs):
+    path = model_dirs["llama"]
+    batch = prompts(500, [45, 30, 9], seed=1)
+    llm = make_llm(path, max_num_batched_tokens=7)
+    got = token_ids(llm.generate(batch, GREEDY))
+    assert got == [hf_greedy(path, p, GREEDY.max_tokens) for p in batch]
+
+
+def test_prefix_cache_hit_computes_only_the_rest(model_dirs):
+    path = model_dirs["qwen3"]
+    llm = make_llm(path)
+    shared = prompts(500, [24], seed=2)[0]  # exactly 3 blocks of 8
+    first = shared + [7, 8]
+    second = shared + [9, 10, 11]
+    llm.generate(first, GREEDY)
+    before = llm.engine.stats()
+    out = llm.generate(second, GREEDY)[0]
+    after = llm.engine.stats()
+    assert out.num_cached_tokens == 24
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 24
+    assert after.num_prompt_tokens - before.num_prompt_tokens == len(second) - 24
+    assert out.outputs[0].token_ids == hf_greedy(path, second, GREEDY.max_tokens)
+
+
+def test_forced_preemption_recomputes_to_the_same_tokens(model_dirs):
+    path = model_dirs["mistral"]
+    batch = prompts(500, [30, 26, 33, 20], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm = make_llm(path, num_blocks=14)  # 4 sequences of ~50 tokens need ~28 blocks of 8
+    got = token_ids(llm.generate(batch, params))
+    assert llm.engine.stats().num_preemptions > 0
+    assert got == [hf_greedy(path, p, params.max_tokens) for p in batch]
+    assert llm.engine.block_manager.num_free_blocks == 14
+
+
+def test_batch_of_32_mixed_requests_equals_each_alone(model_dirs):
+    """Greedy and seeded sampling give the same tokens in a mixed batch as alone."""
+    path = model_dirs["qwen2"]
+    rng = random.Random(4)
+    lengths = [rng.randint(1, 60) for _ in range(32)]
+    batch = prompts(500, lengths, seed=4)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 16), ignore_eos=True)
+        if i % 2 == 0
+        else SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=i, max_tokens=rng.randint(1, 16), ignore_eos=True, presence_penalty=0.5)
+        for i in range(32)
+    ]
+    llm = make_llm(path, max_num_batched_tokens=128)
+    together = token_ids(llm.generate(batch, params))
+    alone = [token_ids(make_llm(path).generate(p, sp))[0] for p, sp in zip(batch, params)]
+    assert together == alone
+    for i in range(0, 32, 2):
+        assert together[i] == hf_greedy(path, batch[i], params[i].max_tokens)
+
+
+def test_n_choices_share_the_prompt_blocks(model_dirs):
+    path = model_dirs["llama"]
+    llm = make_llm(path)
+    prompt = prompts(500, [35], seed=5)[0]  # 4 full blocks + 3 tokens
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 10 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1, "different choices should differ"
+    # Choice 0 computes the whole prompt; each sibling only the tail past the shared full blocks.
+    assert llm.engine.stats().num_prompt_tokens == 35 + 2 * (35 - 32)
+    greedy = llm.generate(prompt, SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == hf_greedy(path, prompt, 10)
+
+
+def test_stop_token_id_ends_the_choice(model_dirs):
+    path = model_dirs["llama"]
+    llm = make_llm(path)
+    prompt = prompts(500, [12], seed=6)[0]
+    full = hf_greedy(path, prompt, 12)
+    stop_at = full[5]
+    first = full.index(stop_at)
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_at], ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == full[: first + 1]
+    assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop_at
+
+
+def test_stop_string_ends_text_before_it(model_dirs):
+    path = model_dirs["llama"]
+    llm = make_llm(path)
+    prompt = prompts(500, [12], seed=8)[0]
+    full = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0].outputs[0].text
+    stop = full.strip()[3:6]
+    assert len(stop) == 3
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, stop=[stop], ignore_eos=True))[0].outputs[0]
+    assert out.text == full[: full.index(stop)]
+    assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop
+
+
+def test_logprobs_are_those_of_the_model(model_dirs):
+    from transformers import AutoModelForCausalLM
+
+    path = model_dirs["qwen2"]
+    llm = make_llm(path)
+    prompt = prompts(500, [10], seed=9)[0]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True))[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+    want = torch.log_softmax(logits, -1)
+    for i, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.token_ids[i]
+        assert lp.logprob == pytest.approx(want[i, lp.token_id].item(), abs=1e-4)
+        top = want[i].topk(5)
+        assert list(lp.top) == top.indices.tolist()
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ([], SamplingParams(), "prompt"),
+        ("", SamplingParams(), "prompt"),
+        ([1] * 300, SamplingParams(max_tokens=1), "prompt"),  # context window of 256
+        ([1] * 200, SamplingParams(max_tokens=100), "max_tokens"),
+        ([1, 2, 10**6], SamplingParams(), "prompt"),
+        ([1, -1], SamplingParams(), "prompt"),
+        ([1, 2], SamplingParams(temperature=-0.5), "temperature"),
+        ([1, 2], SamplingParams(top_p=0.0), "top_p"),
+        ([1, 2], SamplingParams(n=0), "n"),
+        ([1, 2], SamplingParams(logprobs=21), "logprobs"),
+        ([1, 2], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+        ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
+    ],
+)
+def test_bad_requests_are_refused_with_nothing_allocated(model_dirs, prompt, params, field):
+    llm = make_llm(model_dirs["llama"], max_model_len=256)
+    engine = llm.engine
+    with pytest.raises(ParamError) as err:
+        engine.add_request("bad", prompt, params)
+    assert err.value.param == field
+    assert field.split("_")[0] in str(err.value)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_request_that_can_never_fit_the_pool_is_refused(model_dirs):
+    llm = make_llm(model_dirs["llama"], num_blocks=4)  # 32 tokens of KV
+    with pytest.raises(ParamError, match="KV cache holds only 4 blocks"):
+        llm.engine.add_request("big", [1] * 20, SamplingParams(max_tokens=20))
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(model_dirs, monkeypatch):
+    path = model_dirs["llama"]
+    llm = make_llm(path)
+    engine = llm.engine
+    real_execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(scheduled):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated device error")
+        return real_execute(scheduled)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    engine.add_request("doomed", [5, 6, 7], GREEDY)
+    outs = engine.step() + engine.step()
+    failed = [o for o in outs if o.error]
+    assert failed and failed[0].request_id == "doomed" and failed[0].finished
+    assert failed[0].outputs[0].finish_reason == FinishReason.ERROR
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    ok = llm.generate([5, 6, 7], GREEDY)[0]
+    assert ok.outputs[0].token_ids == hf_greedy(path, [5, 6, 7], GREEDY.max_tokens)
+
+
+def test_abort_frees_blocks_at_once(model_dirs):
+    llm = make_llm(model_dirs["llama"])
+    engine = llm.engine
+    engine.add_request("a", list(range(3, 40)), GREEDY)
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    assert engine.abort("a")
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.has_unfinished_requests() and engine.step() == []
