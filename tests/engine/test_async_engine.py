@@ -1,0 +1,111 @@
+"""AsyncEngine: streams equal offline output, cancellation frees blocks, slow readers never stall."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from chatd.engine.async_engine import AsyncEngine
+from chatd.engine.params import ParamError, SamplingParams
+from tests.engine.conftest import make_llm
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture
+async def engine(model_dirs):
+    llm = make_llm(model_dirs["llama"])
+    async_engine = AsyncEngine(llm.engine)
+    await async_engine.start()
+    yield async_engine
+    await async_engine.stop()
+
+
+async def collect(engine: AsyncEngine, prompt, params=GREEDY, **kwargs):
+    merged = None
+    async for out in engine.generate(prompt, params, **kwargs):
+        if merged is None:
+            merged = out
+        else:
+            merged.merge(out)
+    return merged
+
+
+async def test_streamed_deltas_add_up_to_the_offline_result(engine, model_dirs):
+    prompts = [[5, 6, 7], list(range(10, 40)), [99] * 17]
+    streamed = await asyncio.gather(*(collect(engine, p) for p in prompts))
+    offline = make_llm(model_dirs["llama"]).generate(prompts, GREEDY)
+    for got, want in zip(streamed, offline):
+        assert got.finished
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].text == want.outputs[0].text
+
+
+async def test_cancelled_consumer_aborts_and_blocks_are_freed(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def consume():
+        async for _ in engine.generate(list(range(3, 60)), params, request_id="leaver"):
+            pass
+
+    task = asyncio.create_task(consume())
+    while engine.stats().num_running == 0:  # wait until it holds blocks
+        await asyncio.sleep(0.005)
+    assert engine.stats().num_free_blocks < engine.stats().num_blocks
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await engine.sync()
+    stats = engine.stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+async def test_leaving_the_loop_early_aborts_the_request(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    stream = engine.generate([4, 5, 6, 7], params)
+    async with contextlib.aclosing(stream):
+        async for out in stream:
+            assert out.outputs[0].token_ids
+            break
+    await engine.sync()
+    assert engine.stats().num_running == 0
+    assert not engine.engine.requests
+
+
+async def test_a_slow_reader_gets_merged_deltas_and_does_not_hold_back_others(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    slow = engine.generate([8, 9, 10], params)
+    first = await slow.__anext__()  # then read nothing while the other stream runs to the end
+    fast = await collect(engine, [11, 12, 13], params)
+    assert fast.finished and len(fast.outputs[0].token_ids) == 30
+    rest = await slow.__anext__()
+    # Everything generated while nobody read arrives as one merged delta.
+    assert len(first.outputs[0].token_ids) + len(rest.outputs[0].token_ids) >= 25
+    async with contextlib.aclosing(slow):
+        async for out in slow:
+            rest.merge(out)
+    assert len(first.outputs[0].token_ids) + len(rest.outputs[0].token_ids) == 30
+
+
+async def test_bad_request_raises_before_anything_is_queued(engine):
+    with pytest.raises(ParamError) as err:
+        await collect(engine, [1, 2], SamplingParams(top_p=1.5))
+    assert err.value.param == "top_p"
+    await engine.sync()
+    assert not engine.engine.requests
+
+
+async def test_stop_ends_open_streams_with_an_error(model_dirs):
+    async_engine = AsyncEngine(make_llm(model_dirs["llama"]).engine)
+    await async_engine.start()
+    stream = async_engine.generate([3, 4, 5], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    await stream.__anext__()
+    await async_engine.stop()
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None and last.finished and last.error
+    assert async_engine.stats().num_free_blocks == async_engine.stats().num_blocks
