@@ -1,0 +1,212 @@
+"""Text in, token ids out, and back: the model's tokenizer, its chat template, and the
+incremental detokenizer that turns a stream of sampled ids into UTF-8-safe text deltas.
+
+The tokenizer itself is Hugging Face's (transformers.AutoTokenizer); this file adds only what a
+server needs around it. It knows nothing of the engine, the scheduler or HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
+
+# How many prompt tokens seed a detokenizer's window: enough context for the first output
+# token's leading space, few enough that a step stays cheap (vLLM uses the same number).
+PROMPT_CONTEXT_TOKENS = 5
+_MAX_UTF8_CONTINUATION_BYTES = 3  # a UTF-8 character is at most 4 bytes: a lead byte and 3 more
+
+
+class Tokenizer:
+    """Wraps a Hugging Face tokenizer (transformers.AutoTokenizer) loaded from a model folder."""
+
+    def __init__(self, hf, extra_eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
+        self.hf = hf
+        eos = set(extra_eos_token_ids)
+        if hf.eos_token_id is not None:
+            eos.add(hf.eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.vocab_size: int = len(hf)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load the tokenizer in a model folder, with the EOS ids its generation_config.json adds."""
+        from transformers import AutoTokenizer  # imported here: importing transformers takes seconds
+
+        path = Path(path)
+        hf = AutoTokenizer.from_pretrained(str(path))
+        return cls(hf, extra_eos_token_ids=_generation_config_eos_ids(path))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for text; add_special_tokens adds what the tokenizer adds (usually BOS)."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text for token ids, exactly as the detokenizer would stream it from an empty prompt."""
+        # No clean-up of spaces before punctuation: it depends on the neighbouring tokens, so
+        # streamed deltas could not reproduce it.
+        return self.hf.decode(
+            list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render messages with the model's own chat template; ValueError if it has none."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError(
+                "this model's tokenizer has no chat template; use /v1/completions with a plain prompt"
+            )
+        return self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render messages and tokenize them; the template writes BOS itself, so none is added."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+    def is_continuation_byte(self, token_id: int) -> bool:
+        """Whether a token is a byte-fallback token holding a UTF-8 continuation byte (0x80-0xBF)."""
+        piece = self.hf.convert_ids_to_tokens(int(token_id))
+        # Byte-fallback tokens are named <0xHH>; continuation bytes are 10xxxxxx.
+        return (
+            isinstance(piece, str)
+            and len(piece) == 6
+            and piece.startswith("<0x")
+            and piece.endswith(">")
+            and piece[3] in "89AB"
+        )
+
+
+def _generation_config_eos_ids(path: Path) -> list[int]:
+    # Chat models often end a turn with a token other than the tokenizer's EOS (<|im_end|>,
+    # <|eot_id|>); generation_config.json is where the model folder says so.
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return []
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else [int(i) for i in eos]
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas for one sequence.
+
+    Each step decodes a short window of recent tokens twice, with and without the unread ones,
+    and emits the difference: the cost of a step does not grow with the sequence, and a
+    SentencePiece token's leading space is kept because the window gives it a left neighbour.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.skip_special_tokens = skip_special_tokens
+        self.text = ""  # everything emitted so far
+        self.stop_string: str | None = None  # the stop string that ended the text, once one has
+        self._max_held = max((len(s) for s in self.stop), default=1) - 1
+        self._held = ""  # decoded text kept back because it could begin a stop string
+        self._finished = False
+
+        # The window: window[:read_offset] was emitted, window[read_offset:] is not yet read.
+        start = max(len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS, 0)
+        # Start the window on a character boundary: a window opening with the tail of a
+        # multi-byte character would make its whole run of byte tokens decode as U+FFFD.
+        lowest = max(start - _MAX_UTF8_CONTINUATION_BYTES, 0)
+        while start > lowest and tokenizer.is_continuation_byte(prompt_token_ids[start]):
+            start -= 1
+        self._window: list[int] = list(prompt_token_ids[start:])
+        self._read_offset = len(self._window)
+
+    def step(self, new_token_ids: list[int]) -> tuple[str, str | None]:
+        """Add tokens; return (new text, the stop string if one was hit). Tokens after a stop are ignored."""
+        if self._finished:
+            return "", None
+        self._window.extend(int(t) for t in new_token_ids)
+        new_text = self._unread_text()
+        if not new_text or new_text.endswith(REPLACEMENT_CHAR):
+            # Nothing visible yet (a skipped special token), or the end of a multi-byte character
+            # has not arrived: read these tokens again with the next ones (a stop string among
+            # them is found then, one step late, or at flush).
+            return "", None
+        # Slide the window: the tokens just read become the left context of the next step.
+        del self._window[: self._read_offset]
+        self._read_offset = len(self._window)
+        return self._emit(new_text, final=False)
+
+    def flush(self) -> str:
+        """Release held-back text at a finish without a stop string (never a dangling U+FFFD)."""
+        if self._finished:
+            return ""
+        # The stream may end inside a character (a length limit mid-emoji): release the most
+        # text that some prefix of the unread tokens decodes to, less a dangling U+FFFD. With
+        # byte fallback, dropping the unfinished character's byte tokens also brings back the
+        # whole characters before it in the same run of bytes.
+        num_unread = len(self._window) - self._read_offset
+        drops = range(min(num_unread, _MAX_UTF8_CONTINUATION_BYTES) + 1)
+        tail = max((self._unread_text(drop).rstrip(REPLACEMENT_CHAR) for drop in drops), key=len)
+        self._window.clear()
+        self._read_offset = 0
+        delta, _ = self._emit(tail, final=True)
+        self._finished = True
+        return delta
+
+    def _unread_text(self, drop: int = 0) -> str:
+        """The text of the unread tokens (less the last `drop`), with the read tokens as context."""
+        decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        end = len(self._window) - drop
+        read_text = decode(self._window[: self._read_offset], skip_special_tokens=skip)
+        full_text = decode(self._window[:end], skip_special_tokens=skip)
+        if full_text.startswith(read_text):
+            return full_text[len(read_text) :]
+        # Byte fallback decodes a whole run of byte tokens as U+FFFD when any byte in it is
+        # invalid, so a new byte token can rewrite text already sent (while a character is
+        # incomplete, or after a stray byte). What was sent stays sent: decode the new tokens
+        # on their own.
+        return decode(self._window[self._read_offset : end], skip_special_tokens=skip)
+
+    def _emit(self, new_text: str, final: bool) -> tuple[str, str | None]:
+        """Pass new text through the stop-string check; return (delta, stop string hit)."""
+        text = self._held + new_text
+        self._held = ""
+        hit = _earliest_stop(text, self.stop)
+        if hit is not None:
+            index, stop_string = hit
+            delta = text[:index]
+            self.stop_string = stop_string
+            self._finished = True
+        else:
+            stop_string = None
+            keep = 0 if final else _longest_stop_prefix_suffix(text, self.stop, self._max_held)
+            delta = text[: len(text) - keep]
+            self._held = text[len(text) - keep :]
+        self.text += delta
+        return delta, stop_string
+
+
+def _earliest_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """The first place in text where any stop string begins, and that stop string."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        index = text.find(stop)
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
+    return best
+
+
+def _longest_stop_prefix_suffix(text: str, stops: tuple[str, ...], max_len: int) -> int:
+    """Length of the longest end of text that could still grow into a stop string."""
+    # Held text never contains a whole stop (that is found first), so every stop occurrence
+    # lies in held + new text: emitted text can never be the start of one.
+    for length in range(min(len(text), max_len), 0, -1):
+        tail = text[-length:]
+        if any(stop.startswith(tail) for stop in stops):
+            return length
+    return 0
