@@ -32,7 +32,7 @@ class CacheConfig:
 
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # 0 = size the pool from the memory budget below
-    cpu_kv_cache_gb: float = 2.0  # KV pool size on CPU
+    cpu_kv_cache_gb: float = 1.0  # KV pool size on CPU
     gpu_memory_utilization: float = 0.90  # share of free GPU memory given to the KV pool
     enable_prefix_caching: bool = True
 
