@@ -163,12 +163,17 @@ def build_model_dir(dir: Path, family: str = "llama", seed: int = 0, **config_ov
 
     fields = {**_SMALL_DEFAULTS, **_FAMILY_CONFIG[family], **config_overrides}
     model_type = fields.pop("model_type")
+    # A larger vocabulary than the tokenizer's (a benchmark's 32000) is fine: the extra ids are
+    # reachable through token-id prompts and simply never produced by the tokenizer.
+    vocab_size = fields.pop("vocab_size", len(tokenizer))
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size must be at least the tokenizer's {len(tokenizer)}, got {vocab_size}")
     if model_type == "qwen3" and "head_dim" not in fields:
         # Qwen3's config defaults head_dim to 128 whatever the hidden size; keep hidden = heads * head_dim.
         fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
     config = AutoConfig.for_model(
         model_type,
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from chatd.engine.attention import AttentionBackend, AttentionMetadata, KVCache
+from chatd.engine.attention import AttentionBackend, AttentionMetadata, KVCache, build_metadata
 from chatd.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from chatd.engine.scheduler import ScheduledSequence
 from chatd.engine.sequence import Sequence
@@ -39,6 +39,7 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own RNG
@@ -69,36 +70,18 @@ class ModelRunner:
 
     def _prepare(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         token_ids: list[int] = []
-        starts: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
         for s in scheduled:
             start = s.seq.num_computed_tokens
             token_ids.extend(s.seq.token_ids[start : start + s.num_new_tokens])
-            starts.append(start)
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(start + s.num_new_tokens)
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        tables = torch.tensor([s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled], dtype=torch.int32)
-        lens = torch.tensor(query_lens)
-        query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
-        torch.cumsum(lens, 0, out=query_start_loc[1:])
-        # Per token: which sequence it belongs to, and its position within that sequence.
-        row = torch.repeat_interleave(torch.arange(len(scheduled)), lens)
-        positions = torch.arange(len(token_ids)) - query_start_loc[:-1].long()[row] + torch.tensor(starts)[row]
-        slots = tables[row, positions // self.block_size].long() * self.block_size + positions % self.block_size
-        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
-        to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-        meta = AttentionMetadata(
-            slot_mapping=to(slots),
-            query_start_loc=to(query_start_loc),
-            seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)),
-            block_tables=to(tables),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            num_decodes=num_decodes,
+        positions, meta = build_metadata(
+            starts=[s.seq.num_computed_tokens for s in scheduled],
+            query_lens=[s.num_new_tokens for s in scheduled],
+            block_tables=[s.seq.block_table for s in scheduled],
+            block_size=self.block_size,
+            device=self.device,
+            dtype=self.dtype,
         )
-        return to(torch.tensor(token_ids, dtype=torch.long)), to(positions), meta
+        return torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True), positions, meta
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params

@@ -11,7 +11,7 @@ import torch
 import transformers
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from chatd.engine.attention import AttentionMetadata, SdpaBackend
+from chatd.engine.attention import SdpaBackend, build_metadata
 from chatd.engine.models import (
     LlamaForCausalLM,
     load_model,
@@ -123,31 +123,17 @@ class PagedRunner:
 
     def step(self, chunks: list[Chunk]) -> torch.Tensor:
         """Run one flat batch (decodes first) and return logits for every new token: [T, vocab]."""
-        input_ids, positions, slots = [], [], []
-        for chunk in chunks:
-            for offset, token in enumerate(chunk.token_ids):
-                pos = chunk.start + offset
-                input_ids.append(token)
-                positions.append(pos)
-                slots.append(chunk.block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-        query_lens = [len(c.token_ids) for c in chunks]
-        seq_lens = [c.start + len(c.token_ids) for c in chunks]
-        max_blocks = max(len(c.block_table) for c in chunks)
-        block_tables = [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks]
-        num_decodes = 0
-        while num_decodes < len(chunks) and query_lens[num_decodes] == 1:
-            num_decodes += 1
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=torch.tensor(block_tables, dtype=torch.int32),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            num_decodes=num_decodes,
+        input_ids = [t for chunk in chunks for t in chunk.token_ids]
+        positions, meta = build_metadata(
+            starts=[c.start for c in chunks],
+            query_lens=[len(c.token_ids) for c in chunks],
+            block_tables=[c.block_table for c in chunks],
+            block_size=BLOCK_SIZE,
+            device=torch.device("cpu"),
+            dtype=self.model.embed_tokens.weight.dtype,
         )
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta, self.backend)
+            hidden = self.model(torch.tensor(input_ids), positions, self.kv_caches, meta, self.backend)
             return self.model.compute_logits(hidden)
 
 

@@ -117,7 +117,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         backend.write_kv(kv_cache, k, v, meta)
-        out = backend.attend(q, kv_cache, meta, self.scale)  # out: [tokens, heads, head_dim]
+        out = backend.attend(q, k, v, kv_cache, meta, self.scale)  # out: [tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))  # [tokens, hidden]
 
 
