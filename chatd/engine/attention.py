@@ -10,12 +10,24 @@ scaled_dot_product_attention). Faster GPU backends plug in here with the same tw
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block_size, kv_heads, head_dim]
+
+
+DECODE_GROUP_SIZE = 16  # decodes gathered per attention call; groups of similar length waste little padding
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes of similar context length, attended in one call over their gathered, padded context."""
+
+    rows: torch.Tensor  # [g] int64: which of the step's decode rows
+    slots: torch.Tensor  # [g, L] int64: cache slots of each row's context, padded to the group's longest
+    bias: torch.Tensor  # [g, L]: 0 where a slot is context, -inf past its end
 
 
 @dataclass
@@ -29,9 +41,8 @@ class AttentionMetadata:
     query_starts_cpu: list[int]  # the same facts as host lists, for Python loops without device syncs
     seq_lens_cpu: list[int]
     num_decodes: int  # the first num_decodes sequences have exactly one new token
-    # For gathering backends, built once per step rather than once per layer:
-    decode_slots: torch.Tensor | None = None  # [num_decodes, L] int64: slots of each decode's context, padded
-    decode_bias: torch.Tensor | None = None  # [num_decodes, L]: 0 where a slot is context, -inf past its end
+    # For gathering backends, built once per step rather than once per layer.
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -63,13 +74,17 @@ def build_metadata(
     positions = torch.arange(int(lens.sum())) - query_start_loc[:-1].long()[row] + torch.tensor(starts)[row]
     slots = tables[row, positions // block_size].long() * block_size + positions % block_size
     num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_seqs)
-    decode_slots = decode_bias = None
-    if num_decodes:
-        blocks = -(-max(seq_lens[:num_decodes]) // block_size)
-        decode_slots = (tables[:num_decodes, :blocks].long()[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
-        past_end = torch.arange(blocks * block_size)[None, :] >= torch.tensor(seq_lens[:num_decodes])[:, None]
-        decode_bias = torch.zeros(past_end.shape, dtype=dtype).masked_fill_(past_end, float("-inf"))
-    to = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+    to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    decode_groups = []
+    by_length = sorted(range(num_decodes), key=lambda i: seq_lens[i])
+    for first in range(0, num_decodes, DECODE_GROUP_SIZE):
+        rows = torch.tensor(by_length[first : first + DECODE_GROUP_SIZE])
+        group_lens = torch.tensor([seq_lens[i] for i in rows.tolist()])
+        blocks = -(-int(group_lens.max()) // block_size)
+        slots_ = (tables[rows, :blocks].long()[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
+        past_end = torch.arange(blocks * block_size)[None, :] >= group_lens[:, None]
+        bias = torch.zeros(past_end.shape, dtype=dtype).masked_fill_(past_end, float("-inf"))
+        decode_groups.append(DecodeGroup(to(rows), to(slots_), to(bias)))
     meta = AttentionMetadata(
         slot_mapping=to(slots),
         query_start_loc=to(query_start_loc),
@@ -78,8 +93,7 @@ def build_metadata(
         query_starts_cpu=query_start_loc.tolist(),
         seq_lens_cpu=seq_lens,
         num_decodes=num_decodes,
-        decode_slots=to(decode_slots),
-        decode_bias=to(decode_bias),
+        decode_groups=decode_groups,
     )
     return to(positions), meta
 
@@ -109,9 +123,9 @@ class AttentionBackend:
 class SdpaBackend(AttentionBackend):
     """Portable reference: gathers pages and calls torch's scaled_dot_product_attention.
 
-    Decodes run as one call: their context slots are gathered (padded to the longest, masked
-    with `decode_bias`) and each KV head's group of query heads is treated as a short query, so
-    grouped-query attention needs no copies of K/V. Prefill chunks run one call per sequence;
+    Decodes run in groups of similar context length, one call per group: their context slots
+    are gathered (padded to the group's longest, masked with the group's bias) and each KV
+    head's query heads are treated as a short query, so grouped-query attention copies no K/V. Prefill chunks run one call per sequence;
     a chunk with no earlier context attends to its own new K/V without touching the cache.
     """
 
@@ -124,17 +138,17 @@ class SdpaBackend(AttentionBackend):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         num_heads = q.shape[1]
         out = torch.empty_like(q)
+        k_slots, v_slots = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+        for group in meta.decode_groups:
+            g, context = group.slots.shape
+            # keys: [g, kv_heads, context, head_dim]; queries: [g, kv_heads, heads per kv head, head_dim]
+            keys = k_slots.index_select(0, group.slots.view(-1)).view(g, context, num_kv_heads, head_dim).transpose(1, 2)
+            values = v_slots.index_select(0, group.slots.view(-1)).view(g, context, num_kv_heads, head_dim).transpose(1, 2)
+            grouped_q = q.index_select(0, group.rows).view(g, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            bias = group.bias[:, None, None, :]
+            group_out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=bias, scale=scale)
+            out.index_copy_(0, group.rows, group_out.reshape(g, num_heads, head_dim))
         nd = meta.num_decodes
-        if nd:
-            slots = meta.decode_slots.view(-1)
-            context = meta.decode_slots.shape[1]
-            # keys: [nd, kv_heads, context, head_dim]; queries: [nd, kv_heads, group, head_dim]
-            keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(nd, context, num_kv_heads, head_dim).transpose(1, 2)
-            values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(nd, context, num_kv_heads, head_dim).transpose(1, 2)
-            grouped_q = q[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
-            bias = meta.decode_bias[:, None, None, :].to(q.dtype)
-            decode_out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=bias, scale=scale)
-            out[:nd] = decode_out.reshape(nd, num_heads, head_dim)
         block_size = k_cache.shape[1]
         starts = meta.query_starts_cpu
         for i in range(nd, meta.num_seqs):
