@@ -154,19 +154,21 @@ class SdpaBackend(AttentionBackend):
         for i in range(nd, meta.num_seqs):
             start, end = starts[i], starts[i + 1]
             q_len, seq_len = end - start, meta.seq_lens_cpu[i]
-            seq_q = q[start:end].transpose(0, 1)  # [heads, q_len, head_dim]
+            # 4-D [1, heads, len, head_dim]: torch's CPU flash kernel only takes batched inputs.
+            seq_q = q[start:end].transpose(0, 1)[None]
             if q_len == seq_len:  # no earlier context: the new K/V are the whole context
-                keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+                keys, values = k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None]
                 seq_out = F.scaled_dot_product_attention(seq_q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 table = meta.block_tables[i, : -(-seq_len // block_size)]
-                keys = k_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
-                values = v_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)
+                keys = k_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)[None]  # [1, kv_heads, seq_len, head_dim]
+                values = v_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)[None]
                 # The chunk's queries sit at positions seq_len - q_len .. seq_len - 1.
                 query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
-                seq_out = F.scaled_dot_product_attention(seq_q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[start:end] = seq_out.transpose(0, 1)
+                future = torch.arange(seq_len, device=q.device)[None, :] > query_pos[:, None]
+                bias = torch.zeros(future.shape, dtype=q.dtype, device=q.device).masked_fill_(future, float("-inf"))
+                seq_out = F.scaled_dot_product_attention(seq_q, keys, values, attn_mask=bias, scale=scale, enable_gqa=True)
+            out[start:end] = seq_out[0].transpose(0, 1)
         return out
 
 
