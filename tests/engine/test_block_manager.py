@@ -1,6 +1,6 @@
 """Block manager: ref counts, sharing, the prefix cache and its eviction order."""
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chatd.engine.block_manager import BlockManager
@@ -118,7 +118,7 @@ def test_prefix_caching_off_shares_nothing_across_requests():
     assert again.num_cached_tokens == 0
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 50), st.integers(1, 12)), max_size=60))
 def test_random_workload_keeps_books_straight(ops):
     """No leaked or double-freed blocks; ref counts always match the live block tables."""

@@ -233,3 +233,16 @@ def test_greedy_equals_transformers_on_cuda(family, model_dirs):
                 min_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
             )
         assert tokens == out[0, len(prompt):].tolist()
+
+
+def test_evicted_prefix_is_recomputed_not_served_stale(model_dirs):
+    """Blocks of an old prompt reused by another request must not be found under the old name."""
+    path = model_dirs["llama"]
+    llm = make_llm(path, num_blocks=12)  # 96 tokens of KV
+    old, other = prompts(500, [40, 80], seed=11)
+    llm.generate(old, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    llm.generate(other, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # takes every block
+    again = old + [3, 4, 5]
+    out = llm.generate(again, GREEDY)[0]
+    assert out.num_cached_tokens < 40
+    assert out.outputs[0].token_ids == hf_greedy(path, again, GREEDY.max_tokens)

@@ -1,6 +1,6 @@
 """Scheduler: token budget, decodes first, chunked prefill, priority, preemption — no model needed."""
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chatd.config import SchedulerConfig
@@ -100,7 +100,7 @@ def test_max_num_seqs_caps_the_running_set():
     assert len(plan.scheduled) == 2 and sched.num_waiting == 1
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(st.tuples(st.integers(1, 30), st.integers(1, 8), st.integers(0, 2), st.integers(0, 3)), min_size=1, max_size=16),
     st.integers(8, 40),
