@@ -45,7 +45,6 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
-    waiting_for_parent: bool = False  # an `n > 1` sibling waits for choice 0's prefill, then forks
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
