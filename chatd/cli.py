@@ -1,18 +1,18 @@
 """The `chatd` command: the composition root, the one module that sees every part.
 
-Subcommands: `generate` (stream one completion to the terminal), `demo-model DIR` (build
-the random-weight demo model).
+Subcommands: `serve` (the OpenAI-compatible server), `generate` (stream one completion to the
+terminal), `demo-model DIR` (build the random-weight demo model).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import uuid
 from pathlib import Path
 
 from chatd.config import load_config
+from chatd.logs import setup_logging
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -40,6 +40,26 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from chatd.http.serve import serve
+
+    overrides: dict[str, dict] = {"model": {}, "server": {}}
+    if args.model:
+        overrides["model"]["path"] = args.model
+    if args.device:
+        overrides["model"]["device"] = args.device
+    if args.host:
+        overrides["server"]["host"] = args.host
+    if args.port is not None:
+        overrides["server"]["port"] = args.port
+    config = load_config(args.config, overrides)
+    setup_logging(config.server.log_json)
+    asyncio.run(serve(config))
+    return 0
+
+
 def _demo_model(args: argparse.Namespace) -> int:
     from chatd.engine.demo import DEMO_WARNING, build_demo_model
 
@@ -51,6 +71,14 @@ def _demo_model(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chatd", description="A self-hosted LLM chat server you can read end to end.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve.add_argument("--model", help="model folder or Hugging Face hub id (default: the demo model)")
+    serve.add_argument("--config", help="path to a config.toml")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument("--device", help="auto | cpu | cuda[:N]")
+    serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="generate one reply and stream it to the terminal")
     gen.add_argument("prompt")
@@ -70,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

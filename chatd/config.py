@@ -46,15 +46,34 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP front end."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = ""  # the id clients send as `model`; empty = the model folder's name
+    max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
+    heartbeat_seconds: float = 15.0  # SSE comment sent on a stream idle this long
+    shutdown_grace_seconds: float = 30.0  # on SIGINT/SIGTERM, in-flight requests get this long
+    log_json: bool = False  # one JSON object per log line
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
 
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "server": ServerConfig,
+}
 
 
 def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:

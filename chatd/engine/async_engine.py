@@ -79,7 +79,7 @@ class AsyncEngine:
         """The counters as of the engine thread's last step (or applied command)."""
         return self._stats
 
-    async def generate(
+    def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
@@ -87,7 +87,11 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's deltas. Raises ValueError (naming the field) before anything is queued."""
+        """Validate and queue a request now (ValueError names the field); iterate the result for its deltas.
+
+        Leaving the iteration early, or being cancelled inside it, aborts the request. A caller
+        that might never iterate should call `abort(request_id)` when done.
+        """
         if self.error is not None or not self.is_running:
             raise RuntimeError(f"the engine is not running: {self.error!r}")
         request_id = request_id or uuid.uuid4().hex
@@ -97,6 +101,9 @@ class AsyncEngine:
         stream = RequestStream()
         self._streams[request_id] = stream
         self._send(("add", request))
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:

@@ -69,8 +69,12 @@ class LLMEngine:
         vocab_size: int,
         tokenizer: Tokenizer | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
+        model_path: str = "",
+        is_demo: bool = False,
     ) -> None:
         self.runner = runner
+        self.model_path = model_path
+        self.is_demo = is_demo
         self.config = config
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -97,6 +101,8 @@ class LLMEngine:
             vocab_size=parts.vocab_size,
             tokenizer=parts.tokenizer,
             eos_token_ids=parts.eos_token_ids,
+            model_path=str(parts.model_path),
+            is_demo=parts.is_demo,
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -309,6 +315,19 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
         )
+
+    def describe(self) -> dict:
+        """Facts about the loaded model and cache, for logs and /v1/models."""
+        runner = self.runner
+        return {
+            "dtype": str(getattr(runner, "dtype", "")).removeprefix("torch."),
+            "device": str(getattr(runner, "device", "")),
+            "attention_backend": getattr(getattr(runner, "backend", None), "name", ""),
+            "num_kv_blocks": self.block_manager.num_blocks,
+            "block_size": self.block_manager.block_size,
+            "max_model_len": self.max_model_len,
+            "demo_model": self.is_demo,
+        }
 
     def live_sequences(self) -> list[Sequence]:
         """Every sequence that may hold blocks (for invariant checks)."""

@@ -1,0 +1,1 @@
+"""The aiohttp front end: OpenAI-compatible routes, SSE streaming, health and metrics."""

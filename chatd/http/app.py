@@ -1,0 +1,42 @@
+"""The aiohttp application factory: middleware (request id, errors) and routes.
+
+The app knows the engine only through ServerState; starting and stopping the engine and the
+listening socket is the job of `serve.py`.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from aiohttp import web
+
+from chatd.http import views
+from chatd.http.errors import error_middleware
+from chatd.http.state import STATE, ServerState
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Honour the client's X-Request-Id or make one; `_echo_request_id` puts it on the response."""
+    request["request_id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    return await handler(request)
+
+
+def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Application:
+    """Build the app around a started engine."""
+    app = web.Application(middlewares=[request_id_middleware, error_middleware], client_max_size=max_body_bytes)
+    app[STATE] = state
+    app.on_response_prepare.append(_echo_request_id)
+    app.router.add_post("/v1/chat/completions", views.chat_completions)
+    app.router.add_post("/v1/completions", views.completions)
+    app.router.add_get("/v1/models", views.models)
+    app.router.add_get("/health", views.health)
+    app.router.add_get("/ready", views.ready)
+    app.router.add_get("/metrics", views.metrics)
+    return app
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Streams send their headers before the handler returns: add the id as they go out."""
+    if "request_id" in request:
+        response.headers["X-Request-Id"] = request["request_id"]

@@ -1,0 +1,60 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, with the right status.
+
+Every error leaves the server as JSON, including aiohttp's own 404/405/413 and unexpected
+exceptions (500, traceback only in the log, next to the request id).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from aiohttp import web
+
+from chatd.engine.params import ParamError
+
+log = logging.getLogger("chatd.http")
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+         409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error a client caused (or must hear about), answered in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(error_body(status, message, param, code)), content_type="application/json")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Turn every failure into an OpenAI-shaped JSON error."""
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+    except ParamError as exc:
+        return error_response(400, str(exc), exc.param)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(413, f"request body is larger than the limit of {exc.max_size} bytes", None, "request_too_large")
+    except web.HTTPMethodNotAllowed as exc:
+        return error_response(405, f"method {request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(exc.allowed_methods))}")
+    except web.HTTPNotFound:
+        return error_response(404, f"no route for {request.method} {request.path}", None, "not_found")
+    except web.HTTPException as exc:
+        return error_response(exc.status, exc.reason or "error")
+    except Exception:
+        log.exception("internal error handling %s %s (request id %s)", request.method, request.path, request.get("request_id"))
+        return error_response(500, f"internal server error (request id {request.get('request_id')})")

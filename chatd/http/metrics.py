@@ -1,0 +1,158 @@
+"""The server's Prometheus metrics: engine gauges and counters, per-request histograms.
+
+Names follow vLLM's (`vllm:num_requests_running` becomes `chatd:num_requests_running`) so
+dashboards written for vLLM need only the prefix changed. Every `ServerMetrics` owns its
+own `CollectorRegistry`: two apps in one process, or two tests, never see each other's
+numbers. This module knows nothing of HTTP; the route serves what `render` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.registry import Collector
+
+from chatd.engine.params import FinishReason
+
+if TYPE_CHECKING:
+    from chatd.engine.engine import EngineStats
+
+# From a cached one-token reply (~1 ms) to a long generation on a busy server (minutes).
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+# Powers of two, 1 .. 32768: context windows are powers of two, so the top bucket is one.
+TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))
+
+
+class ServerMetrics:
+    """The server's Prometheus metrics."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._engine = _EngineCollector(model_name)
+        self.registry.register(self._engine)
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(name, documentation, ["model_name"], buckets=buckets, registry=self.registry)
+            return metric.labels(model_name=model_name)
+
+        self._request_success = Counter(
+            "chatd:request_success_total",
+            "Finished requests, by why they finished.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        for reason in FinishReason:  # expose every reason at 0 so rate() works before the first one
+            self._request_success.labels(model_name=model_name, finished_reason=reason.value)
+        self._ttft = histogram("chatd:time_to_first_token_seconds", "Seconds from arrival to the first token.", LATENCY_BUCKETS)
+        self._inter_token = histogram("chatd:inter_token_latency_seconds", "Seconds between consecutive tokens of one choice.", LATENCY_BUCKETS)
+        self._e2e = histogram("chatd:e2e_request_latency_seconds", "Seconds from arrival to the last token.", LATENCY_BUCKETS)
+        self._queue_time = histogram("chatd:request_queue_time_seconds", "Seconds a request waited before its first schedule.", LATENCY_BUCKETS)
+        self._prompt_tokens = histogram("chatd:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
+        self._generation_tokens = histogram("chatd:request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS)
+
+    def update_engine(self, stats: EngineStats) -> None:
+        """Remember the engine's latest counters; they are read at the next scrape."""
+        self._engine.stats = stats
+
+    def observe_request(
+        self,
+        *,
+        finish_reason: str,
+        prompt_tokens: int,
+        generation_tokens: int,
+        cached_tokens: int,
+        ttft: float | None,
+        e2e: float,
+        queue_time: float | None,
+        inter_token_latencies: list[float],
+    ) -> None:
+        """Record one finished request. `ttft` and `queue_time` are None when it never got that far."""
+        # FinishReason(...) refuses unknown reasons and turns the enum into its plain value;
+        # str() of a str-enum on Python 3.11 would give "FinishReason.STOP".
+        reason = FinishReason(finish_reason).value
+        self._request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
+        self._prompt_tokens.observe(prompt_tokens)
+        self._generation_tokens.observe(generation_tokens)
+        # cached_tokens needs no series of its own: the engine already counts prefix-cache
+        # hits per token (chatd:prefix_cache_hits_total).
+        if ttft is not None:
+            self._ttft.observe(ttft)
+        if queue_time is not None:
+            self._queue_time.observe(queue_time)
+        self._e2e.observe(e2e)
+        for latency in inter_token_latencies:
+            self._inter_token.observe(latency)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type, for GET /metrics."""
+        # Every name here is legal in the classic text format, which all Prometheus versions read.
+        return generate_latest(_WithoutCreated(self.registry)), CONTENT_TYPE_PLAIN_0_0_4
+
+
+class _WithoutCreated(Collector):
+    """A registry's metrics without the `*_created` timestamps prometheus-client adds.
+
+    The text format shows each as an extra gauge family (`chatd:request_success_created`),
+    doubling what a reader scans for no use here. `disable_created_metrics()` would drop them
+    too, but for the whole process; this view drops them only from our own output.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        """Yield the registry's families minus their `_created` samples."""
+        for family in self.registry.collect():  # fresh objects on every collect: safe to trim
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
+class _EngineCollector:
+    """Engine gauges and counters, read from the latest EngineStats at scrape time.
+
+    The engine already keeps cumulative totals. Exposing them as they are at scrape time is
+    exact and needs no bookkeeping, where mirroring them into prometheus Counters would mean
+    keeping the last values and adding deltas. If the engine restarts its totals fall to
+    zero, which Prometheus reads as a counter reset, as it should.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: EngineStats | None = None  # None until the first update: everything reads 0
+
+    def describe(self) -> Iterable[Metric]:
+        """The families `collect` yields, so the registry can refuse clashing names."""
+        return self.collect()
+
+    def collect(self) -> Iterable[Metric]:
+        """Yield the engine's gauges and counters, labelled with the model name."""
+        stats = self.stats  # one read: a concurrent update cannot mix two snapshots
+        gauges = [
+            ("chatd:num_requests_running", "Requests in the running batch.", stats.num_running if stats else 0),
+            ("chatd:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting if stats else 0),
+            ("chatd:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", stats.kv_cache_usage if stats else 0.0),
+        ]
+        # CounterMetricFamily adds the `_total` suffix to these names when it exposes them.
+        counters = [
+            ("chatd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries if stats else 0),
+            ("chatd:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits if stats else 0),
+            ("chatd:num_preemptions", "Sequences preempted to free KV cache.", stats.num_preemptions if stats else 0),
+            ("chatd:prompt_tokens", "Prompt tokens computed in prefill, recomputation included.", stats.num_prompt_tokens if stats else 0),
+            ("chatd:generation_tokens", "Tokens generated.", stats.num_generation_tokens if stats else 0),
+        ]
+        for name, documentation, value in gauges:
+            family = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        for name, documentation, value in counters:
+            family = CounterMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family

@@ -1,0 +1,203 @@
+"""OpenAI request bodies in, engine inputs out: field types, ranges and the fields chatd refuses.
+
+A field chatd does not implement is refused with a 400 that says so, never silently ignored.
+Range checks on sampling values live in SamplingParams.validate; this module checks types
+and OpenAI-specific rules (stop lists, logprobs pairing, stream_options).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from chatd.engine.params import MAX_LOGPROBS, SamplingParams
+from chatd.http.errors import APIError
+
+# Fields that change what the model must do; accepting and ignoring them would give wrong answers.
+UNSUPPORTED = {
+    "tools": "tool calling",
+    "tool_choice": "tool calling",
+    "functions": "function calling",
+    "function_call": "function calling",
+    "parallel_tool_calls": "tool calling",
+    "audio": "audio output",
+    "modalities": "modalities other than text",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
+    "reasoning_effort": "reasoning effort",
+    "suffix": "suffix (insertion)",
+    "echo": "echo",
+    "best_of": "best_of",
+}
+SAMPLING_FIELDS = {
+    "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
+    "stream", "stream_options", "user", "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority",
+    "min_tokens", "model", "logit_bias", "store", "metadata", "service_tier",
+}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs"}
+ROLES = {"system", "user", "assistant", "developer"}
+MAX_STOP = 4
+
+
+@dataclass
+class GenerationRequest:
+    """What a view needs to run one request."""
+
+    model: str | None
+    prompt: str | list[int]  # text, or token ids already rendered
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+    user: str | None
+
+
+def parse_chat(body: Any, tokenizer) -> GenerationRequest:
+    """Validate a /v1/chat/completions body and render its messages with the model's chat template."""
+    body = _object(body)
+    _check_fields(body, CHAT_FIELDS)
+    response_format = _get(body, "response_format", dict, None)
+    if response_format is not None and response_format.get("type") != "text":
+        raise APIError(400, f"response_format {response_format.get('type')!r} is not supported by chatd; only 'text'", "response_format")
+    messages = _get(body, "messages", list, None)
+    if not messages:
+        raise APIError(400, "messages must be a non-empty list", "messages")
+    rendered = [_message(m, i) for i, m in enumerate(messages)]
+    max_tokens = _get(body, "max_completion_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", int, None)
+    logprobs = _get(body, "logprobs", bool, False)
+    top_logprobs = _get(body, "top_logprobs", int, None)
+    if top_logprobs is not None and not logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top_logprobs}", "top_logprobs")
+    try:
+        prompt = tokenizer.encode_chat(rendered)
+    except ValueError as exc:
+        raise APIError(400, f"cannot render messages with this model's chat template: {exc}", "messages") from exc
+    return _request(body, prompt, max_tokens, (top_logprobs or 0) if logprobs else None)
+
+
+def parse_completion(body: Any) -> GenerationRequest:
+    """Validate a /v1/completions body (prompt: a string or a list of token ids)."""
+    body = _object(body)
+    _check_fields(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        pass
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        pass
+    else:
+        raise APIError(400, "prompt must be a string or a list of token ids (batched prompts are not supported)", "prompt")
+    logprobs = _get(body, "logprobs", int, None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+    return _request(body, prompt, _get(body, "max_tokens", int, 16), logprobs)
+
+
+def _request(body: dict, prompt: str | list[int], max_tokens: int | None, logprobs: int | None) -> GenerationRequest:
+    stream = _get(body, "stream", bool, False)
+    stream_options = _get(body, "stream_options", dict, None)
+    if stream_options is not None and not stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    include_usage = bool((stream_options or {}).get("include_usage", False))
+    logit_bias = _get(body, "logit_bias", dict, None)
+    if logit_bias:
+        raise APIError(400, "logit_bias is not supported by chatd", "logit_bias")
+    if _get(body, "store", bool, False):
+        raise APIError(400, "store is not supported by chatd (conversations live in /v1/conversations)", "store")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise APIError(400, "stop must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"stop takes at most {MAX_STOP} strings, got {len(stop)}", "stop")
+    number = (int, float)
+    params = SamplingParams(
+        n=_get(body, "n", int, 1),
+        max_tokens=max_tokens,
+        min_tokens=_get(body, "min_tokens", int, 0),
+        temperature=float(_get(body, "temperature", number, 1.0)),
+        top_p=float(_get(body, "top_p", number, 1.0)),
+        top_k=_get(body, "top_k", int, 0),
+        min_p=float(_get(body, "min_p", number, 0.0)),
+        presence_penalty=float(_get(body, "presence_penalty", number, 0.0)),
+        frequency_penalty=float(_get(body, "frequency_penalty", number, 0.0)),
+        repetition_penalty=float(_get(body, "repetition_penalty", number, 1.0)),
+        seed=_get(body, "seed", int, None),
+        stop=tuple(stop),
+        ignore_eos=_get(body, "ignore_eos", bool, False),
+        logprobs=logprobs,
+    )
+    params.validate()
+    return GenerationRequest(
+        model=_get(body, "model", str, None),
+        prompt=prompt,
+        params=params,
+        stream=stream,
+        include_usage=include_usage,
+        priority=_get(body, "priority", int, 0),
+        user=_get(body, "user", str, None),
+    )
+
+
+def _message(message: Any, index: int) -> dict:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise APIError(400, f"{where} must be an object", where)
+    role = message.get("role")
+    if role not in ROLES:
+        raise APIError(400, f"{where}.role must be one of system, user, assistant; got {role!r}", f"{where}.role")
+    content = message.get("content")
+    if isinstance(content, list):  # a list of parts: only text parts are understood
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(400, f"{where}.content[{j}] of type {kind!r} is not supported; only text parts", f"{where}.content")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise APIError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
+    if set(message) - {"role", "content", "name"}:
+        extra = sorted(set(message) - {"role", "content", "name"})
+        raise APIError(400, f"{where} has fields chatd does not support: {', '.join(extra)}", where)
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def _check_fields(body: dict, allowed: set[str]) -> None:
+    for name in body:
+        if name in UNSUPPORTED:
+            raise APIError(400, f"{name} is not supported by chatd ({UNSUPPORTED[name]})", name)
+        if name not in allowed:
+            raise APIError(400, f"unknown field {name!r}", name)
+
+
+def _get(body: dict, name: str, types, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    # bool is an int in Python; a JSON true is never a valid number here.
+    if isinstance(value, bool) and types is not bool:
+        raise APIError(400, f"{name} must be {_type_name(types)}, got a boolean", name)
+    if not isinstance(value, types):
+        raise APIError(400, f"{name} must be {_type_name(types)}, got {type(value).__name__}", name)
+    return value
+
+
+def _type_name(types) -> str:
+    names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", dict: "an object", list: "a list"}
+    if isinstance(types, tuple):
+        return "a number"
+    return names.get(types, types.__name__)

@@ -1,0 +1,279 @@
+"""Route handlers: chat and text completions (whole or streamed), models, health, readiness, metrics.
+
+A handler parses the body (protocol.py), hands the request to the AsyncEngine, and turns its
+merged deltas into OpenAI's response or chunk shapes. A stream writes one SSE event per
+delta it receives; a slow reader gets bigger merged deltas and never holds the engine back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+from chatd.engine.params import FinishReason, RequestOutput
+from chatd.http.errors import APIError, error_body
+from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion
+from chatd.http.state import STATE, ServerState
+
+log = logging.getLogger("chatd.http")
+
+
+async def read_json(request: web.Request):
+    try:
+        return orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    gen = parse_chat(await read_json(request), state.tokenizer)
+    return await _generate(request, state, gen, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    gen = parse_completion(await read_json(request))
+    return await _generate(request, state, gen, chat=False)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [state.model_card()]}, dumps=_dumps)
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.engine.error is not None or not state.engine.is_running:
+        return web.json_response({"status": "engine stopped", "error": repr(state.engine.error)}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not state.ready:
+        return web.json_response({"status": "warming up"}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.metrics.update_engine(state.engine.stats())
+    body, content_type = state.metrics.render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+@dataclass
+class _Timing:
+    """Per-request latencies for metrics and the request log."""
+
+    start: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+    inter_token: list[float] = field(default_factory=list)
+
+    def tokens_arrived(self) -> None:
+        now = time.perf_counter()
+        if self.first_token is None:
+            self.first_token = now
+        elif self.last_token is not None:
+            self.inter_token.append(now - self.last_token)
+        self.last_token = now
+
+
+async def _generate(request: web.Request, state: ServerState, gen: GenerationRequest, chat: bool) -> web.StreamResponse:
+    state.check_model(gen.model)
+    request_id = request["request_id"]
+    kind = "chatcmpl" if chat else "cmpl"
+    response_id = f"{kind}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    timing = _Timing()
+    results = state.engine.generate(gen.prompt, gen.params, request_id=request_id, priority=gen.priority)
+    merged: RequestOutput | None = None
+    try:
+        if gen.stream:
+            writer = _ChunkWriter(state, response_id, created, chat, gen)
+            merged = await writer.stream(request, results, timing)
+            return writer.response
+        async for out in results:
+            timing.tokens_arrived()
+            merged = out if merged is None else _merge(merged, out)
+        if merged.error:
+            raise APIError(500, f"generation failed: {merged.error}")
+        return web.json_response(_whole_response(state, merged, response_id, created, chat), dumps=_dumps)
+    finally:
+        if merged is None or not merged.finished:
+            state.engine.abort(request_id)
+        _log_and_observe(state, request_id, merged, timing)
+
+
+def _merge(merged: RequestOutput, out: RequestOutput) -> RequestOutput:
+    merged.merge(out)
+    return merged
+
+
+class _ChunkWriter:
+    """Writes one request's deltas as OpenAI chunks over SSE."""
+
+    def __init__(self, state: ServerState, response_id: str, created: int, chat: bool, gen: GenerationRequest) -> None:
+        self.state, self.response_id, self.created, self.chat, self.gen = state, response_id, created, chat, gen
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+
+    async def stream(self, request: web.Request, results, timing: _Timing) -> RequestOutput | None:
+        await self.response.prepare(request)
+        merged: RequestOutput | None = None
+        if self.chat:  # the first chunk of each choice carries the role
+            for i in range(self.gen.params.n):
+                await self._send([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        iterator = results.__aiter__()
+        while True:
+            try:
+                out = await _next_with_heartbeats(iterator, self.response, self.state.heartbeat_seconds)
+            except StopAsyncIteration:
+                break
+            merged = out if merged is None else _merge(merged, out)
+            if out.error:
+                await self._write(error_body(500, f"generation failed: {out.error}"))
+                return merged
+            timing.tokens_arrived()
+            choices = [self._choice(c) for c in out.outputs if c.text or c.finish_reason or (c.logprobs and not self.chat)]
+            if choices:
+                await self._send(choices)
+        if merged is not None and self.gen.include_usage:
+            await self._write({**self._envelope([]), "usage": _usage(merged)})
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+        return merged
+
+    def _choice(self, c) -> dict:
+        finish = _finish_reason(c.finish_reason)
+        logprobs = _logprobs(self.state, c.logprobs, self.chat) if c.logprobs else None
+        if self.chat:
+            delta = {"content": c.text} if c.text else {}
+            return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": finish}
+
+    def _envelope(self, choices: list[dict]) -> dict:
+        return {
+            "id": self.response_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+        }
+
+    async def _send(self, choices: list[dict]) -> None:
+        await self._write({**self._envelope(choices), "usage": None} if self.gen.include_usage else self._envelope(choices))
+
+    async def _write(self, payload: dict) -> None:
+        await self.response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+
+
+async def _next_with_heartbeats(iterator, response: web.StreamResponse, heartbeat: float) -> RequestOutput:
+    """The next delta; while none comes, an SSE comment every `heartbeat` seconds keeps the connection alive."""
+    task = asyncio.ensure_future(iterator.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=heartbeat)
+            if done:
+                return task.result()
+            await response.write(b": keep-alive\n\n")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _whole_response(state: ServerState, out: RequestOutput, response_id: str, created: int, chat: bool) -> dict:
+    choices = []
+    for c in out.outputs:
+        logprobs = _logprobs(state, c.logprobs, chat) if c.logprobs else None
+        finish = _finish_reason(c.finish_reason)
+        if chat:
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs, "finish_reason": finish})
+        else:
+            choices.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": finish})
+    return {
+        "id": response_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": state.model_name,
+        "choices": choices,
+        "usage": _usage(out),
+    }
+
+
+def _finish_reason(reason: FinishReason | None) -> str | None:
+    if reason is None:
+        return None
+    return "length" if reason == FinishReason.LENGTH else "stop"
+
+
+def _usage(out: RequestOutput) -> dict:
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    prompt = len(out.prompt_token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
+
+
+def _logprobs(state: ServerState, logprobs, chat: bool) -> dict:
+    token = state.token_text
+    if chat:
+        return {"content": [
+            {
+                "token": token(lp.token_id),
+                "logprob": lp.logprob,
+                "bytes": list(token(lp.token_id).encode()),
+                "top_logprobs": [{"token": token(t), "logprob": v, "bytes": list(token(t).encode())} for t, v in lp.top.items()],
+            }
+            for lp in logprobs
+        ]}
+    return {
+        "tokens": [token(lp.token_id) for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{token(t): v for t, v in lp.top.items()} for lp in logprobs],
+    }
+
+
+def _log_and_observe(state: ServerState, request_id: str, out: RequestOutput | None, timing: _Timing) -> None:
+    end = time.perf_counter()
+    if out is None:
+        reason = "abort"
+    elif out.error:
+        reason = "error"
+    elif not out.finished:
+        reason = "abort"
+    else:
+        reasons = {c.finish_reason.value for c in out.outputs if c.finish_reason}
+        reason = "length" if reasons == {"length"} else "stop"
+    usage = _usage(out) if out is not None else {"prompt_tokens": 0, "completion_tokens": 0, "prompt_tokens_details": {"cached_tokens": 0}}
+    ttft = None if timing.first_token is None else timing.first_token - timing.start
+    state.metrics.observe_request(
+        finish_reason=reason,
+        prompt_tokens=usage["prompt_tokens"],
+        generation_tokens=usage["completion_tokens"],
+        cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+        ttft=ttft,
+        e2e=end - timing.start,
+        queue_time=None,
+        inter_token_latencies=timing.inter_token,
+    )
+    log.info(
+        "request finished",
+        extra={"request_id": request_id, "finish_reason": reason, "prompt_tokens": usage["prompt_tokens"],
+               "completion_tokens": usage["completion_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+               "ttft_s": None if ttft is None else round(ttft, 4), "e2e_s": round(end - timing.start, 4)},
+    )
+
+
+def _dumps(value) -> str:
+    return orjson.dumps(value).decode()

@@ -1,0 +1,189 @@
+"""ServerMetrics: the exposed names, labels and values, read back through prometheus' own parser."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from chatd.engine.engine import EngineStats
+from chatd.engine.params import FinishReason
+from chatd.http.metrics import LATENCY_BUCKETS, ServerMetrics
+
+MODEL = "tiny-llama"
+
+ENGINE_FAMILIES = {
+    "chatd:num_requests_running": "gauge",
+    "chatd:num_requests_waiting": "gauge",
+    "chatd:kv_cache_usage_perc": "gauge",
+    "chatd:prefix_cache_queries": "counter",
+    "chatd:prefix_cache_hits": "counter",
+    "chatd:num_preemptions": "counter",
+    "chatd:prompt_tokens": "counter",
+    "chatd:generation_tokens": "counter",
+}
+REQUEST_FAMILIES = {
+    "chatd:request_success": "counter",
+    "chatd:time_to_first_token_seconds": "histogram",
+    "chatd:inter_token_latency_seconds": "histogram",
+    "chatd:e2e_request_latency_seconds": "histogram",
+    "chatd:request_queue_time_seconds": "histogram",
+    "chatd:request_prompt_tokens": "histogram",
+    "chatd:request_generation_tokens": "histogram",
+}
+
+
+def make_stats(**overrides) -> EngineStats:
+    """An EngineStats with every field zero unless given."""
+    fields = dict(
+        num_running=0, num_waiting=0, kv_cache_usage=0.0, num_blocks=100, num_free_blocks=100,
+        prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+        num_prompt_tokens=0, num_generation_tokens=0,
+    )  # fmt: skip
+    fields.update(overrides)
+    return EngineStats(**fields)
+
+
+def observe(metrics: ServerMetrics, **overrides) -> None:
+    """Record one finished request with plain defaults."""
+    request = dict(
+        finish_reason="stop", prompt_tokens=10, generation_tokens=5, cached_tokens=0,
+        ttft=0.05, e2e=0.5, queue_time=0.01, inter_token_latencies=[0.1, 0.1, 0.1, 0.1],
+    )  # fmt: skip
+    request.update(overrides)
+    metrics.observe_request(**request)
+
+
+def scrape(metrics: ServerMetrics) -> dict[str, float]:
+    """Render and parse; map `sample_name{label=value,...}` to its value."""
+    body, _ = metrics.render()
+    samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def families(metrics: ServerMetrics) -> dict[str, str]:
+    """Family name -> type, as a scraper sees them."""
+    body, _ = metrics.render()
+    return {f.name: f.type for f in text_string_to_metric_families(body.decode())}
+
+
+def test_exposes_exactly_the_documented_families():
+    assert families(ServerMetrics(MODEL)) == ENGINE_FAMILIES | REQUEST_FAMILIES
+
+
+def test_exposed_text_has_vllm_style_names_with_total_suffix():
+    body, content_type = ServerMetrics(MODEL).render()
+    assert content_type.startswith("text/plain")
+    lines = [line for line in body.decode().splitlines() if not line.startswith("#")]
+    assert all(f'model_name="{MODEL}"' in line for line in lines)
+    exposed = {line.split("{")[0] for line in lines}
+    counters = {"prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "request_success"}
+    gauges = {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"}
+    histograms = {name.removeprefix("chatd:") for name, kind in REQUEST_FAMILIES.items() if kind == "histogram"}
+    expected = (
+        {f"chatd:{name}_total" for name in counters}
+        | {f"chatd:{name}" for name in gauges}
+        | {f"chatd:{name}_{part}" for name in histograms for part in ("bucket", "count", "sum")}
+    )
+    assert exposed == expected  # no `_total_total`, no `_created` series
+
+
+def test_engine_values_read_zero_before_the_first_update():
+    samples = scrape(ServerMetrics(MODEL))
+    assert samples[f"chatd:num_requests_running{{model_name={MODEL}}}"] == 0
+    assert samples[f"chatd:prompt_tokens_total{{model_name={MODEL}}}"] == 0
+
+
+def test_gauges_show_the_latest_engine_state():
+    metrics = ServerMetrics(MODEL)
+    metrics.update_engine(make_stats(num_running=3, num_waiting=7, kv_cache_usage=0.25))
+    metrics.update_engine(make_stats(num_running=1, num_waiting=0, kv_cache_usage=0.5))
+    samples = scrape(metrics)
+    assert samples[f"chatd:num_requests_running{{model_name={MODEL}}}"] == 1
+    assert samples[f"chatd:num_requests_waiting{{model_name={MODEL}}}"] == 0
+    assert samples[f"chatd:kv_cache_usage_perc{{model_name={MODEL}}}"] == 0.5
+
+
+def test_counters_grow_by_the_engine_deltas_across_updates():
+    metrics = ServerMetrics(MODEL)
+    first = dict(prefix_cache_queries=100, prefix_cache_hits=40, num_preemptions=1, num_prompt_tokens=100, num_generation_tokens=20)
+    second = dict(prefix_cache_queries=250, prefix_cache_hits=140, num_preemptions=3, num_prompt_tokens=180, num_generation_tokens=95)
+    metrics.update_engine(make_stats(**first))
+    before = scrape(metrics)
+    metrics.update_engine(make_stats(**second))
+    after = scrape(metrics)
+    names = {
+        "prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
+        "num_preemptions": "num_preemptions", "num_prompt_tokens": "prompt_tokens",
+        "num_generation_tokens": "generation_tokens",
+    }  # fmt: skip
+    for field, name in names.items():
+        key = f"chatd:{name}_total{{model_name={MODEL}}}"
+        assert before[key] == first[field]
+        assert after[key] - before[key] == second[field] - first[field]
+
+
+def test_request_success_is_counted_per_finish_reason():
+    metrics = ServerMetrics(MODEL)
+    observe(metrics, finish_reason="stop")
+    observe(metrics, finish_reason="stop")
+    observe(metrics, finish_reason=FinishReason.LENGTH)  # the enum is accepted as well as its value
+    samples = scrape(metrics)
+    count = {r.value: samples[f"chatd:request_success_total{{finished_reason={r.value},model_name={MODEL}}}"] for r in FinishReason}
+    assert count == {"stop": 2, "length": 1, "abort": 0, "error": 0}
+
+
+def test_an_unknown_finish_reason_is_refused():
+    with pytest.raises(ValueError):
+        observe(ServerMetrics(MODEL), finish_reason="timeout")
+
+
+def test_histograms_count_and_sum_observations():
+    metrics = ServerMetrics(MODEL)
+    observe(metrics, prompt_tokens=10, generation_tokens=5, ttft=0.05, e2e=0.5, queue_time=0.01, inter_token_latencies=[0.1, 0.2])
+    observe(metrics, prompt_tokens=30, generation_tokens=1, ttft=0.25, e2e=1.5, queue_time=0.03, inter_token_latencies=[])
+    samples = scrape(metrics)
+
+    def count_and_sum(name: str) -> tuple[float, float]:
+        return samples[f"chatd:{name}_count{{model_name={MODEL}}}"], samples[f"chatd:{name}_sum{{model_name={MODEL}}}"]
+
+    assert count_and_sum("request_prompt_tokens") == (2, 40)
+    assert count_and_sum("request_generation_tokens") == (2, 6)
+    assert count_and_sum("time_to_first_token_seconds") == pytest.approx((2, 0.30))
+    assert count_and_sum("e2e_request_latency_seconds") == pytest.approx((2, 2.0))
+    assert count_and_sum("request_queue_time_seconds") == pytest.approx((2, 0.04))
+    assert count_and_sum("inter_token_latency_seconds") == pytest.approx((2, 0.3))  # one sample per gap
+    assert samples[f"chatd:request_prompt_tokens_bucket{{le=16.0,model_name={MODEL}}}"] == 1
+    assert samples[f"chatd:request_prompt_tokens_bucket{{le=32.0,model_name={MODEL}}}"] == 2
+
+
+def test_a_request_that_never_started_skips_ttft_and_queue_time():
+    metrics = ServerMetrics(MODEL)
+    observe(metrics, finish_reason="abort", generation_tokens=0, ttft=None, queue_time=None, inter_token_latencies=[])
+    samples = scrape(metrics)
+    assert samples[f"chatd:time_to_first_token_seconds_count{{model_name={MODEL}}}"] == 0
+    assert samples[f"chatd:request_queue_time_seconds_count{{model_name={MODEL}}}"] == 0
+    assert samples[f"chatd:e2e_request_latency_seconds_count{{model_name={MODEL}}}"] == 1
+
+
+def test_latency_buckets_span_a_millisecond_to_over_a_minute():
+    assert LATENCY_BUCKETS[0] <= 0.001 and LATENCY_BUCKETS[-1] > 60
+    samples = scrape(ServerMetrics(MODEL))
+    assert f"chatd:e2e_request_latency_seconds_bucket{{le=0.001,model_name={MODEL}}}" in samples
+    assert f"chatd:request_generation_tokens_bucket{{le=32768.0,model_name={MODEL}}}" in samples
+
+
+def test_two_instances_share_no_state():
+    a, b = ServerMetrics(MODEL), ServerMetrics("other-model")
+    a.update_engine(make_stats(num_running=4, num_generation_tokens=50))
+    observe(a)
+    samples_b = scrape(b)
+    assert samples_b["chatd:num_requests_running{model_name=other-model}"] == 0
+    assert samples_b["chatd:generation_tokens_total{model_name=other-model}"] == 0
+    assert samples_b["chatd:request_success_total{finished_reason=stop,model_name=other-model}"] == 0
+    assert not any(MODEL in key for key in samples_b)
+    # Building a second one with the same model name must not clash either (one registry each).
+    ServerMetrics(MODEL)
