@@ -11,6 +11,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from chatd.bench import add_parser as add_bench_parser
 from chatd.config import load_config
 from chatd.logs import setup_logging
 
@@ -79,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
     serve.add_argument("--device", help="auto | cpu | cuda[:N]")
     serve.set_defaults(func=_serve)
+
+    add_bench_parser(sub)
 
     gen = sub.add_parser("generate", help="generate one reply and stream it to the terminal")
     gen.add_argument("prompt")

@@ -11,7 +11,7 @@ import uuid
 from aiohttp import web
 
 from chatd.http import views
-from chatd.http.errors import error_middleware
+from chatd.http.errors import MAX_BODY_BYTES, error_middleware
 from chatd.http.state import STATE, ServerState
 
 
@@ -26,6 +26,7 @@ def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Appli
     """Build the app around a started engine."""
     app = web.Application(middlewares=[request_id_middleware, error_middleware], client_max_size=max_body_bytes)
     app[STATE] = state
+    app[MAX_BODY_BYTES] = max_body_bytes
     app.on_response_prepare.append(_echo_request_id)
     app.router.add_post("/v1/chat/completions", views.chat_completions)
     app.router.add_post("/v1/completions", views.completions)

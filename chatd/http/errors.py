@@ -15,6 +15,8 @@ from chatd.engine.params import ParamError
 
 log = logging.getLogger("chatd.http")
 
+MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
          409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
@@ -47,8 +49,9 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return error_response(exc.status, exc.message, exc.param, exc.code)
     except ParamError as exc:
         return error_response(400, str(exc), exc.param)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(413, f"request body is larger than the limit of {exc.max_size} bytes", None, "request_too_large")
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[MAX_BODY_BYTES]
+        return error_response(413, f"request body is larger than the limit of {limit} bytes", None, "request_too_large")
     except web.HTTPMethodNotAllowed as exc:
         return error_response(405, f"method {request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(exc.allowed_methods))}")
     except web.HTTPNotFound:

@@ -1,0 +1,217 @@
+"""A real `chatd serve` process on a free loopback port, driven by the official openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from chatd.engine.demo import build_demo_model
+from chatd.engine.tokenizer import Tokenizer
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about paged attention."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Start chatd serve on the demo model; yield (base_url, model_dir); stop it with SIGTERM."""
+    root = tmp_path_factory.mktemp("serve")
+    model_dir = build_demo_model(root / "demo")
+    config = root / "config.toml"
+    config.write_text("[server]\nmax_body_bytes = 65536\nheartbeat_seconds = 0.5\nshutdown_grace_seconds = 5.0\n[cache]\nnum_blocks = 2048\n")
+    env = {**os.environ, "CHATD_HOME": str(root / "home")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chatd", "serve", "--model", str(model_dir), "--config", str(config), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    url = None
+    deadline = time.monotonic() + 120
+    lines = []
+    while time.monotonic() < deadline and url is None:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        match = re.search(r"ready: .* (http://127\.0\.0\.1:\d+)", line)
+        if match:
+            url = match.group(1)
+    if url is None:
+        proc.kill()
+        pytest.fail("chatd serve did not become ready:\n" + "".join(lines))
+    yield url, model_dir, proc
+    proc.terminate()
+    try:
+        assert proc.wait(timeout=30) == 0, "chatd serve should exit 0 on SIGTERM"
+    finally:
+        proc.kill()
+
+
+@pytest.fixture
+def client(server):
+    url, _, _ = server
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def async_client(server):
+    url, _, _ = server
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_completion_with_usage_equal_to_the_tokenizer(client, server):
+    _, model_dir, _ = server
+    reply = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=12, temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    assert reply.usage.prompt_tokens == len(tokenizer.encode_chat(MESSAGES))
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert reply.model == "demo"
+
+
+async def test_stream_equals_whole_reply_and_has_openai_shape(async_client):
+    whole = await async_client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
+    stream = await async_client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content_chunks = [c for c in chunks if c.choices]
+    finishes = [c.choices[0].finish_reason for c in content_chunks]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    text = "".join(c.choices[0].delta.content or "" for c in content_chunks)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_take_text_or_token_ids(client):
+    by_text = client.completions.create(model="demo", prompt="The cache", max_tokens=5, temperature=0)
+    assert by_text.object == "text_completion" and by_text.usage.completion_tokens <= 5
+    by_ids = client.completions.create(model="demo", prompt=[1, 20, 30, 40], max_tokens=5, temperature=0, logprobs=2)
+    assert by_ids.usage.prompt_tokens == 4
+    logprobs = by_ids.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == by_ids.usage.completion_tokens
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+
+
+def test_n_choices_and_chat_logprobs(client):
+    reply = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=6, n=3, seed=5, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert reply.usage.completion_tokens == 18
+    for choice in reply.choices:
+        assert len(choice.logprobs.content) == 6
+        assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["demo"]
+    assert models[0].model_extra["context_length"] == 2048
+    assert models[0].model_extra["chatd"]["attention_backend"] == "sdpa"
+
+
+def test_errors_name_the_param_in_openai_shape(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4", messages=MESSAGES)
+    assert err.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=5000)
+    assert err.value.param == "max_tokens" and "5000" in err.value.message and "2048" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert err.value.param == "tools" and "not supported" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=MESSAGES, stream_options={"include_usage": True})
+    assert err.value.param == "stream_options"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=MESSAGES, temperature=3)
+    assert err.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=[{"role": "tool", "content": "x"}])
+    assert err.value.param == "messages[0].role"
+
+
+async def test_raw_http_errors_are_json(server):
+    url, _, _ = server
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/chat/completions", data=b"{not json") as r:
+            assert r.status == 400 and "JSON" in (await r.json())["error"]["message"]
+        async with session.post(f"{url}/v1/chat/completions", json={"messages": "hi", "max_tokens": "ten"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] in ("messages", "max_tokens")
+        async with session.post(f"{url}/v1/chat/completions", data=b"x" * 70000) as r:
+            assert r.status == 413 and (await r.json())["error"]["code"] == "request_too_large"
+        async with session.get(f"{url}/v1/nothing") as r:
+            assert r.status == 404 and "error" in await r.json()
+        async with session.delete(f"{url}/v1/models") as r:
+            assert r.status == 405 and "error" in await r.json()
+        async with session.get(f"{url}/v1/models", headers={"X-Request-Id": "abc-123"}) as r:
+            assert r.headers["X-Request-Id"] == "abc-123"
+
+
+async def _metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise KeyError(name)
+
+
+async def test_64_concurrent_streams_equal_sequential_and_health_answers(server, async_client):
+    url, _, _ = server
+    prompts = [[{"role": "user", "content": f"Question number {i}: what is a KV block?"}] for i in range(64)]
+
+    async def one(messages, stream: bool) -> str:
+        kwargs = dict(model="demo", messages=messages, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+        if not stream:
+            return (await async_client.chat.completions.create(**kwargs)).choices[0].message.content
+        chunks = await async_client.chat.completions.create(stream=True, **kwargs)
+        return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+    async def health_while_busy() -> int:
+        await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{url}/health") as r:
+                return r.status
+
+    together, status = await asyncio.gather(asyncio.gather(*(one(p, True) for p in prompts)), health_while_busy())
+    assert status == 200
+    alone = [await one(p, False) for p in prompts[:8]]
+    assert list(together[:8]) == alone
+
+
+async def test_abandoned_streams_free_everything(server):
+    url, _, _ = server
+    body = {"model": "demo", "messages": MESSAGES, "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        for _ in range(4):
+            responses = [await session.post(f"{url}/v1/chat/completions", json=body) for _ in range(50)]
+            for r in responses:
+                await r.content.readline()  # the first event, then the client goes away
+                r.close()
+        for _ in range(200):  # bounded: the engine frees aborted requests within a step or two
+            running = await _metric(session, url, "chatd:num_requests_running")
+            waiting = await _metric(session, url, "chatd:num_requests_waiting")
+            usage = await _metric(session, url, "chatd:kv_cache_usage_perc")
+            if running == waiting == usage == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (running, waiting, usage) == (0, 0, 0)
