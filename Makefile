@@ -15,7 +15,7 @@ $(BIN)/chatd: pyproject.toml
 install: $(BIN)/chatd
 
 run: install
-	$(BIN)/chatd generate $(if $(MODEL),--model $(MODEL),) "Tell me about chatd."
+	$(BIN)/chatd serve $(if $(MODEL),--model $(MODEL),)
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
