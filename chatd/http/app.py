@@ -11,14 +11,14 @@ import uuid
 from aiohttp import web
 
 from chatd.http import views
-from chatd.http.errors import MAX_BODY_BYTES, error_middleware
+from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, error_middleware
 from chatd.http.state import STATE, ServerState
 
 
 @web.middleware
 async def request_id_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Honour the client's X-Request-Id or make one; `_echo_request_id` puts it on the response."""
-    request["request_id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    request[REQUEST_ID] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     return await handler(request)
 
 
@@ -39,5 +39,5 @@ def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Appli
 
 async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
     """Streams send their headers before the handler returns: add the id as they go out."""
-    if "request_id" in request:
-        response.headers["X-Request-Id"] = request["request_id"]
+    if REQUEST_ID in request:
+        response.headers["X-Request-Id"] = request[REQUEST_ID]

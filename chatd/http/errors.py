@@ -16,6 +16,8 @@ from chatd.engine.params import ParamError
 log = logging.getLogger("chatd.http")
 
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+# Typed request keys arrived in aiohttp 3.13; a plain string works (with a warning) before that.
+REQUEST_ID = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
          409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
@@ -59,5 +61,5 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         return error_response(exc.status, exc.reason or "error")
     except Exception:
-        log.exception("internal error handling %s %s (request id %s)", request.method, request.path, request.get("request_id"))
-        return error_response(500, f"internal server error (request id {request.get('request_id')})")
+        log.exception("internal error handling %s %s (request id %s)", request.method, request.path, request.get(REQUEST_ID))
+        return error_response(500, f"internal server error (request id {request.get(REQUEST_ID)})")

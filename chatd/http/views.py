@@ -17,7 +17,7 @@ import orjson
 from aiohttp import web
 
 from chatd.engine.params import FinishReason, RequestOutput
-from chatd.http.errors import APIError, error_body
+from chatd.http.errors import REQUEST_ID, APIError, error_body
 from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion
 from chatd.http.state import STATE, ServerState
 
@@ -89,7 +89,7 @@ class _Timing:
 
 async def _generate(request: web.Request, state: ServerState, gen: GenerationRequest, chat: bool) -> web.StreamResponse:
     state.check_model(gen.model)
-    request_id = request["request_id"]
+    request_id = request[REQUEST_ID]
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
     created = int(time.time())

@@ -1,0 +1,104 @@
+"""Handler-level cases through aiohttp's test client, with a scripted engine in place of the model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from chatd.engine.demo import build_tokenizer
+from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput
+from chatd.engine.tokenizer import Tokenizer
+from chatd.http.app import create_app
+from chatd.http.state import ServerState
+
+BODY = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+class ScriptedEngine:
+    """Stands in for AsyncEngine: yields the given outputs, with a pause before each."""
+
+    def __init__(self, script: list[RequestOutput | Exception], pause: float = 0.0) -> None:
+        self.script, self.pause = script, pause
+        self.error = None
+        self.is_running = True
+        self.aborted: list[str] = []
+
+    def generate(self, prompt, params, request_id=None, priority=0):
+        async def outputs():
+            for item in self.script:
+                await asyncio.sleep(self.pause)
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        return outputs()
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def stats(self):
+        raise AssertionError("not used here")
+
+
+def delta(text: str, finish: FinishReason | None = None, error: str | None = None) -> RequestOutput:
+    out = CompletionOutput(0, text=text, token_ids=[7] if text else [], finish_reason=finish)
+    return RequestOutput("r", [1, 2, 3], [out], finished=finish is not None or error is not None, error=error)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer(path)
+    return Tokenizer.from_pretrained(path)
+
+
+async def client_for(engine: ScriptedEngine, tokenizer: Tokenizer, heartbeat: float = 15.0) -> TestClient:
+    state = ServerState(engine=engine, tokenizer=tokenizer, model_name="m", max_model_len=64, details={}, heartbeat_seconds=heartbeat)
+    client = TestClient(TestServer(create_app(state)))
+    await client.start_server()
+    return client
+
+
+async def read_events(response) -> list[str]:
+    text = (await response.read()).decode()
+    return [block for block in text.split("\n\n") if block]
+
+
+async def test_an_error_after_the_stream_began_is_an_sse_error_event(tokenizer):
+    engine = ScriptedEngine([delta("Hel"), delta("", error="device lost")])
+    client = await client_for(engine, tokenizer)
+    try:
+        response = await client.post("/v1/chat/completions", json=BODY)
+        assert response.status == 200
+        events = await read_events(response)
+        assert events[-1].startswith('data: {"error"') and "device lost" in events[-1]
+        assert "[DONE]" not in events[-1]
+    finally:
+        await client.close()
+
+
+async def test_an_internal_error_is_a_500_without_a_traceback(tokenizer, caplog):
+    engine = ScriptedEngine([RuntimeError("secret internals")])
+    client = await client_for(engine, tokenizer)
+    try:
+        response = await client.post("/v1/chat/completions", json={**BODY, "stream": False}, headers={"X-Request-Id": "req-9"})
+        body = await response.json()
+        assert response.status == 500 and body["error"]["type"] == "server_error"
+        assert "secret" not in body["error"]["message"] and "Traceback" not in body["error"]["message"]
+        assert "req-9" in body["error"]["message"]
+        assert "req-9" in caplog.text and "secret internals" in caplog.text  # the traceback goes to the log
+        assert engine.aborted == ["req-9"]
+    finally:
+        await client.close()
+
+
+async def test_an_idle_stream_gets_heartbeat_comments(tokenizer):
+    engine = ScriptedEngine([delta("a"), delta("b", FinishReason.STOP)], pause=0.35)
+    client = await client_for(engine, tokenizer, heartbeat=0.1)
+    try:
+        events = await read_events(await client.post("/v1/chat/completions", json=BODY))
+        assert any(e.startswith(":") for e in events), "an SSE comment keeps an idle stream open"
+        assert events[-1] == "data: [DONE]"
+    finally:
+        await client.close()
