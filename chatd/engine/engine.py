@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import time
 import logging
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ class Request:
     detokenizers: list[IncrementalDetokenizer | None]
     waiting_children: list[Sequence] = field(default_factory=list)  # choices 1..n-1 until choice 0 forks them
     num_cached_tokens: int = 0
+    queued_at: float = 0.0  # engine clock when added
+    queue_time: float | None = None  # seconds from being added to first being scheduled
 
     @property
     def finished(self) -> bool:
@@ -71,8 +74,10 @@ class LLMEngine:
         eos_token_ids: frozenset[int] = frozenset(),
         model_path: str = "",
         is_demo: bool = False,
+        clock=time.monotonic,
     ) -> None:
         self.runner = runner
+        self.clock = clock
         self.model_path = model_path
         self.is_demo = is_demo
         self.config = config
@@ -167,6 +172,7 @@ class LLMEngine:
         """Queue a request built by `prepare_request`."""
         if request.request_id in self.requests:
             raise ParamError("request_id", f"request id {request.request_id!r} is already running")
+        request.queued_at = self.clock()
         self.requests[request.request_id] = request
         self.scheduler.add(request.seqs[0])
 
@@ -203,6 +209,11 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        now = self.clock()
+        for scheduled in plan.scheduled:
+            request = self.requests[scheduled.seq.request_id]
+            if request.queue_time is None:
+                request.queue_time = now - request.queued_at
         try:
             sampled = self.runner.execute(plan.scheduled)
         except Exception as exc:  # the model failed: fail this batch's requests, keep serving the rest
@@ -241,6 +252,7 @@ class LLMEngine:
                 continue
             out.outputs.sort(key=lambda o: o.index)
             out.num_cached_tokens = request.num_cached_tokens
+            out.queue_time = request.queue_time
             out.finished = request.finished
             if out.finished:
                 del self.requests[request_id]

@@ -138,6 +138,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when the engine failed this request
+    queue_time: float | None = None  # seconds from being added until first scheduled
 
     def merge(self, later: RequestOutput) -> None:
         """Fold a later delta of the same request into this one (used by streams and LLM)."""
@@ -152,3 +153,5 @@ class RequestOutput:
         self.finished = later.finished
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
         self.error = later.error or self.error
+        if self.queue_time is None:
+            self.queue_time = later.queue_time

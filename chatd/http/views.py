@@ -264,7 +264,7 @@ def _log_and_observe(state: ServerState, request_id: str, out: RequestOutput | N
         cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
         ttft=ttft,
         e2e=end - timing.start,
-        queue_time=None,
+        queue_time=None if out is None else out.queue_time,
         inter_token_latencies=timing.inter_token,
     )
     log.info(

@@ -246,3 +246,14 @@ def test_evicted_prefix_is_recomputed_not_served_stale(model_dirs):
     out = llm.generate(again, GREEDY)[0]
     assert out.num_cached_tokens < 40
     assert out.outputs[0].token_ids == hf_greedy(path, again, GREEDY.max_tokens)
+
+
+def test_queue_time_is_measured_on_the_engine_clock(model_dirs):
+    llm = make_llm(model_dirs["llama"])
+    engine = llm.engine
+    now = [100.0]
+    engine.clock = lambda: now[0]
+    engine.add_request("q", [5, 6, 7], GREEDY)
+    now[0] = 102.5
+    out = engine.step()[0]
+    assert out.queue_time == pytest.approx(2.5)

@@ -102,3 +102,15 @@ async def test_an_idle_stream_gets_heartbeat_comments(tokenizer):
         assert events[-1] == "data: [DONE]"
     finally:
         await client.close()
+
+
+async def test_health_is_503_once_the_engine_died(tokenizer):
+    engine = ScriptedEngine([])
+    client = await client_for(engine, tokenizer)
+    try:
+        assert (await client.get("/health")).status == 200
+        engine.error, engine.is_running = RuntimeError("CUDA error"), False
+        response = await client.get("/health")
+        assert response.status == 503 and "CUDA error" in (await response.json())["error"]
+    finally:
+        await client.close()
