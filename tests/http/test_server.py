@@ -29,24 +29,25 @@ def server(tmp_path_factory):
     config = root / "config.toml"
     config.write_text("[server]\nmax_body_bytes = 65536\nheartbeat_seconds = 0.5\nshutdown_grace_seconds = 5.0\n[cache]\nnum_blocks = 2048\n")
     env = {**os.environ, "CHATD_HOME": str(root / "home")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "chatd", "serve", "--model", str(model_dir), "--config", str(config), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
+    # The log goes to a file, not a pipe: nobody drains a pipe during the tests, and a full pipe
+    # would block the server's logging (and with it its event loop).
+    log_path = root / "serve.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "chatd", "serve", "--model", str(model_dir), "--config", str(config), "--port", "0"],
+            stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env,
+        )
     url = None
     deadline = time.monotonic() + 120
-    lines = []
-    while time.monotonic() < deadline and url is None:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        match = re.search(r"ready: .* (http://127\.0\.0\.1:\d+)", line)
+    while time.monotonic() < deadline and url is None and proc.poll() is None:
+        match = re.search(r"ready: .* (http://127\.0\.0\.1:\d+)", log_path.read_text())
         if match:
             url = match.group(1)
+        else:
+            time.sleep(0.1)
     if url is None:
         proc.kill()
-        pytest.fail("chatd serve did not become ready:\n" + "".join(lines))
+        pytest.fail("chatd serve did not become ready:\n" + log_path.read_text())
     yield url, model_dir, proc
     proc.terminate()
     try:
@@ -201,7 +202,7 @@ async def test_64_concurrent_streams_equal_sequential_and_health_answers(server,
 async def test_abandoned_streams_free_everything(server):
     url, _, _ = server
     body = {"model": "demo", "messages": MESSAGES, "max_tokens": 1500, "stream": True, "ignore_eos": True}
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         for _ in range(4):
             responses = [await session.post(f"{url}/v1/chat/completions", json=body) for _ in range(50)]
             for r in responses:
