@@ -6,7 +6,7 @@ cores), starts the server as a subprocess on a free 127.0.0.1 port, drives it wi
 generator (`chatd.bench.run_bench`: streamed chat completions at each concurrency level) and
 stops it (SIGTERM, then SIGKILL after a timeout, also on errors). Then chatd's offline engine
 (`LLM.generate`) runs the highest level's workload, the same chat prompts as token ids through
-the same chat template, the same output lengths, EOS ignored, so the server's tok/s can be read
+the same chat template, the same output lengths, EOS ignored, at most that level's number of sequences at once, so the server's tok/s can be read
 as a share of what the engine does without any front end.
 
 It prints, per server and level, TTFT p50/p95, ITL p50 (per streamed chunk), output tok/s
@@ -219,6 +219,8 @@ def run_offline(args, model_dir: Path, engine_options: dict) -> dict:
     num_sessions = options.num_requests or 2 * concurrency
     # The very prompts run_level sends at this level: same options, same per-level seed.
     sessions = make_sessions(options, num_sessions, random.Random(f"{options.seed}:{concurrency}"))
+    # At most `concurrency` sequences at once, as the server sees at most that many requests.
+    engine_options = {**engine_options, "max_num_seqs": concurrency}
     llm = LLM(str(model_dir), **engine_options)
     prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": turns[0][0]}]) for turns in sessions]
     params = [SamplingParams(max_tokens=turns[0][1], temperature=0.0, ignore_eos=True) for turns in sessions]

@@ -5,6 +5,13 @@ are queued as commands the engine thread applies between steps. Each request has
 that merges deltas as they arrive, so a consumer that reads slowly gets bigger deltas and
 never holds the batch back. Leaving `async for` early (or being cancelled) aborts the
 request; its blocks are free once the engine thread has applied the abort, before its next step.
+
+Every torch operation of a server happens on the engine thread, loading included: `AsyncEngine`
+takes a function that builds the engine and calls it there. On CPU this matters for speed: each
+thread that runs torch ops gets its own OpenMP team, and once a process has more OpenMP threads
+than cores, libgomp stops spinning between parallel regions and sleeps instead, so every small op
+pays a wake-up. With the model loaded on another thread, engine steps ran ~1.9x slower on the
+2-core machine (docs/design.md).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from chatd.engine.engine import EngineStats, LLMEngine
 from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams
@@ -47,26 +54,38 @@ class RequestStream:
 class AsyncEngine:
     """Runs an LLMEngine in a background thread and streams its outputs to coroutines."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, build: Callable[[], LLMEngine]) -> None:
+        self._build = build
+        self.engine: LLMEngine | None = None  # set by start()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
-        self._stats = engine.stats()
+        self._stats: EngineStats | None = None
         self.error: BaseException | None = None  # set if the engine thread died
 
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def start(self) -> None:
-        """Start the engine thread (bound to the running event loop)."""
+    async def start(self) -> LLMEngine:
+        """Start the engine thread (bound to the running event loop), build the engine in it and return it.
+
+        Raises whatever building raised; the thread has then ended.
+        """
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="chatd-engine", daemon=True)
+        built = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(built,), name="chatd-engine", daemon=True)
         self._thread.start()
+        try:
+            await built
+        except Exception:
+            await asyncio.to_thread(self._thread.join)  # it ends right after reporting the error
+            raise
+        assert self.engine is not None
+        return self.engine
 
     async def stop(self) -> None:
         """Abort everything in flight and stop the engine thread."""
@@ -77,6 +96,7 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         """The counters as of the engine thread's last step (or applied command)."""
+        assert self._stats is not None, "start() first"
         return self._stats
 
     def generate(
@@ -131,7 +151,14 @@ class AsyncEngine:
         self._commands.put(command)
         self._wakeup.set()
 
-    def _run(self) -> None:
+    def _run(self, built: asyncio.Future) -> None:
+        try:
+            self.engine = self._build()
+            self._stats = self.engine.stats()
+        except BaseException as exc:
+            self._loop.call_soon_threadsafe(_settle, built, exc)
+            return
+        self._loop.call_soon_threadsafe(_settle, built, None)
         try:
             while not self._stopping:
                 self._apply_commands()
@@ -167,7 +194,7 @@ class AsyncEngine:
                 synced.append(arg)
         self._stats = self.engine.stats()
         for future in synced:
-            self._loop.call_soon_threadsafe(_resolve, future)
+            self._loop.call_soon_threadsafe(_settle, future, None)
 
     def _shutdown(self) -> None:
         """Abort what is left and tell every open stream why it ends."""
@@ -191,9 +218,13 @@ class AsyncEngine:
                 stream.put(out)
 
 
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the waiter was cancelled
+        return
+    if error is None:
         future.set_result(None)
+    else:
+        future.set_exception(error)
 
 
 def _error_output(request_id: str, prompt_token_ids: list[int], message: str, n: int = 1) -> RequestOutput:

@@ -8,6 +8,7 @@ On SIGINT/SIGTERM: stop accepting, give in-flight requests the grace period, abo
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from pathlib import Path
@@ -26,11 +27,12 @@ log = logging.getLogger("chatd.http")
 
 async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
     """Run the server until SIGINT/SIGTERM (or `stop` is set)."""
-    engine = await asyncio.to_thread(LLMEngine.from_config, config)
+    # Loaded on the engine thread, where all of the server's torch work runs (see async_engine.py).
+    async_engine = AsyncEngine(functools.partial(LLMEngine.from_config, config))
+    engine = await async_engine.start()
     if engine.tokenizer is None:
+        await async_engine.stop()
         raise ValueError("chatd serve needs a model with a tokenizer")
-    async_engine = AsyncEngine(engine)
-    await async_engine.start()
     model_path = Path(engine.model_path)
     state = ServerState(
         engine=async_engine,

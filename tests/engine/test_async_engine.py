@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 
 import pytest
 
@@ -16,8 +17,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture
 async def engine(model_dirs):
-    llm = make_llm(model_dirs["llama"])
-    async_engine = AsyncEngine(llm.engine)
+    async_engine = AsyncEngine(lambda: make_llm(model_dirs["llama"]).engine)
     await async_engine.start()
     yield async_engine
     await async_engine.stop()
@@ -99,7 +99,7 @@ async def test_bad_request_raises_before_anything_is_queued(engine):
 
 
 async def test_stop_ends_open_streams_with_an_error(model_dirs):
-    async_engine = AsyncEngine(make_llm(model_dirs["llama"]).engine)
+    async_engine = AsyncEngine(lambda: make_llm(model_dirs["llama"]).engine)
     await async_engine.start()
     stream = async_engine.generate([3, 4, 5], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
     await stream.__anext__()
@@ -109,3 +109,29 @@ async def test_stop_ends_open_streams_with_an_error(model_dirs):
         last = out
     assert last is not None and last.finished and last.error
     assert async_engine.stats().num_free_blocks == async_engine.stats().num_blocks
+
+
+async def test_the_engine_is_built_on_the_engine_thread_and_build_errors_reach_start(model_dirs):
+    # All torch work of a server runs on one thread (a second OpenMP team halves CPU speed).
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread().name)
+        return make_llm(model_dirs["llama"]).engine
+
+    async_engine = AsyncEngine(build)
+    engine = await async_engine.start()
+    try:
+        assert built_on == ["chatd-engine"] and async_engine.engine is engine
+        out = await collect(async_engine, [3, 4, 5])
+        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+    finally:
+        await async_engine.stop()
+
+    def broken():
+        raise FileNotFoundError("no model at /nowhere")
+
+    failing = AsyncEngine(broken)
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        await failing.start()
+    assert not failing.is_running
