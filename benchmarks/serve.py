@@ -177,10 +177,16 @@ def run_chatd(args, model_dir: Path, config_path: Path, work: Path) -> dict:
         server.stop()
 
 
+def transformers_cli() -> str:
+    """The `transformers` command beside this Python (a venv's bin/ need not be on PATH), else PATH's."""
+    beside = Path(sys.executable).parent / "transformers"
+    return str(beside) if beside.exists() else "transformers"
+
+
 def run_transformers(args, model_dir: Path, work: Path) -> dict:
     port = free_port()
     server = Server(
-        "transformers", ["transformers", "serve", str(model_dir), "--continuous-batching", "--attn-implementation",
+        "transformers", [transformers_cli(), "serve", str(model_dir), "--continuous-batching", "--attn-implementation",
                          "sdpa", "--device", "cpu", "--dtype", "float32", "--host", HOST, "--port", str(port)],
         work / "transformers.log", env={"HF_HUB_OFFLINE": "1"},
     )
