@@ -1,19 +1,27 @@
 """The `chatd` command: the composition root, the one module that sees every part.
 
 Subcommands: `serve` (the OpenAI-compatible server), `generate` (stream one completion to the
-terminal), `demo-model DIR` (build the random-weight demo model).
+terminal), `demo-model DIR` (build the random-weight demo model), `keys create|list|revoke`
+(API keys in the store).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from chatd.bench import add_parser as add_bench_parser
-from chatd.config import load_config
+from chatd.config import load_config, store_path
 from chatd.logs import setup_logging
+from chatd.store.db import TIERS, Store
+
+T = TypeVar("T")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -42,8 +50,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-
     from chatd.http.serve import serve
 
     overrides: dict[str, dict] = {"model": {}, "server": {}}
@@ -67,6 +73,50 @@ def _demo_model(args: argparse.Namespace) -> int:
     path = build_demo_model(Path(args.dir))
     print(f"built the demo model in {path}\n{DEMO_WARNING}")
     return 0
+
+
+def _on_store(args: argparse.Namespace, work: Callable[[Store], Awaitable[T]]) -> T:
+    """Open the store that the config names, run `work` on it, and close it."""
+    async def run() -> T:
+        async with await Store.open(store_path(load_config(args.config))) as store:
+            return await work(store)
+
+    return asyncio.run(run())
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    key, record = _on_store(args, lambda store: store.create_key(args.name, args.tier))
+    print(f"created key {record.id} for tenant {record.tenant_name!r} (tier {record.tier}):\n")
+    print(f"    {key}\n")
+    print("Copy it now: it will not be shown again (chatd keeps only its hash).")
+    return 0
+
+
+def _keys_list(args: argparse.Namespace) -> int:
+    keys = _on_store(args, lambda store: store.list_keys())
+    if not keys:
+        print("no API keys yet; make one with `chatd keys create --name NAME --tier TIER`")
+        return 0
+    rows = [("KEY ID", "TENANT", "TIER", "CREATED", "LAST USED", "REVOKED")]
+    rows += [(k.id, k.tenant_name, k.tier, _when(k.created_at), _when(k.last_used_at), _when(k.revoked_at))
+             for k in keys]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
+def _keys_revoke(args: argparse.Namespace) -> int:
+    if not _on_store(args, lambda store: store.revoke_key(args.key_id)):
+        print(f"chatd: no live key {args.key_id!r} (unknown or already revoked; see `chatd keys list`)",
+              file=sys.stderr)
+        return 1
+    print(f"revoked key {args.key_id}")
+    return 0
+
+
+def _when(timestamp: float | None) -> str:
+    return "-" if timestamp is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +147,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo-model", help="build the tiny random-weight demo model in DIR")
     demo.add_argument("dir")
     demo.set_defaults(func=_demo_model)
+
+    keys = sub.add_parser("keys", help="create, list and revoke API keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = keys_sub.add_parser("create", help="make a key for a tenant (created if new); it is printed once")
+    create.add_argument("--name", required=True, help="the tenant's name")
+    create.add_argument("--tier", required=True, choices=TIERS, help="the tenant's tier")
+    create.set_defaults(func=_keys_create)
+    list_ = keys_sub.add_parser("list", help="list every key (never a secret)")
+    list_.set_defaults(func=_keys_list)
+    revoke = keys_sub.add_parser("revoke", help="revoke a key for good")
+    revoke.add_argument("key_id", help="the key id, as `chatd keys list` shows it")
+    revoke.set_defaults(func=_keys_revoke)
+    for command in (create, list_, revoke):
+        command.add_argument("--config", help="path to a config.toml (its [store] db_path says where the keys live)")
     return parser
 
 

@@ -8,6 +8,7 @@ imports nothing of chatd.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,48 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class StoreConfig:
+    """The SQLite file that keeps API keys, conversations and usage."""
+
+    db_path: str = ""  # empty = $CHATD_HOME/chatd.db (~/.cache/chatd/chatd.db)
+    retention_days: float = 30.0  # deleted conversations are purged this long after deletion
+    purge_interval_seconds: float = 3600.0  # how often the purge runs
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Who may call the API."""
+
+    enabled: bool = False  # off: every request is the one local user; on: a valid API key is required
+    local_tier: str = "paid"  # the local user's tier while auth is off
+
+
+@dataclass(frozen=True)
+class ConversationsConfig:
+    """Server-side conversations."""
+
+    max_message_chars: int = 100_000  # a longer user message is refused with 400
+    max_title_chars: int = 256
+    max_metadata_bytes: int = 16_384  # JSON-encoded size of a conversation's metadata
+    stream_replay_seconds: float = 600.0  # a finished reply's events stay replayable this long
+    save_interval_seconds: float = 1.0  # a growing reply's text is saved this often
+
+
+@dataclass(frozen=True)
+class Price:
+    """USD per million tokens; cached prompt tokens may have their own price."""
+
+    input: float = 0.0
+    cached_input: float = -1.0  # negative = the input price
+    output: float = 0.0
+
+    def cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
+        cached_price = self.input if self.cached_input < 0 else self.cached_input
+        fresh = prompt_tokens - cached_tokens
+        return (fresh * self.input + cached_tokens * cached_price + completion_tokens * self.output) / 1e6
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration."""
 
@@ -66,6 +109,13 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    conversations: ConversationsConfig = field(default_factory=ConversationsConfig)
+    prices: dict[str, Price] = field(default_factory=dict)  # served model name -> its price
+
+    def price(self, model_name: str) -> Price:
+        return self.prices.get(model_name, Price())
 
 
 SECTIONS: dict[str, type] = {
@@ -73,13 +123,27 @@ SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "server": ServerConfig,
+    "store": StoreConfig,
+    "auth": AuthConfig,
+    "conversations": ConversationsConfig,
 }
+
+
+def chatd_home() -> Path:
+    """Where chatd keeps its files: $CHATD_HOME, else ~/.cache/chatd."""
+    home = os.environ.get("CHATD_HOME")
+    return Path(home) if home else Path.home() / ".cache" / "chatd"
+
+
+def store_path(config: Config) -> Path:
+    return Path(config.store.db_path) if config.store.db_path else chatd_home() / "chatd.db"
 
 
 def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:
     """Build a Config from nested `{section: {key: value}}`, rejecting unknown keys by name."""
-    values = values or {}
-    sections = {}
+    values = dict(values or {})
+    prices = _build_prices(values.pop("prices", {}))
+    sections: dict[str, Any] = {}
     for name, section_values in values.items():
         if name not in SECTIONS:
             raise ValueError(f"unknown config section [{name}]; known: {', '.join(SECTIONS)}")
@@ -96,7 +160,22 @@ def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:
                     f"setting {name}.{key} must be {expected.__name__}, got {value!r}"
                 )
         sections[name] = cls(**section_values)
-    return Config(**sections)
+    return Config(**sections, prices=prices)
+
+
+def _build_prices(values: dict[str, Any]) -> dict[str, Price]:
+    known = [f.name for f in dataclasses.fields(Price)]
+    prices = {}
+    for model, price in values.items():
+        if not isinstance(price, dict):
+            raise ValueError(f"prices.{model} must be a table like {{ input = 0.2, output = 0.8 }}, got {price!r}")
+        for key, value in price.items():
+            if key not in known:
+                raise ValueError(f"unknown setting prices.{model}.{key}; known: {', '.join(known)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"setting prices.{model}.{key} must be a number, got {value!r}")
+        prices[model] = Price(**{k: float(v) for k, v in price.items()})
+    return prices
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
@@ -113,7 +192,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
 def config_from_options(base: Config | None = None, **options: Any) -> Config:
     """Apply flat keyword options (`block_size=8`, `device="cpu"`) to the section that owns each."""
     base = base or Config()
-    values: dict[str, dict[str, Any]] = {name: dataclasses.asdict(getattr(base, name)) for name in SECTIONS}
+    values: dict[str, Any] = {name: dataclasses.asdict(getattr(base, name)) for name in SECTIONS}
+    values["prices"] = {model: dataclasses.asdict(price) for model, price in base.prices.items()}
     owners = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
     for key, value in options.items():
         if key not in owners:

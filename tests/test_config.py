@@ -33,6 +33,25 @@ def test_unknown_and_mistyped_settings_are_named():
         config_from_options(colour="blue")
 
 
+def test_setting_names_are_unique_across_sections():
+    # Flat engine options (`LLM(path, block_size=8)`) find their section by name alone.
+    names = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
+
+
 def test_options_land_in_their_sections():
     config = config_from_options(block_size=8, device="cpu", max_num_seqs=4)
     assert (config.cache.block_size, config.model.device, config.scheduler.max_num_seqs) == (8, "cpu", 4)
+
+
+def test_prices_are_per_model_and_cached_tokens_may_have_their_own(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text('[prices.demo]\ninput = 2\ncached_input = 0.5\noutput = 8\n\n[prices."Qwen/Qwen3-8B"]\ninput = 1.0\noutput = 3.0\n')
+    config = load_config(path)
+    assert config.price("demo").cost(1000, 400, 100) == pytest.approx((600 * 2 + 400 * 0.5 + 100 * 8) / 1e6)
+    assert config.price("Qwen/Qwen3-8B").cost(1000, 400, 100) == pytest.approx((1000 * 1.0 + 100 * 3.0) / 1e6)
+    assert config.price("unlisted").cost(1000, 400, 100) == 0.0
+    with pytest.raises(ValueError, match="prices.demo.inptu"):
+        build_config({"prices": {"demo": {"inptu": 1.0}}})
+    with pytest.raises(ValueError, match="prices.demo.output must be a number"):
+        build_config({"prices": {"demo": {"output": "cheap"}}})

@@ -16,6 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from chatd.config import chatd_home
+
 DEMO_WARNING = "This is chatd's demo model with random weights; its output is not meaningful text."
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
@@ -212,9 +214,7 @@ def is_demo_model(path: str | Path) -> bool:
 
 def default_demo_dir() -> Path:
     """Where chatd keeps its demo model: $CHATD_HOME/demo-model, else ~/.cache/chatd/demo-model."""
-    home = os.environ.get("CHATD_HOME")
-    base = Path(home) if home else Path.home() / ".cache" / "chatd"
-    return base / "demo-model"
+    return chatd_home() / "demo-model"
 
 
 def ensure_demo_model(dir: Path | None = None) -> Path:

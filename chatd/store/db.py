@@ -1,0 +1,386 @@
+"""The store: one SQLite file, read and written through aiosqlite, holding who may call the API
+(tenants, API keys), their conversations and messages, and what each request used.
+
+It knows nothing of HTTP or the engine; it hands out the frozen records of records.py. The
+schema is `schema.sql` (version 1) followed by the steps in MIGRATIONS, tracked in
+`PRAGMA user_version`. All SQL takes its values as parameters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import hmac
+import re
+import secrets
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+import orjson
+
+from chatd.store.records import ApiKey, Conversation, Message, Tenant, Usage
+
+SCHEMA_FILE = Path(__file__).with_name("schema.sql")
+# Later schema changes, in order: MIGRATIONS[0] takes a file from version 1 to 2, and so on. Each
+# step is a list of SQL statements, run in one transaction together with its version bump.
+MIGRATIONS: list[list[str]] = []
+SCHEMA_VERSION = 1 + len(MIGRATIONS)
+
+TIERS = ("free", "paid", "premium")
+STATUSES = ("complete", "partial", "error")  # an assistant message stays "partial" if the server dies mid-reply
+LOCAL_TENANT = "local"  # id and name of the one user while auth is off
+LAST_USED_RESOLUTION_S = 60.0  # a key's last_used_at is written at most this often
+KEY_PATTERN = re.compile(r"chatd_([0-9a-f]{12})_([A-Za-z0-9_-]+)")  # chatd_<key id>_<secret>
+
+
+class StoreFileError(ValueError):
+    """The database file cannot be used by this chatd (written by a newer one, or not chatd's)."""
+
+
+# Column lists in the order of the dataclass fields, so a row becomes `Message(*row)`.
+_API_KEY_COLUMNS = "k.id, k.tenant_id, t.name, t.tier, k.created_at, k.revoked_at, k.last_used_at"
+_CONVERSATION_COLUMNS = "id, tenant_id, model, title, system_prompt, metadata, created_at, updated_at"
+_MESSAGE_COLUMNS = ("id, conversation_id, role, content, status, finish_reason, prompt_tokens, cached_tokens, "
+                    "completion_tokens, cost, created_at, updated_at")
+_INSERT_MESSAGE = (f"INSERT INTO messages (position, {_MESSAGE_COLUMNS}) "
+                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+_INSERT_USAGE = ("INSERT INTO usage_events (tenant_id, endpoint, model, conversation_id, message_id, prompt_tokens, "
+                 "cached_tokens, completion_tokens, cost, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+
+
+def _whole(method):
+    """Run a method that writes in a transaction to its end even if its caller is cancelled (a
+    client that went away): the reply is still saved and billed, and no transaction is left open."""
+    @functools.wraps(method)
+    async def run(self, *args, **kwargs):
+        return await asyncio.shield(method(self, *args, **kwargs))
+
+    return run
+
+
+class Store:
+    """chatd's SQLite file. One connection; an asyncio lock keeps each transaction whole."""
+
+    def __init__(self, conn: aiosqlite.Connection, path: Path, clock: Callable[[], float]):
+        self._conn = conn
+        self._lock = asyncio.Lock()
+        self._clock = clock
+        self.path = path
+
+    @classmethod
+    async def open(cls, path: str | Path, *, clock: Callable[[], float] = time.time) -> Store:
+        """Open (creating it and its folder if missing) and migrate the file to SCHEMA_VERSION."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: no implicit transactions; the store opens its own (see _transaction).
+        conn = await aiosqlite.connect(path, isolation_level=None)
+        try:
+            await conn.execute("PRAGMA journal_mode = WAL")  # readers never block the writer
+            # With WAL, NORMAL syncs at checkpoints, not at every commit: a killed process loses
+            # nothing (committed pages are in the WAL, in the OS's hands); only a power cut or OS
+            # crash can lose the last commits, and never corrupts the file.
+            await conn.execute("PRAGMA synchronous = NORMAL")
+            await conn.execute("PRAGMA foreign_keys = ON")  # per connection; the cascades need it
+            await conn.execute("PRAGMA busy_timeout = 5000")  # wait for `chatd keys` in another process
+            await _migrate(conn, path)
+        except BaseException:
+            await conn.close()
+            raise
+        return cls(conn, path, clock)
+
+    async def close(self) -> None:
+        """Close the connection (the last one to close folds the WAL back into the file)."""
+        await self._conn.close()
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    # --- tenants and keys ---
+
+    @_whole
+    async def local_tenant(self, tier: str) -> Tenant:
+        """The one user while auth is off, created on first use; its tier is set to `tier`."""
+        _check_tier(tier)
+        async with self._transaction() as conn:
+            tenant_id = await _upsert_tenant(conn, LOCAL_TENANT, tier, self._clock())
+        return Tenant(tenant_id, LOCAL_TENANT, tier)
+
+    @_whole
+    async def create_key(self, name: str, tier: str) -> tuple[str, ApiKey]:
+        """Make a key for tenant `name` (created if new; its tier set). Returns the key, shown once."""
+        _check_tier(tier)
+        if not name.strip():
+            raise ValueError("a key needs a tenant name")
+        key_id, secret, now = secrets.token_hex(6), secrets.token_urlsafe(32), self._clock()
+        async with self._transaction() as conn:
+            tenant_id = await _upsert_tenant(conn, name, tier, now)
+            await conn.execute(
+                "INSERT INTO api_keys (id, tenant_id, secret_sha256, created_at) VALUES (?, ?, ?, ?)",
+                (key_id, tenant_id, _sha256(secret), now))
+        return f"chatd_{key_id}_{secret}", ApiKey(key_id, tenant_id, name, tier, now, None, None)
+
+    async def list_keys(self) -> list[ApiKey]:
+        """Every key, revoked ones included, newest first."""
+        rows = await self._fetch(f"SELECT {_API_KEY_COLUMNS} FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "
+                                 "ORDER BY k.created_at DESC, k.id DESC")
+        return [ApiKey(*row) for row in rows]
+
+    async def revoke_key(self, key_id: str) -> bool:
+        """Revoke a key for good; False when there is no such live key."""
+        revoked = await self._write("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                                    (self._clock(), key_id))
+        return revoked == 1
+
+    async def authenticate(self, key: str) -> Tenant | None:
+        """The tenant of a live key; None for a malformed, unknown, wrong or revoked one."""
+        match = KEY_PATTERN.fullmatch(key)
+        if match is None:
+            return None
+        key_id, secret = match.groups()
+        rows = await self._fetch(
+            "SELECT k.secret_sha256, k.revoked_at, k.last_used_at, t.id, t.name, t.tier "
+            "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.id = ?", (key_id,))
+        if not rows:
+            return None
+        digest, revoked_at, last_used_at, *tenant = rows[0]
+        if not hmac.compare_digest(digest, _sha256(secret)) or revoked_at is not None:
+            return None
+        now = self._clock()
+        if last_used_at is None or now - last_used_at >= LAST_USED_RESOLUTION_S:
+            await self._write("UPDATE api_keys SET last_used_at = ? WHERE id = ?", (now, key_id))
+        return Tenant(*tenant)
+
+    # --- conversations ---
+
+    async def create_conversation(self, tenant_id: str, *, model: str, title: str | None = None,
+                                  system_prompt: str | None = None,
+                                  metadata: dict[str, Any] | None = None) -> Conversation:
+        """A new conversation; `metadata` is kept as JSON (orjson: str keys, ints within 64 bits)."""
+        now = self._clock()
+        conversation = Conversation(_new_id("conv_", 12), tenant_id, model, title, system_prompt,
+                                    dict(metadata or {}), now, now)
+        await self._write(f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                          (conversation.id, tenant_id, model, title, system_prompt,
+                           orjson.dumps(conversation.metadata).decode(), now, now))
+        return conversation
+
+    async def get_conversation(self, tenant_id: str, conversation_id: str) -> Conversation | None:
+        """The tenant's live conversation; None if missing, deleted or someone else's."""
+        rows = await self._fetch(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations "
+                                 "WHERE id = ? AND tenant_id = ? AND deleted_at IS NULL", (conversation_id, tenant_id))
+        return _conversation(rows[0]) if rows else None
+
+    async def list_conversations(self, tenant_id: str, *, limit: int,
+                                 after: str | None = None) -> tuple[list[Conversation], bool]:
+        """A page of the tenant's conversations, newest first, and whether more follow.
+
+        `after` is the id of the previous page's last conversation; LookupError if it is not
+        one of this tenant's live conversations.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        live = "tenant_id = ? AND deleted_at IS NULL"
+        if after is None:
+            rows = await self._fetch(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE {live} "
+                                     "ORDER BY created_at DESC, id DESC LIMIT ?", (tenant_id, limit + 1))
+        else:
+            cursor = await self._fetch(f"SELECT created_at, id FROM conversations WHERE {live} AND id = ?",
+                                       (tenant_id, after))
+            if not cursor:
+                raise LookupError(f"no conversation {after!r} to list after")
+            rows = await self._fetch(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations WHERE {live} "
+                                     "AND (created_at, id) < (?, ?) ORDER BY created_at DESC, id DESC LIMIT ?",
+                                     (tenant_id, *cursor[0], limit + 1))
+        return [_conversation(row) for row in rows[:limit]], len(rows) > limit
+
+    async def delete_conversation(self, tenant_id: str, conversation_id: str) -> bool:
+        """Soft delete: hidden at once, purged later. False if missing, deleted or someone else's."""
+        deleted = await self._write("UPDATE conversations SET deleted_at = ? "
+                                    "WHERE id = ? AND tenant_id = ? AND deleted_at IS NULL",
+                                    (self._clock(), conversation_id, tenant_id))
+        return deleted == 1
+
+    async def purge_deleted(self, deleted_before: float) -> int:
+        """Remove conversations deleted before that time, with their messages; their usage stays."""
+        return await self._write("DELETE FROM conversations WHERE deleted_at IS NOT NULL AND deleted_at < ?",
+                                 (deleted_before,))
+
+    # --- messages and turns ---
+
+    async def list_messages(self, conversation_id: str) -> list[Message]:
+        """A conversation's messages in order (check the conversation is the caller's first)."""
+        rows = await self._fetch(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? "
+                                 "ORDER BY position", (conversation_id,))
+        return [Message(*row) for row in rows]
+
+    async def get_message(self, conversation_id: str, message_id: str) -> Message | None:
+        """One message of a conversation, or None."""
+        rows = await self._fetch(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? AND id = ?",
+                                 (conversation_id, message_id))
+        return Message(*rows[0]) if rows else None
+
+    @_whole
+    async def start_turn(self, tenant_id: str, conversation_id: str, content: str) -> tuple[Message, Message]:
+        """Add the user's message and an empty `partial` assistant reply, or LookupError and nothing."""
+        now = self._clock()
+        user = Message(_new_id("msg_", 12), conversation_id, "user", content, "complete", None, 0, 0, 0, 0.0, now, now)
+        reply = Message(_new_id("msg_", 12), conversation_id, "assistant", "", "partial", None, 0, 0, 0, 0.0, now, now)
+        async with self._transaction() as conn:
+            live = await conn.execute_fetchall("SELECT 1 FROM conversations WHERE id = ? AND tenant_id = ? "
+                                               "AND deleted_at IS NULL", (conversation_id, tenant_id))
+            if not live:
+                raise LookupError(f"no conversation {conversation_id!r}")
+            [(position,)] = await conn.execute_fetchall(
+                "SELECT COALESCE(MAX(position) + 1, 0) FROM messages WHERE conversation_id = ?", (conversation_id,))
+            await conn.executemany(_INSERT_MESSAGE, [(position, *dataclasses.astuple(user)),
+                                                     (position + 1, *dataclasses.astuple(reply))])
+            await conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
+        return user, reply
+
+    async def save_partial(self, message_id: str, content: str, completion_tokens: int) -> None:
+        """Keep the reply so far; a reply already finished is left alone."""
+        await self._write("UPDATE messages SET content = ?, completion_tokens = ?, updated_at = ? "
+                          "WHERE id = ? AND status = 'partial'", (content, completion_tokens, self._clock(), message_id))
+
+    @_whole
+    async def finish_turn(self, tenant_id: str, message_id: str, *, content: str, status: str,
+                          finish_reason: str | None, prompt_tokens: int, cached_tokens: int,
+                          completion_tokens: int, cost: float, model: str) -> Message:
+        """Write the finished reply and its usage event together.
+
+        When the message is gone (its conversation purged mid-reply) the usage is still recorded,
+        then LookupError is raised.
+        """
+        if status not in STATUSES:
+            raise ValueError(f"status must be one of {', '.join(STATUSES)}; got {status!r}")
+        now = self._clock()
+        async with self._transaction() as conn:
+            await conn.execute(
+                "UPDATE messages SET content = ?, status = ?, finish_reason = ?, prompt_tokens = ?, cached_tokens = ?, "
+                "completion_tokens = ?, cost = ?, updated_at = ? WHERE id = ?",
+                (content, status, finish_reason, prompt_tokens, cached_tokens, completion_tokens, cost, now, message_id))
+            rows = await conn.execute_fetchall(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,))
+            conversation_id = rows[0][1] if rows else None
+            await conn.execute(_INSERT_USAGE, (tenant_id, "conversations", model, conversation_id, message_id,
+                                               prompt_tokens, cached_tokens, completion_tokens, cost, now))
+        if not rows:
+            raise LookupError(f"no message {message_id!r} (its usage was recorded)")
+        return Message(*rows[0])
+
+    # --- usage ---
+
+    async def record_usage(self, tenant_id: str, *, endpoint: str, model: str, prompt_tokens: int,
+                           cached_tokens: int, completion_tokens: int, cost: float,
+                           conversation_id: str | None = None, message_id: str | None = None) -> None:
+        """Record what one request used."""
+        await self._write(_INSERT_USAGE, (tenant_id, endpoint, model, conversation_id, message_id, prompt_tokens,
+                                          cached_tokens, completion_tokens, cost, self._clock()))
+
+    async def usage(self, tenant_id: str, start: float, end: float) -> Usage:
+        """The tenant's totals over events with start <= created_at < end."""
+        [row] = await self._fetch(
+            "SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
+            "COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(cost), 0.0) FROM usage_events "
+            "WHERE tenant_id = ? AND created_at >= ? AND created_at < ?", (tenant_id, start, end))
+        return Usage(*row)
+
+    # --- plumbing ---
+
+    async def _fetch(self, sql: str, params: tuple = ()) -> list[sqlite3.Row]:
+        async with self._lock:
+            return list(await self._conn.execute_fetchall(sql, params))
+
+    async def _write(self, sql: str, params: tuple) -> int:
+        """Run one statement (atomic on its own) and return the number of rows it changed."""
+        async with self._lock, self._conn.execute(sql, params) as cursor:
+            return cursor.rowcount
+
+    @contextlib.asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
+        """Statements that commit together or not at all. The lock keeps other coroutines'
+        statements on this connection out of it; IMMEDIATE takes the file's write lock up front,
+        so another process cannot make it fail halfway. Callers are @_whole: a cancellation
+        landing on BEGIN would leave the transaction open, since the statement still runs."""
+        async with self._lock:
+            await self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                await self._conn.execute("ROLLBACK")
+                raise
+            await self._conn.execute("COMMIT")
+
+
+async def _migrate(conn: aiosqlite.Connection, path: Path) -> None:
+    """Bring the file to SCHEMA_VERSION in one transaction: a fresh file gets schema.sql, then
+    every step of MIGRATIONS it lacks. A file newer than this code is refused."""
+    latest = 1 + len(MIGRATIONS)
+    await conn.execute("BEGIN IMMEDIATE")  # a second process opening a fresh file waits, then finds it migrated
+    try:
+        [(version,)] = await conn.execute_fetchall("PRAGMA user_version")
+        if version > latest:
+            raise StoreFileError(f"{path} has schema version {version}, but this chatd knows versions up to "
+                                 f"{latest}: upgrade chatd, or point [store] db_path at another file")
+        if version == 0:
+            if await conn.execute_fetchall("SELECT 1 FROM sqlite_master LIMIT 1"):
+                raise StoreFileError(f"{path} is not a chatd database (it has tables but no schema version)")
+            steps = [_statements(SCHEMA_FILE.read_text()), *MIGRATIONS]
+        else:
+            steps = MIGRATIONS[version - 1:]
+        for statements in steps:
+            for sql in statements:
+                await conn.execute(sql)
+            version += 1
+            await conn.execute(f"PRAGMA user_version = {int(version)}")  # PRAGMA takes no parameters
+    except BaseException:
+        await conn.execute("ROLLBACK")
+        raise
+    await conn.execute("COMMIT")
+
+
+def _statements(script: str) -> list[str]:
+    """Split a SQL script into statements (executescript would commit our open transaction)."""
+    statements, pending = [], ""
+    for line in script.splitlines(keepends=True):
+        pending += line
+        if sqlite3.complete_statement(pending):
+            statements.append(pending.strip())
+            pending = ""
+    return statements
+
+
+async def _upsert_tenant(conn: aiosqlite.Connection, name: str, tier: str, now: float) -> str:
+    """Create tenant `name` or set its tier; returns its id. Runs inside a transaction."""
+    new_id = LOCAL_TENANT if name == LOCAL_TENANT else _new_id("ten_", 8)
+    await conn.execute("INSERT INTO tenants (id, name, tier, created_at) VALUES (?, ?, ?, ?) "
+                       "ON CONFLICT (name) DO UPDATE SET tier = excluded.tier", (new_id, name, tier, now))
+    [(tenant_id,)] = await conn.execute_fetchall("SELECT id FROM tenants WHERE name = ?", (name,))
+    return tenant_id
+
+
+def _check_tier(tier: str) -> None:
+    if tier not in TIERS:
+        raise ValueError(f"tier must be one of {', '.join(TIERS)}; got {tier!r}")
+
+
+def _conversation(row: sqlite3.Row) -> Conversation:
+    *head, metadata, created_at, updated_at = row
+    return Conversation(*head, orjson.loads(metadata), created_at, updated_at)
+
+
+def _new_id(prefix: str, num_bytes: int) -> str:
+    return prefix + secrets.token_hex(num_bytes)
+
+
+def _sha256(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()

@@ -1,0 +1,74 @@
+"""What the store hands out: frozen records of tenants, keys, conversations, messages and usage.
+
+Timestamps are unix seconds; costs are USD. Import them from here or from chatd.store.db.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Whoever owns keys, conversations and usage."""
+
+    id: str
+    name: str
+    tier: str
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """An API key's record; the secret is never kept, only its SHA-256."""
+
+    id: str
+    tenant_id: str
+    tenant_name: str
+    tier: str
+    created_at: float
+    revoked_at: float | None
+    last_used_at: float | None
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A server-side conversation (a soft-deleted one is never returned)."""
+
+    id: str
+    tenant_id: str
+    model: str
+    title: str | None
+    system_prompt: str | None
+    metadata: dict[str, Any]
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message of a conversation, with what its reply cost when it is the assistant's."""
+
+    id: str
+    conversation_id: str
+    role: str
+    content: str
+    status: str
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cost: float
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A tenant's totals over a time window."""
+
+    requests: int
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    cost: float
