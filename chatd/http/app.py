@@ -1,4 +1,4 @@
-"""The aiohttp application factory: middleware (request id, errors) and routes.
+"""The aiohttp application factory: middleware (request id, errors, auth) and routes.
 
 The app knows the engine only through ServerState; starting and stopping the engine and the
 listening socket is the job of `serve.py`.
@@ -10,7 +10,8 @@ import uuid
 
 from aiohttp import web
 
-from chatd.http import views
+from chatd.http import conversations, views
+from chatd.http.auth import auth_middleware
 from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, error_middleware
 from chatd.http.state import STATE, ServerState
 
@@ -24,13 +25,20 @@ async def request_id_middleware(request: web.Request, handler) -> web.StreamResp
 
 def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Application:
     """Build the app around a started engine."""
-    app = web.Application(middlewares=[request_id_middleware, error_middleware], client_max_size=max_body_bytes)
+    app = web.Application(middlewares=[request_id_middleware, error_middleware, auth_middleware], client_max_size=max_body_bytes)
     app[STATE] = state
     app[MAX_BODY_BYTES] = max_body_bytes
     app.on_response_prepare.append(_echo_request_id)
     app.router.add_post("/v1/chat/completions", views.chat_completions)
     app.router.add_post("/v1/completions", views.completions)
     app.router.add_get("/v1/models", views.models)
+    app.router.add_get("/v1/usage", views.usage)
+    app.router.add_post("/v1/conversations", conversations.create_conversation)
+    app.router.add_get("/v1/conversations", conversations.list_conversations)
+    app.router.add_get("/v1/conversations/{conversation_id}", conversations.get_conversation)
+    app.router.add_delete("/v1/conversations/{conversation_id}", conversations.delete_conversation)
+    app.router.add_post("/v1/conversations/{conversation_id}/messages", conversations.post_message)
+    app.router.add_get("/v1/conversations/{conversation_id}/messages/{message_id}/stream", conversations.stream_message)
     app.router.add_get("/health", views.health)
     app.router.add_get("/ready", views.ready)
     app.router.add_get("/metrics", views.metrics)

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
+from chatd.config import ConversationsConfig
 from chatd.engine.params import MAX_LOGPROBS, SamplingParams
 from chatd.http.errors import APIError
 
@@ -36,6 +39,7 @@ SAMPLING_FIELDS = {
 }
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs"}
+TURN_FIELDS = (SAMPLING_FIELDS - {"store", "metadata"}) | {"content", "role", "max_completion_tokens", "logprobs", "top_logprobs"}
 ROLES = {"system", "user", "assistant", "developer"}
 MAX_STOP = 4
 
@@ -53,6 +57,14 @@ class GenerationRequest:
     user: str | None
 
 
+@dataclass
+class TurnRequest:
+    """A new user message for a conversation; `gen.prompt` is empty until the server renders the history."""
+
+    content: str
+    gen: GenerationRequest
+
+
 def parse_chat(body: Any, tokenizer) -> GenerationRequest:
     """Validate a /v1/chat/completions body and render its messages with the model's chat template."""
     body = _object(body)
@@ -64,20 +76,63 @@ def parse_chat(body: Any, tokenizer) -> GenerationRequest:
     if not messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
     rendered = [_message(m, i) for i, m in enumerate(messages)]
+    try:
+        prompt = tokenizer.encode_chat(rendered)
+    except ValueError as exc:
+        raise APIError(400, f"cannot render messages with this model's chat template: {exc}", "messages") from exc
+    return _request(body, prompt, _chat_max_tokens(body), _chat_logprobs(body))
+
+
+def parse_turn(body: Any, max_chars: int) -> TurnRequest:
+    """Validate a POST /v1/conversations/{id}/messages body: one user message and sampling fields."""
+    body = _object(body)
+    _check_fields(body, TURN_FIELDS)
+    role = _get(body, "role", str, "user")
+    if role != "user":
+        raise APIError(400, f"role must be 'user' (the server writes the assistant's replies), got {role!r}", "role")
+    content = _content(body.get("content"), "content")
+    if not content:
+        raise APIError(400, "content must be a non-empty string", "content")
+    if len(content) > max_chars:
+        raise APIError(400, f"content has {len(content)} characters; the limit is {max_chars}", "content")
+    gen = _request(body, [], _chat_max_tokens(body), _chat_logprobs(body))
+    if gen.params.n != 1:
+        raise APIError(400, f"a conversation takes one reply per message: n must be 1, got {gen.params.n}", "n")
+    return TurnRequest(content, gen)
+
+
+def parse_new_conversation(body: Any, limits: ConversationsConfig) -> dict:
+    """Validate a POST /v1/conversations body; returns model, title, system_prompt and metadata."""
+    body = {} if body is None else _object(body)
+    _check_fields(body, {"model", "title", "system_prompt", "metadata"})
+    title = _get(body, "title", str, None)
+    if title is not None and len(title) > limits.max_title_chars:
+        raise APIError(400, f"title has {len(title)} characters; the limit is {limits.max_title_chars}", "title")
+    system_prompt = _get(body, "system_prompt", str, None)
+    if system_prompt is not None and len(system_prompt) > limits.max_message_chars:
+        raise APIError(400, f"system_prompt has {len(system_prompt)} characters; the limit is {limits.max_message_chars}",
+                       "system_prompt")
+    metadata = _get(body, "metadata", dict, {})
+    size = len(orjson.dumps(metadata))
+    if size > limits.max_metadata_bytes:
+        raise APIError(400, f"metadata takes {size} bytes as JSON; the limit is {limits.max_metadata_bytes}", "metadata")
+    return {"model": _get(body, "model", str, None), "title": title, "system_prompt": system_prompt, "metadata": metadata}
+
+
+def _chat_max_tokens(body: dict) -> int | None:
     max_tokens = _get(body, "max_completion_tokens", int, None)
-    if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", int, None)
+    return _get(body, "max_tokens", int, None) if max_tokens is None else max_tokens
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs: true` + `top_logprobs: k` as the engine's number of alternatives (None: off)."""
     logprobs = _get(body, "logprobs", bool, False)
     top_logprobs = _get(body, "top_logprobs", int, None)
     if top_logprobs is not None and not logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top_logprobs}", "top_logprobs")
-    try:
-        prompt = tokenizer.encode_chat(rendered)
-    except ValueError as exc:
-        raise APIError(400, f"cannot render messages with this model's chat template: {exc}", "messages") from exc
-    return _request(body, prompt, max_tokens, (top_logprobs or 0) if logprobs else None)
+    return (top_logprobs or 0) if logprobs else None
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -153,21 +208,26 @@ def _message(message: Any, index: int) -> dict:
     role = message.get("role")
     if role not in ROLES:
         raise APIError(400, f"{where}.role must be one of system, user, assistant; got {role!r}", f"{where}.role")
-    content = message.get("content")
+    content = _content(message.get("content"), f"{where}.content")
+    if set(message) - {"role", "content", "name"}:
+        extra = sorted(set(message) - {"role", "content", "name"})
+        raise APIError(400, f"{where} has fields chatd does not support: {', '.join(extra)}", where)
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _content(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts joined."""
     if isinstance(content, list):  # a list of parts: only text parts are understood
         texts = []
         for j, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(400, f"{where}.content[{j}] of type {kind!r} is not supported; only text parts", f"{where}.content")
+                raise APIError(400, f"{where}[{j}] of type {kind!r} is not supported; only text parts", where)
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
-        raise APIError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
-    if set(message) - {"role", "content", "name"}:
-        extra = sorted(set(message) - {"role", "content", "name"})
-        raise APIError(400, f"{where} has fields chatd does not support: {', '.join(extra)}", where)
-    return {"role": "system" if role == "developer" else role, "content": content}
+        raise APIError(400, f"{where} must be a string or a list of text parts", where)
+    return content
 
 
 def _object(body: Any) -> dict:

@@ -1,8 +1,10 @@
 """`chatd serve`: load the model, start the engine thread and the HTTP server, stop gracefully.
 
-Order at start: load (before the port opens) -> listen (/health answers, /ready says warming
-up) -> warm-up request (one prefill, a few decode steps) -> ready, one log line with the URL.
-On SIGINT/SIGTERM: stop accepting, give in-flight requests the grace period, abort the rest.
+Order at start: open the store (migrations) -> load (before the port opens) -> listen (/health
+answers, /ready says warming up) -> warm-up request (one prefill, a few decode steps) -> ready,
+one log line with the URL. A background task purges deleted conversations past retention.
+On SIGINT/SIGTERM: stop accepting, give in-flight requests the grace period, abort the rest
+(conversation replies cut short are saved as partial), wait for the store writes, close it.
 """
 
 from __future__ import annotations
@@ -11,22 +13,34 @@ import asyncio
 import functools
 import logging
 import signal
+import time
 from pathlib import Path
 
 from aiohttp import web
 
-from chatd.config import Config
+from chatd.config import Config, StoreConfig, store_path
 from chatd.engine.async_engine import AsyncEngine
 from chatd.engine.engine import LLMEngine
 from chatd.engine.params import SamplingParams
 from chatd.http.app import create_app
 from chatd.http.state import ServerState
+from chatd.store.db import SCHEMA_VERSION, Store
 
 log = logging.getLogger("chatd.http")
 
 
 async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
     """Run the server until SIGINT/SIGTERM (or `stop` is set)."""
+    path = store_path(config)
+    store = await Store.open(path)
+    log.info("store: %s (schema version %d)", path, SCHEMA_VERSION)
+    try:
+        await _serve(config, store, stop)
+    finally:
+        await store.close()
+
+
+async def _serve(config: Config, store: Store, stop: asyncio.Event | None) -> None:
     # Loaded on the engine thread, where all of the server's torch work runs (see async_engine.py).
     async_engine = AsyncEngine(functools.partial(LLMEngine.from_config, config))
     engine = await async_engine.start()
@@ -40,7 +54,9 @@ async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
         model_name=config.server.model_name or model_path.name,
         max_model_len=engine.max_model_len,
         details=engine.describe(),
-        heartbeat_seconds=config.server.heartbeat_seconds,
+        store=store,
+        local_tenant=await store.local_tenant(config.auth.local_tier),
+        config=config,
     )
     app = create_app(state, config.server.max_body_bytes)
     # handler_cancellation: a client that goes away cancels its handler, which aborts its request.
@@ -52,6 +68,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    purge = asyncio.create_task(_purge_forever(store, config.store), name="purge")
     try:
         await _warm_up(async_engine)
         state.ready = True
@@ -67,8 +84,11 @@ async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
         await site.stop()
         await _drain(async_engine, config.server.shutdown_grace_seconds)
     finally:
+        purge.cancel()
+        state.stopping = True
         await runner.cleanup()  # cancels handlers still running: their requests are aborted
-        await async_engine.stop()
+        await async_engine.stop()  # ends every open stream; replies still running save as partial
+        await state.wait_background(timeout=10.0)
         log.info("stopped")
 
 
@@ -76,6 +96,18 @@ async def _warm_up(engine: AsyncEngine) -> None:
     """One prefill and a few decode steps, so the first user does not pay for lazy initialisation."""
     async for _ in engine.generate([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)):
         pass
+
+
+async def _purge_forever(store: Store, config: StoreConfig) -> None:
+    """Purge conversations deleted more than `retention_days` ago, now and every `purge_interval_seconds`."""
+    while True:
+        try:
+            purged = await store.purge_deleted(time.time() - config.retention_days * 86400)
+            if purged:
+                log.info("purged %d deleted conversations older than %g days", purged, config.retention_days)
+        except Exception:
+            log.exception("purging deleted conversations failed; trying again later")
+        await asyncio.sleep(config.purge_interval_seconds)
 
 
 async def _drain(engine: AsyncEngine, grace: float) -> None:

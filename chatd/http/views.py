@@ -12,11 +12,13 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 
 import orjson
 from aiohttp import web
 
 from chatd.engine.params import FinishReason, RequestOutput
+from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, APIError, error_body
 from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion
 from chatd.http.state import STATE, ServerState
@@ -46,6 +48,64 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.json_response({"object": "list", "data": [state.model_card()]}, dumps=_dumps)
+
+
+async def usage(request: web.Request) -> web.Response:
+    """The caller's token and cost totals over `?start=&end=` (unix seconds or ISO 8601, UTC) or `?period=day|month`."""
+    state, tenant = request.app[STATE], request[TENANT]
+    start, end = _usage_window(request.query)
+    totals = await state.store.usage(tenant.id, start, end)
+    return web.json_response({
+        "object": "usage",
+        "tenant": tenant.name,
+        "tier": tenant.tier,
+        "start": start,
+        "end": end,
+        "requests": totals.requests,
+        "input_tokens": totals.input_tokens,
+        "cached_tokens": totals.cached_tokens,
+        "output_tokens": totals.output_tokens,
+        "cost": round(totals.cost, 10),
+        "currency": "USD",
+    }, dumps=_dumps)
+
+
+def _usage_window(query) -> tuple[float, float]:
+    period = query.get("period")
+    if period is not None and ("start" in query or "end" in query):
+        raise APIError(400, "give either period or start/end, not both", "period")
+    if "start" in query or "end" in query:
+        start = _timestamp(query.get("start"), "start", 0.0)
+        end = _timestamp(query.get("end"), "end", time.time() + 1)
+        if end <= start:
+            raise APIError(400, f"end ({end}) must be after start ({start})", "end")
+        return start, end
+    now = datetime.now(timezone.utc)
+    if period in (None, "month"):
+        first = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        following = first.replace(year=first.year + 1, month=1) if first.month == 12 else first.replace(month=first.month + 1)
+    elif period == "day":
+        first = now.replace(hour=0, minute=0, second=0, microsecond=0)
+        following = first + timedelta(days=1)
+    else:
+        raise APIError(400, f"period must be 'day' or 'month', got {period!r}", "period")
+    return first.timestamp(), following.timestamp()
+
+
+def _timestamp(value: str | None, name: str, default: float) -> float:
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise APIError(400, f"{name} must be unix seconds or an ISO 8601 date, got {value!r}", name) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
 
 
 async def health(request: web.Request) -> web.Response:
@@ -111,6 +171,8 @@ async def _generate(request: web.Request, state: ServerState, gen: GenerationReq
         if merged is None or not merged.finished:
             state.engine.abort(request_id)
         _log_and_observe(state, request_id, merged, timing)
+        if merged is not None:
+            _record_usage(state, request[TENANT], "chat.completions" if chat else "completions", merged)
 
 
 def _merge(merged: RequestOutput, out: RequestOutput) -> RequestOutput:
@@ -118,38 +180,32 @@ def _merge(merged: RequestOutput, out: RequestOutput) -> RequestOutput:
     return merged
 
 
-class _ChunkWriter:
-    """Writes one request's deltas as OpenAI chunks over SSE."""
+class ChunkFormat:
+    """Builds one response's OpenAI chunks (`chat.completion.chunk` or `text_completion`) from deltas."""
 
-    def __init__(self, state: ServerState, response_id: str, created: int, chat: bool, gen: GenerationRequest) -> None:
-        self.state, self.response_id, self.created, self.chat, self.gen = state, response_id, created, chat, gen
-        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    def __init__(self, state: ServerState, response_id: str, created: int, chat: bool, include_usage: bool,
+                 extra: dict | None = None) -> None:
+        self.state, self.response_id, self.created, self.chat = state, response_id, created, chat
+        self.include_usage, self.extra = include_usage, extra or {}
 
-    async def stream(self, request: web.Request, results, timing: _Timing) -> RequestOutput | None:
-        await self.response.prepare(request)
-        merged: RequestOutput | None = None
-        if self.chat:  # the first chunk of each choice carries the role
-            for i in range(self.gen.params.n):
-                await self._send([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-        iterator = results.__aiter__()
-        while True:
-            try:
-                out = await _next_with_heartbeats(iterator, self.response, self.state.heartbeat_seconds)
-            except StopAsyncIteration:
-                break
-            merged = out if merged is None else _merge(merged, out)
-            if out.error:
-                await self._write(error_body(500, f"generation failed: {out.error}"))
-                return merged
-            timing.tokens_arrived()
-            choices = [self._choice(c) for c in out.outputs if c.text or c.finish_reason or (c.logprobs and not self.chat)]
-            if choices:
-                await self._send(choices)
-        if merged is not None and self.gen.include_usage:
-            await self._write({**self._envelope([]), "usage": _usage(merged)})
-        await self.response.write(b"data: [DONE]\n\n")
-        await self.response.write_eof()
-        return merged
+    def role_chunks(self, n: int) -> list[dict]:
+        """Chat streams open each choice with a chunk that carries the role."""
+        if not self.chat:
+            return []
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+                for i in range(n)]
+
+    def delta_chunk(self, out: RequestOutput) -> dict | None:
+        """The chunk for one (merged) delta; None when it carries nothing to send."""
+        # A token with no text yet (half a UTF-8 character) still sends its logprobs.
+        choices = [self._choice(c) for c in out.outputs if c.text or c.finish_reason or c.logprobs]
+        return self.chunk(choices) if choices else None
+
+    def usage_chunk(self, merged: RequestOutput) -> dict:
+        return {**self._envelope([]), "usage": _usage(merged)}
+
+    def chunk(self, choices: list[dict]) -> dict:
+        return {**self._envelope(choices), "usage": None} if self.include_usage else self._envelope(choices)
 
     def _choice(self, c) -> dict:
         finish = _finish_reason(c.finish_reason)
@@ -165,14 +221,53 @@ class _ChunkWriter:
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
             "model": self.state.model_name,
+            **self.extra,
             "choices": choices,
         }
 
-    async def _send(self, choices: list[dict]) -> None:
-        await self._write({**self._envelope(choices), "usage": None} if self.gen.include_usage else self._envelope(choices))
 
-    async def _write(self, payload: dict) -> None:
-        await self.response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+def sse_event(payload: dict | bytes, event_id: int | None = None) -> bytes:
+    """One Server-Sent Event: optional `id:` line, one `data:` line (a dict is JSON-encoded)."""
+    data = payload if isinstance(payload, bytes) else orjson.dumps(payload)
+    head = b"" if event_id is None else b"id: %d\n" % event_id
+    return head + b"data: " + data + b"\n\n"
+
+
+DONE = b"[DONE]"
+
+
+class _ChunkWriter:
+    """Writes one request's deltas as OpenAI chunks over SSE."""
+
+    def __init__(self, state: ServerState, response_id: str, created: int, chat: bool, gen: GenerationRequest) -> None:
+        self.state, self.gen = state, gen
+        self.format = ChunkFormat(state, response_id, created, chat, gen.include_usage)
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+
+    async def stream(self, request: web.Request, results, timing: _Timing) -> RequestOutput | None:
+        await self.response.prepare(request)
+        merged: RequestOutput | None = None
+        for chunk in self.format.role_chunks(self.gen.params.n):
+            await self.response.write(sse_event(chunk))
+        iterator = results.__aiter__()
+        while True:
+            try:
+                out = await _next_with_heartbeats(iterator, self.response, self.state.heartbeat_seconds)
+            except StopAsyncIteration:
+                break
+            merged = out if merged is None else _merge(merged, out)
+            if out.error:
+                await self.response.write(sse_event(error_body(500, f"generation failed: {out.error}")))
+                return merged
+            timing.tokens_arrived()
+            chunk = self.format.delta_chunk(out)
+            if chunk is not None:
+                await self.response.write(sse_event(chunk))
+        if merged is not None and self.gen.include_usage:
+            await self.response.write(sse_event(self.format.usage_chunk(merged)))
+        await self.response.write(sse_event(DONE))
+        await self.response.write_eof()
+        return merged
 
 
 async def _next_with_heartbeats(iterator, response: web.StreamResponse, heartbeat: float) -> RequestOutput:
@@ -273,6 +368,16 @@ def _log_and_observe(state: ServerState, request_id: str, out: RequestOutput | N
                "completion_tokens": usage["completion_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                "ttft_s": None if ttft is None else round(ttft, 4), "e2e_s": round(end - timing.start, 4)},
     )
+
+
+def _record_usage(state: ServerState, tenant, endpoint: str, out: RequestOutput) -> None:
+    """Store a usage event in the background: a client that went away must not skip its bill."""
+    usage = _usage(out)
+    prompt, cached, completion = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]
+    cost = state.config.price(state.model_name).cost(prompt, cached, completion)
+    state.spawn(state.store.record_usage(
+        tenant.id, endpoint=endpoint, model=state.model_name, prompt_tokens=prompt, cached_tokens=cached,
+        completion_tokens=completion, cost=cost), name=f"usage {endpoint}")
 
 
 def _dumps(value) -> str:

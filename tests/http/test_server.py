@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import subprocess
-import sys
-import time
+import http.client
+import json
+import signal
+import socket
 
 import aiohttp
 import openai
@@ -16,37 +15,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chatd.engine.demo import build_demo_model
 from chatd.engine.tokenizer import Tokenizer
+from tests.http.serving import start_server
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about paged attention."}]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """Start chatd serve on the demo model; yield (base_url, model_dir); stop it with SIGTERM."""
+    """Start chatd serve on the demo model; yield (base_url, model_dir, process); stop it with SIGTERM."""
     root = tmp_path_factory.mktemp("serve")
     model_dir = build_demo_model(root / "demo")
-    config = root / "config.toml"
-    config.write_text("[server]\nmax_body_bytes = 65536\nheartbeat_seconds = 0.5\nshutdown_grace_seconds = 5.0\n[cache]\nnum_blocks = 2048\n")
-    env = {**os.environ, "CHATD_HOME": str(root / "home")}
-    # The log goes to a file, not a pipe: nobody drains a pipe during the tests, and a full pipe
-    # would block the server's logging (and with it its event loop).
-    log_path = root / "serve.log"
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "chatd", "serve", "--model", str(model_dir), "--config", str(config), "--port", "0"],
-            stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env,
-        )
-    url = None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and url is None and proc.poll() is None:
-        match = re.search(r"ready: .* (http://127\.0\.0\.1:\d+)", log_path.read_text())
-        if match:
-            url = match.group(1)
-        else:
-            time.sleep(0.1)
-    if url is None:
-        proc.kill()
-        pytest.fail("chatd serve did not become ready:\n" + log_path.read_text())
+    proc, url, _ = start_server(
+        root, model_dir,
+        "[server]\nmax_body_bytes = 65536\nheartbeat_seconds = 0.5\nshutdown_grace_seconds = 5.0\n[cache]\nnum_blocks = 2048\n",
+    )
     yield url, model_dir, proc
     proc.terminate()
     try:
@@ -215,3 +197,74 @@ async def test_abandoned_streams_free_everything(server):
                 break
             await asyncio.sleep(0.05)
         assert (running, waiting, usage) == (0, 0, 0)
+
+
+async def test_a_stalled_reader_gets_merged_deltas_and_never_stalls_others(server, async_client):
+    url, _, _ = server
+    host, port = url.removeprefix("http://").split(":")
+    # A client that reads nothing until its reply is done, with a tiny receive buffer. Its
+    # stream (8 choices x 300 tokens x 20 top logprobs, ~6 MB) overflows the kernel's socket
+    # buffers (4 MB at most here), so the server's writes back up and its deltas must merge.
+    body = {"model": "demo", "messages": MESSAGES, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 20, "n": 8}
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    stalled = http.client.HTTPConnection(host, int(port), timeout=120)
+    stalled.sock = sock
+    stalled.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                    headers={"Content-Type": "application/json"})
+
+    async def other(i: int) -> str:
+        reply = await async_client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": f"other {i}"}], max_tokens=16, temperature=0,
+            extra_body={"ignore_eos": True})
+        return reply.choices[0].finish_reason
+
+    # Others come and go while the stalled stream's client reads nothing.
+    assert await asyncio.gather(*(other(i) for i in range(4))) == ["length"] * 4
+    async with aiohttp.ClientSession() as session:
+        for _ in range(600):  # bounded: until the engine has generated all of the stalled reply
+            if await _metric(session, url, "chatd:num_requests_running") == 0:
+                break
+            await asyncio.sleep(0.1)
+
+    def read_stalled() -> bytes:
+        response = stalled.getresponse()
+        assert response.status == 200
+        return response.read()
+
+    raw = await asyncio.to_thread(read_stalled)
+    stalled.close()
+    events = [json.loads(line[len("data: "):]) for line in raw.decode().split("\n\n") if line.startswith("data: {")]
+    sdk_body = {k: v for k, v in body.items() if k != "ignore_eos"}
+    whole = await async_client.chat.completions.create(**sdk_body, extra_body={"ignore_eos": True})
+    for index in range(8):
+        chunks = [c for e in events for c in e["choices"] if c["index"] == index and c["logprobs"]]
+        assert sum(len(c["logprobs"]["content"]) for c in chunks) == 300  # every token's logprobs, none lost
+        assert len(chunks) < 300, "a reader that fell behind should get merged deltas, not one event per token"
+        assert "".join(c["delta"].get("content", "") for c in chunks) == whole.choices[index].message.content
+
+
+def test_json_logs_and_sigint(tmp_path, server):
+    """log_json: every line of the log is a JSON object; the request line carries the request's
+    id and counts. SIGINT drains and exits 0, like SIGTERM."""
+    _, model_dir, _ = server
+    proc, url, log_path = start_server(tmp_path, model_dir, "[server]\nlog_json = true\n")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model="demo", messages=MESSAGES, max_tokens=5, temperature=0, extra_body={"ignore_eos": True},
+            extra_headers={"X-Request-Id": "json-log-test"})
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
+    (done,) = [r for r in records if r["message"] == "request finished"]
+    assert done["request_id"] == "json-log-test" and done["finish_reason"] == "length"
+    assert done["prompt_tokens"] == reply.usage.prompt_tokens and done["completion_tokens"] == 5
+    assert done["e2e_s"] >= done["ttft_s"] > 0
+    assert any(r["message"].startswith("ready:") for r in records)
+    assert records[-1]["message"] == "stopped"

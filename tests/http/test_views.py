@@ -7,11 +7,13 @@ import asyncio
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from chatd.config import build_config
 from chatd.engine.demo import build_tokenizer
 from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput
 from chatd.engine.tokenizer import Tokenizer
 from chatd.http.app import create_app
 from chatd.http.state import ServerState
+from chatd.store.db import Store
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -53,8 +55,17 @@ def tokenizer(tmp_path_factory) -> Tokenizer:
     return Tokenizer.from_pretrained(path)
 
 
-async def client_for(engine: ScriptedEngine, tokenizer: Tokenizer, heartbeat: float = 15.0) -> TestClient:
-    state = ServerState(engine=engine, tokenizer=tokenizer, model_name="m", max_model_len=64, details={}, heartbeat_seconds=heartbeat)
+@pytest.fixture
+async def store(tmp_path):
+    store = await Store.open(tmp_path / "chatd.db")
+    yield store
+    await store.close()
+
+
+async def client_for(engine: ScriptedEngine, tokenizer: Tokenizer, store: Store, heartbeat: float = 15.0) -> TestClient:
+    config = build_config({"server": {"heartbeat_seconds": heartbeat}})
+    state = ServerState(engine=engine, tokenizer=tokenizer, model_name="m", max_model_len=64, details={}, store=store,
+                        local_tenant=await store.local_tenant("paid"), config=config)
     client = TestClient(TestServer(create_app(state)))
     await client.start_server()
     return client
@@ -65,9 +76,9 @@ async def read_events(response) -> list[str]:
     return [block for block in text.split("\n\n") if block]
 
 
-async def test_an_error_after_the_stream_began_is_an_sse_error_event(tokenizer):
+async def test_an_error_after_the_stream_began_is_an_sse_error_event(tokenizer, store):
     engine = ScriptedEngine([delta("Hel"), delta("", error="device lost")])
-    client = await client_for(engine, tokenizer)
+    client = await client_for(engine, tokenizer, store)
     try:
         response = await client.post("/v1/chat/completions", json=BODY)
         assert response.status == 200
@@ -78,9 +89,9 @@ async def test_an_error_after_the_stream_began_is_an_sse_error_event(tokenizer):
         await client.close()
 
 
-async def test_an_internal_error_is_a_500_without_a_traceback(tokenizer, caplog):
+async def test_an_internal_error_is_a_500_without_a_traceback(tokenizer, store, caplog):
     engine = ScriptedEngine([RuntimeError("secret internals")])
-    client = await client_for(engine, tokenizer)
+    client = await client_for(engine, tokenizer, store)
     try:
         response = await client.post("/v1/chat/completions", json={**BODY, "stream": False}, headers={"X-Request-Id": "req-9"})
         body = await response.json()
@@ -93,9 +104,9 @@ async def test_an_internal_error_is_a_500_without_a_traceback(tokenizer, caplog)
         await client.close()
 
 
-async def test_an_idle_stream_gets_heartbeat_comments(tokenizer):
+async def test_an_idle_stream_gets_heartbeat_comments(tokenizer, store):
     engine = ScriptedEngine([delta("a"), delta("b", FinishReason.STOP)], pause=0.35)
-    client = await client_for(engine, tokenizer, heartbeat=0.1)
+    client = await client_for(engine, tokenizer, store, heartbeat=0.1)
     try:
         events = await read_events(await client.post("/v1/chat/completions", json=BODY))
         assert any(e.startswith(":") for e in events), "an SSE comment keeps an idle stream open"
@@ -104,9 +115,9 @@ async def test_an_idle_stream_gets_heartbeat_comments(tokenizer):
         await client.close()
 
 
-async def test_health_is_503_once_the_engine_died(tokenizer):
+async def test_health_is_503_once_the_engine_died(tokenizer, store):
     engine = ScriptedEngine([])
-    client = await client_for(engine, tokenizer)
+    client = await client_for(engine, tokenizer, store)
     try:
         assert (await client.get("/health")).status == 200
         engine.error, engine.is_running = RuntimeError("CUDA error"), False

@@ -118,6 +118,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Ll
     model = model.to(dtype).to_empty(device=device)
     model.reset_rope_cache()
     files = safetensors_files(path)
-    weights = tqdm(iter_weights(files), total=count_tensors(files), desc="Loading weights", unit="tensor")
+    weights = tqdm(iter_weights(files), total=count_tensors(files), desc="Loading weights", unit="tensor",
+                   disable=None)  # None: a bar on a terminal only, never in a log file
     model.load_weights(weights)
     return model.eval(), hf_config

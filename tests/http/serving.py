@@ -1,0 +1,35 @@
+"""Start a real `chatd serve` process for a test: a free loopback port, its log in a file."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def start_server(root: Path, model_dir: Path, config_text: str) -> tuple[subprocess.Popen, str, Path]:
+    """Start chatd serve on a free loopback port; return the process, its URL and its log file."""
+    config = root / "config.toml"
+    config.write_text(config_text)
+    env = {**os.environ, "CHATD_HOME": str(root / "home")}  # the store file lands here unless configured
+    # The log goes to a file, not a pipe: nobody drains a pipe during the tests, and a full pipe
+    # would block the server's logging (and with it its event loop).
+    log_path = root / "serve.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "chatd", "serve", "--model", str(model_dir), "--config", str(config), "--port", "0"],
+            stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        match = re.search(r"ready: .* (http://127\.0\.0\.1:\d+)", log_path.read_text())
+        if match:
+            return proc, match.group(1), log_path
+        time.sleep(0.1)
+    proc.kill()
+    pytest.fail("chatd serve did not become ready:\n" + log_path.read_text())
