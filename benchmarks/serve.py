@@ -274,6 +274,32 @@ def print_tables(report: dict) -> None:
               f"{top['output_tokens_per_s']:.1f} / {offline['output_tokens_per_s']:.1f} = {share:.1%} (target >= 85%)")
 
 
+def build_bench_model(args, model_dir: Path) -> list[int]:
+    """The random-weight Llama of the shape in `args`, with byte and special tokens silenced; returns those ids."""
+    from chatd.engine.demo import build_model_dir
+
+    build_model_dir(
+        model_dir, "llama", seed=args.seed, hidden_size=args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate,
+        tie_word_embeddings=False,
+    )
+    return silence_special_and_byte_tokens(model_dir)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model shape, chatd's step budget, the seed and the timeouts (shared with conversations.py)."""
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                        help="chatd's step budget (default 1024, as offline.py on CPU)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds for a server to come up")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=lambda t: tuple(int(p) for p in t.split(",") if p.strip()),
@@ -287,16 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="max_tokens per request, uniform (default 64 64)")
     parser.add_argument("--skip-transformers", action="store_true", help="run chatd (server and offline) only")
     parser.add_argument("--skip-offline", action="store_true", help="do not run chatd's offline engine")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--intermediate", type=int, default=1536)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024,
-                        help="chatd's step budget, server and offline alike (default 1024, as offline.py on CPU)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
-    parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds for a server to come up")
+    add_common_arguments(parser)
     parser.add_argument("--json", metavar="PATH", help="also write every number to this file")
     args = parser.parse_args(argv)
     # SIGTERM as Ctrl-C, so the try/finally blocks stop the server subprocesses.
@@ -304,20 +321,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from chatd.engine.demo import build_model_dir
-
     report: dict = {"args": {k: v for k, v in vars(args).items()}, "torch_threads": torch.get_num_threads(),
                     "load_before": os.getloadavg()}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="chatd-serve-bench-") as tmp:
         work = Path(tmp)
         model_dir = work / "model"
-        build_model_dir(
-            model_dir, "llama", seed=args.seed, hidden_size=args.hidden, num_hidden_layers=args.layers,
-            num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate,
-            tie_word_embeddings=False,
-        )
-        silenced = silence_special_and_byte_tokens(model_dir)
+        silenced = build_bench_model(args, model_dir)
         report["silenced_token_ids"] = len(silenced)
         print(f"zeroed {len(silenced)} lm_head rows (byte-fallback and special tokens)", flush=True)
         engine_options = dict(device="cpu", dtype="float32", max_num_batched_tokens=args.max_num_batched_tokens)

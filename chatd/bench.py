@@ -1,10 +1,15 @@
 """`chatd bench`: an async load generator for any OpenAI-compatible server.
 
 It streams chat or text completions at one or more concurrency levels and reports time to
-first token (TTFT), inter-token latency (ITL), end-to-end latency and throughput. It talks
-HTTP with aiohttp rather than the openai SDK, to time every streamed chunk and to tolerate
-servers whose streams bend the OpenAI shape (`transformers serve`: no `data: [DONE]`, usage
-on the finish chunk, bare-string errors). It knows nothing about chatd's engine; it only
+first token (TTFT), inter-token latency (ITL), end-to-end latency and throughput. Multi-turn
+sessions either resend their growing history to /chat/completions (stateless, as OpenAI) or,
+with `conversations`, drive chatd's conversations API, where the server keeps the history and
+the client posts only each new user message; per turn it reports TTFT and, from `usage`, how
+many prompt tokens the server took from its prefix cache and how many it had to compute.
+
+It talks HTTP with aiohttp rather than the openai SDK, to time every streamed chunk and to
+tolerate servers whose streams bend the OpenAI shape (`transformers serve`: no `data: [DONE]`,
+usage on the finish chunk, bare-string errors). It knows nothing about chatd's engine; it only
 connects to the URL it is given, and every request has a timeout, so a run always ends.
 """
 
@@ -41,7 +46,7 @@ class BenchOptions:
     url: str  # base URL, e.g. http://127.0.0.1:8000/v1
     model: str | None = None  # omitted from the body when None
     concurrency: tuple[int, ...] = (1,)
-    num_requests: int | None = None  # per level (conversations with multi_turn > 1); None: 2x concurrency
+    num_requests: int | None = None  # per level (sessions with multi_turn > 1); None: 2x concurrency
     prompt_tokens: tuple[int, int] = (100, 200)  # uniform MIN..MAX, one word per token
     output_tokens: tuple[int, int] = (64, 128)  # uniform MIN..MAX, sent as max_tokens
     endpoint: str = "chat"  # chat | completions
@@ -51,6 +56,7 @@ class BenchOptions:
     seed: int = 0
     timeout: float = 300.0  # seconds, per request
     api_key: str | None = None
+    conversations: bool = False  # chatd's /conversations API: the server keeps each session's history
 
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
@@ -63,6 +69,8 @@ class BenchOptions:
                 raise ValueError(f"{name}: need 1 <= MIN <= MAX, got MIN={low} MAX={high}")
         if self.endpoint not in ("chat", "completions"):
             raise ValueError(f"endpoint: must be 'chat' or 'completions', got {self.endpoint!r}")
+        if self.conversations and self.endpoint != "chat":
+            raise ValueError(f"conversations: the API is chat only; endpoint must be 'chat', got {self.endpoint!r}")
         if self.multi_turn < 1:
             raise ValueError(f"multi_turn: must be at least 1, got {self.multi_turn}")
         if self.timeout <= 0:
@@ -74,7 +82,7 @@ class RequestRecord:
     """One streamed request as the client saw it; times are seconds from sending it."""
 
     session: int
-    turn: int  # 0-based turn within the session's conversation
+    turn: int  # 1-based turn within the session's conversation
     max_tokens: int
     ok: bool = False
     error: str | None = None
@@ -83,6 +91,8 @@ class RequestRecord:
     e2e: float | None = None
     num_output_tokens: int = 0  # usage.completion_tokens, else the number of content chunks
     num_prompt_tokens: int | None = None  # usage.prompt_tokens when the server sent usage
+    num_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: from the prefix cache
+    num_prefill_tokens: int | None = None  # prompt tokens the server computed: prompt - cached, when both are known
 
 
 @dataclass(frozen=True)
@@ -149,6 +159,8 @@ async def send_request(
                 if event.usage is not None:
                     record.num_output_tokens = event.usage.get("completion_tokens") or 0
                     record.num_prompt_tokens = event.usage.get("prompt_tokens")
+                    details = event.usage.get("prompt_tokens_details")
+                    record.num_cached_tokens = details.get("cached_tokens") if isinstance(details, dict) else None
                 finished = finished or event.finished
                 if event.done:
                     break
@@ -171,6 +183,8 @@ async def send_request(
         record.itls = [later - earlier for earlier, later in zip(chunk_times, chunk_times[1:])]
     if not record.num_output_tokens:
         record.num_output_tokens = len(chunk_times)
+    if record.num_prompt_tokens is not None and record.num_cached_tokens is not None:
+        record.num_prefill_tokens = record.num_prompt_tokens - record.num_cached_tokens
     return "".join(pieces)
 
 
@@ -187,31 +201,43 @@ def make_sessions(options: BenchOptions, num_sessions: int, rng: random.Random) 
 
 def make_body(options: BenchOptions, history: list[dict], max_tokens: int) -> dict:
     """The request body for one turn, holding only fields every OpenAI-compatible server knows."""
-    body: dict = {
+    body = _sampling_fields(options, max_tokens)
+    if options.endpoint == "chat":
+        body["messages"] = list(history)
+    else:  # a text completion sees the conversation as plain text
+        body["prompt"] = "\n\n".join(message["content"] for message in history)
+    return body
+
+
+def make_turn_body(options: BenchOptions, content: str, max_tokens: int) -> dict:
+    """The body of one conversations-API turn: only the new user message; the server has the rest."""
+    return {"content": content, **_sampling_fields(options, max_tokens)}
+
+
+def _sampling_fields(options: BenchOptions, max_tokens: int) -> dict:
+    fields: dict = {
         "max_tokens": max_tokens,
         "temperature": options.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if options.endpoint == "chat":
-        body["messages"] = list(history)
-    else:  # a text completion sees the conversation as plain text
-        body["prompt"] = "\n\n".join(message["content"] for message in history)
     if options.model is not None:
-        body["model"] = options.model
+        fields["model"] = options.model
     if options.ignore_eos:
-        body["ignore_eos"] = True
-    return body
+        fields["ignore_eos"] = True
+    return fields
 
 
 async def run_session(
     http: aiohttp.ClientSession, options: BenchOptions, index: int, turns: list[tuple[str, int]], clock
 ) -> list[RequestRecord]:
     """Send one conversation turn by turn; a failed turn ends it, as it would for a user."""
+    if options.conversations:
+        return await run_conversation(http, options, index, turns, clock)
     url = options.url.rstrip("/") + ("/chat/completions" if options.endpoint == "chat" else "/completions")
     history: list[dict] = []
     records = []
-    for turn, (prompt, max_tokens) in enumerate(turns):
+    for turn, (prompt, max_tokens) in enumerate(turns, start=1):
         history.append({"role": "user", "content": prompt})
         record = RequestRecord(session=index, turn=turn, max_tokens=max_tokens)
         records.append(record)
@@ -220,6 +246,67 @@ async def run_session(
             break
         history.append({"role": "assistant", "content": reply})
     return records
+
+
+async def run_conversation(
+    http: aiohttp.ClientSession, options: BenchOptions, index: int, turns: list[tuple[str, int]], clock
+) -> list[RequestRecord]:
+    """One session through the conversations API: create a conversation, then post each new user message.
+
+    Creating and deleting the conversation are not timed; a creation that fails is recorded as
+    a failed first turn. The conversation is deleted at the end (which also stops a reply the
+    client gave up on), so a benchmark leaves no conversations behind.
+    """
+    conversations_url = options.url.rstrip("/") + "/conversations"
+    conversation_id, error = await create_conversation(http, conversations_url, options, index)
+    if conversation_id is None:
+        return [RequestRecord(session=index, turn=1, max_tokens=turns[0][1], error=error)]
+    records = []
+    try:
+        for turn, (prompt, max_tokens) in enumerate(turns, start=1):
+            record = RequestRecord(session=index, turn=turn, max_tokens=max_tokens)
+            records.append(record)
+            url = f"{conversations_url}/{conversation_id}/messages"
+            await send_request(http, url, make_turn_body(options, prompt, max_tokens), record, options.timeout, clock)
+            if not record.ok:
+                break
+    finally:
+        await delete_conversation(http, f"{conversations_url}/{conversation_id}", options.timeout)
+    return records
+
+
+async def create_conversation(
+    http: aiohttp.ClientSession, url: str, options: BenchOptions, index: int
+) -> tuple[str | None, str | None]:
+    """POST /conversations; returns (id, None), or (None, why it failed)."""
+    body: dict = {"title": f"chatd bench session {index}"}
+    if options.model is not None:
+        body["model"] = options.model
+    try:
+        async with asyncio.timeout(options.timeout), http.post(url, data=orjson.dumps(body)) as response:
+            text = await response.text()
+    except TimeoutError:
+        return None, f"creating the conversation timed out after {options.timeout} s"
+    except aiohttp.ClientError as exc:
+        return None, f"creating the conversation: {type(exc).__name__}: {exc}"
+    if response.status != 200:
+        return None, f"creating the conversation: HTTP {response.status}: {text[:300].strip()}"
+    try:
+        conversation_id = orjson.loads(text).get("id")
+    except (orjson.JSONDecodeError, AttributeError):
+        conversation_id = None
+    if not isinstance(conversation_id, str) or not conversation_id:
+        return None, f"creating the conversation: the answer has no id: {text[:300].strip()}"
+    return conversation_id, None
+
+
+async def delete_conversation(http: aiohttp.ClientSession, url: str, timeout: float) -> None:
+    """DELETE a conversation the bench made; a failure here does not change any measurement."""
+    try:
+        async with asyncio.timeout(timeout), http.delete(url) as response:
+            await response.read()
+    except (TimeoutError, aiohttp.ClientError):
+        pass
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -253,12 +340,14 @@ class LevelResult:
         turns = []
         for turn in sorted({r.turn for r in ok}):
             in_turn = [r for r in ok if r.turn == turn]
-            prompt_tokens = [r.num_prompt_tokens for r in in_turn if r.num_prompt_tokens is not None]
             turns.append({
-                "turn": turn + 1,
+                "turn": turn,
                 "num_ok": len(in_turn),
                 "ttft_p50": percentiles([r.ttft for r in in_turn if r.ttft is not None])["p50"],
-                "prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else None,
+                # Means over the requests whose server reported the number; None when none did.
+                "prompt_tokens_mean": _mean([r.num_prompt_tokens for r in in_turn]),
+                "cached_tokens_mean": _mean([r.num_cached_tokens for r in in_turn]),
+                "prefill_tokens_mean": _mean([r.num_prefill_tokens for r in in_turn]),
             })
         return {
             "concurrency": self.concurrency,
@@ -333,8 +422,17 @@ async def run_bench(
     return BenchResult(options=options, levels=levels)
 
 
+def _mean(values: list[int | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def _tokens(mean: float | None) -> str:
+    return "-" if mean is None else f"{mean:.0f}"
 
 
 def format_level(level: LevelResult) -> str:
@@ -348,10 +446,14 @@ def format_level(level: LevelResult) -> str:
         f"  E2E   p50 {_ms(s['e2e_p50'])}",
         f"  {s['output_tokens_per_s']:.1f} output tok/s, {s['requests_per_s']:.2f} req/s",
     ]
-    if len(s["turns"]) > 1:
+    if max((r.turn for r in level.requests), default=1) > 1:  # a multi-turn run
+        lines.append("  per turn (token counts are means; prefill = prompt - cached, what the server computed):")
         for turn in s["turns"]:
-            prompt = "-" if turn["prompt_tokens_mean"] is None else f"{turn['prompt_tokens_mean']:.0f}"
-            lines.append(f"  turn {turn['turn']}: TTFT p50 {_ms(turn['ttft_p50'])}, {prompt} prompt tokens")
+            lines.append(
+                f"  turn {turn['turn']}: TTFT p50 {_ms(turn['ttft_p50'])}, {turn['num_ok']} ok, "
+                f"prompt {_tokens(turn['prompt_tokens_mean'])}, cached {_tokens(turn['cached_tokens_mean'])}, "
+                f"prefill {_tokens(turn['prefill_tokens_mean'])} tokens"
+            )
     lines += [f"  failed x{count}: {error}" for error, count in s["errors"]]
     return "\n".join(lines)
 
@@ -368,9 +470,10 @@ def _bench_command(args: argparse.Namespace) -> int:
         url=args.url, model=args.model, concurrency=args.concurrency, num_requests=args.num_requests,
         prompt_tokens=tuple(args.prompt_tokens), output_tokens=tuple(args.output_tokens), endpoint=args.endpoint,
         multi_turn=args.multi_turn, temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed,
-        timeout=args.timeout, api_key=args.api_key,
+        timeout=args.timeout, api_key=args.api_key, conversations=args.conversations,
     )
-    print(f"bench {options.url} ({options.endpoint}), concurrency {','.join(map(str, options.concurrency))}")
+    mode = "conversations" if options.conversations else options.endpoint
+    print(f"bench {options.url} ({mode}), concurrency {','.join(map(str, options.concurrency))}")
     result = asyncio.run(run_bench(options, on_level=lambda level: print(format_level(level), flush=True)))
     if args.json:
         with open(args.json, "wb") as file:
@@ -389,12 +492,21 @@ def add_parser(subparsers) -> None:
     bench.add_argument("--model", help="model name to send (omitted from the body by default)")
     bench.add_argument("--concurrency", type=_int_list, default=(1,), help="levels to run in turn, e.g. 1,16,64")
     bench.add_argument(
-        "--num-requests", type=int, help="per level (conversations with --multi-turn); default 2x concurrency"
+        "--num-requests", type=int, help="per level (sessions of N turns with --multi-turn); default 2x concurrency"
     )
     bench.add_argument("--prompt-tokens", type=int, nargs=2, default=(100, 200), metavar=("MIN", "MAX"))
     bench.add_argument("--output-tokens", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
     bench.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
-    bench.add_argument("--multi-turn", type=int, default=1, metavar="N", help="turns per conversation, history growing")
+    bench.add_argument(
+        "--multi-turn", type=int, default=1, metavar="N",
+        help="turns per session, history growing; reports per turn TTFT and prompt, cached and computed tokens",
+    )
+    bench.add_argument(
+        "--conversations", action="store_true",
+        help="use chatd's conversations API: one conversation per session (deleted at the end), each turn posting "
+             "only the new user message while the server keeps the history. Default: each turn sends the whole "
+             "history to /chat/completions",
+    )
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (chatd, vLLM): exact lengths")
     bench.add_argument("--seed", type=int, default=0)

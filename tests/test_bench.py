@@ -1,27 +1,41 @@
-"""`chatd bench` against a fake OpenAI-compatible server: counts, timings, odd streams, failures."""
+"""`chatd bench` against a fake OpenAI-compatible server: counts, timings, odd streams, failures,
+and multi-turn sessions, stateless or through a fake of chatd's conversations API."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import random
 
 import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from chatd.bench import BenchOptions, add_parser, format_level, parse_event, percentiles, run_bench
+from chatd.bench import BenchOptions, add_parser, format_level, make_sessions, parse_event, percentiles, run_bench
 
 BODIES = web.AppKey("bodies", list)
+CONVERSATIONS = web.AppKey("conversations", dict)  # id -> {"title", "messages", "busy", "deleted"}
 FIRST_DELAY = 0.03  # seconds before the first content chunk
 NUM_CHUNKS = 4
 TOKENS_PER_CHUNK = 2  # the fake's usage says 2 tokens per chunk, so usage and chunk counts differ
 
 
+def num_words(messages: list[dict]) -> int:
+    """The fakes count one token per word."""
+    return sum(len(m["content"].split()) for m in messages)
+
+
 def make_fake_app(style: str = "openai") -> web.Application:
-    """A fake server whose stream follows `style`; it records every request body it gets."""
+    """A fake server whose stream follows `style`; it records every request body it gets.
+
+    Its usage reports every message but the last as cached, as a perfect prefix cache would
+    (except in the transformers style, which reports no cached tokens at all).
+    """
     app = web.Application()
     app[BODIES] = []
+    app[CONVERSATIONS] = {}
 
     async def handler(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -69,10 +83,12 @@ def make_fake_app(style: str = "openai") -> web.Application:
             return response
         prompt = body["messages"] if chat else [{"content": body["prompt"]}]
         usage = {
-            "prompt_tokens": sum(len(m["content"].split()) for m in prompt),
+            "prompt_tokens": num_words(prompt),
             "completion_tokens": NUM_CHUNKS * TOKENS_PER_CHUNK,
+            "prompt_tokens_details": {"cached_tokens": num_words(prompt[:-1])},
         }
-        if style == "transformers":  # usage on the finish chunk, and no [DONE]
+        if style == "transformers":  # usage on the finish chunk without cached tokens, and no [DONE]
+            del usage["prompt_tokens_details"]
             await send(chunk(finish="length", usage=usage))
             return response
         await send(chunk(finish="length"))
@@ -81,8 +97,68 @@ def make_fake_app(style: str = "openai") -> web.Application:
         await send(b"[DONE]")
         return response
 
+    ids = itertools.count(1)
+
+    async def create_conversation(request: web.Request) -> web.Response:
+        if style == "http_500":
+            return web.Response(status=500, text="Internal Server Error")
+        body = await request.json()
+        conversation_id = f"conv_{next(ids)}"
+        app[CONVERSATIONS][conversation_id] = {
+            "title": body.get("title"), "messages": [], "busy": False, "deleted": False,
+        }
+        return web.json_response({"id": conversation_id, "object": "conversation"})
+
+    async def delete_conversation(request: web.Request) -> web.Response:
+        app[CONVERSATIONS][request.match_info["id"]]["deleted"] = True
+        return web.json_response({"id": request.match_info["id"], "deleted": True})
+
+    async def post_message(request: web.Request) -> web.StreamResponse:
+        """Like chatd: the stored history plus the new message is the prompt; all of the history is cached."""
+        conversation = app[CONVERSATIONS].get(request.match_info["id"])
+        if conversation is None or conversation["deleted"]:
+            return web.json_response({"error": {"message": "no such conversation"}}, status=404)
+        if conversation["busy"]:
+            return web.json_response({"error": {"message": "busy", "code": "conversation_busy"}}, status=409)
+        body = await request.json()
+        app[BODIES].append(body)
+        conversation["busy"] = True
+        history = conversation["messages"]
+        usage = {
+            "prompt_tokens": num_words(history) + len(body["content"].split()),
+            "completion_tokens": NUM_CHUNKS * TOKENS_PER_CHUNK,
+            "prompt_tokens_details": {"cached_tokens": num_words(history)},
+        }
+        history.append({"role": "user", "content": body["content"]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        event_ids = itertools.count(1)
+
+        async def send(payload) -> None:
+            data = payload if isinstance(payload, bytes) else orjson.dumps(payload)
+            await response.write(f"id: {next(event_ids)}\n".encode() + b"data: " + data + b"\n\n")
+
+        def chunk(delta: dict, finish: str | None = None) -> dict:
+            return {"id": "msg", "object": "chat.completion.chunk", "conversation_id": request.match_info["id"],
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], "usage": None}
+
+        await send(chunk({"role": "assistant", "content": ""}))
+        await asyncio.sleep(FIRST_DELAY)
+        reply = "".join(f"w{i} " for i in range(NUM_CHUNKS))
+        for word in reply.split(" ")[:-1]:
+            await send(chunk({"content": word + " "}))
+        await send(chunk({}, finish="length"))
+        history.append({"role": "assistant", "content": reply})
+        await send({"id": "msg", "object": "chat.completion.chunk", "choices": [], "usage": usage})
+        await send(b"[DONE]")
+        conversation["busy"] = False  # as in chatd, only after [DONE]: a client must wait for it
+        return response
+
     app.router.add_post("/v1/chat/completions", handler)
     app.router.add_post("/v1/completions", handler)
+    app.router.add_post("/v1/conversations", create_conversation)
+    app.router.add_delete("/v1/conversations/{id}", delete_conversation)
+    app.router.add_post("/v1/conversations/{id}/messages", post_message)
     return app
 
 
@@ -96,7 +172,10 @@ async def serve():
         server = TestServer(app, host="127.0.0.1")
         await server.start_server()
         servers.append(server)
+        start.conversations[str(server.make_url("/v1"))] = app[CONVERSATIONS]
         return str(server.make_url("/v1")), app[BODIES]
+
+    start.conversations = {}  # base URL -> that fake's conversations, for the conversations-API tests
 
     yield start
     for server in servers:
@@ -185,6 +264,87 @@ async def test_multi_turn_sends_the_growing_history(serve):
     assert "turn 3: TTFT p50" in format_level(level)
 
 
+async def test_multi_turn_records_turns_and_cached_tokens_from_usage(serve):
+    url, _ = await serve("openai")
+    level = (await run_bench(make_options(url, concurrency=(1,), num_requests=1, multi_turn=3))).levels[0]
+    assert [record.turn for record in level.requests] == [1, 2, 3]
+    for record in level.requests:
+        assert record.num_prefill_tokens == record.num_prompt_tokens - record.num_cached_tokens
+    assert level.requests[0].num_cached_tokens == 0
+    # The fake caches all but the newest message: what is computed is that message alone.
+    sessions = make_sessions(make_options(url, multi_turn=3), 1, random.Random("0:1"))
+    assert [r.num_prefill_tokens for r in level.requests] == [len(prompt.split()) for prompt, _ in sessions[0]]
+    turns = level.summary()["turns"]
+    assert [t["prefill_tokens_mean"] for t in turns] == [r.num_prefill_tokens for r in level.requests]
+    assert all(t["prefill_tokens_mean"] == t["prompt_tokens_mean"] - t["cached_tokens_mean"] for t in turns)
+
+
+async def test_without_cached_tokens_in_usage_the_prefill_is_unknown(serve):
+    url, _ = await serve("transformers")
+    level = (await run_bench(make_options(url, num_requests=1, multi_turn=2))).levels[0]
+    assert all(r.num_prompt_tokens is not None and r.num_cached_tokens is None for r in level.requests)
+    assert all(r.num_prefill_tokens is None for r in level.requests)
+    assert level.summary()["turns"][1]["prefill_tokens_mean"] is None
+    assert "cached -, prefill - tokens" in format_level(level)
+
+
+async def test_conversations_mode_creates_a_conversation_per_session_and_sends_only_new_messages(serve):
+    url, bodies = await serve("openai")
+    options = make_options(url, concurrency=(2,), num_requests=3, multi_turn=3, conversations=True, ignore_eos=True)
+    level = (await run_bench(options)).levels[0]
+    assert (level.summary()["num_ok"], level.summary()["num_failed"]) == (9, 0)  # the fake answers 409 on overlap
+    conversations = serve.conversations[url]
+    assert sorted(c["title"] for c in conversations.values()) == [f"chatd bench session {i}" for i in range(3)]
+    assert all(c["deleted"] for c in conversations.values())  # the bench cleans up after itself
+    sessions = make_sessions(options, 3, random.Random("0:2"))
+    for conversation in conversations.values():
+        index = int(conversation["title"].rsplit(" ", 1)[1])
+        sent = [m["content"] for m in conversation["messages"] if m["role"] == "user"]
+        assert sent == [prompt for prompt, _ in sessions[index]]  # each turn's new message, in order
+    assert len(bodies) == 9
+    for body in bodies:
+        assert "messages" not in body and set(body) >= {"content", "max_tokens"}
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert body["ignore_eos"] is True and body["temperature"] == 0.0
+    assert [(r.session, r.turn) for r in level.requests] == [(s, t) for s in range(3) for t in (1, 2, 3)]
+
+
+async def test_conversations_mode_reports_prompt_cached_and_prefill_tokens_per_turn(serve):
+    url, _ = await serve("openai")
+    options = make_options(url, concurrency=(1,), num_requests=2, multi_turn=3, conversations=True)
+    level = (await run_bench(options)).levels[0]
+    sessions = make_sessions(options, 2, random.Random("0:1"))
+    for record in level.requests:
+        assert record.ok and record.ttft >= FIRST_DELAY * 0.9
+        turns = sessions[record.session]
+        earlier = sum(len(prompt.split()) for prompt, _ in turns[: record.turn - 1]) + NUM_CHUNKS * (record.turn - 1)
+        assert record.num_cached_tokens == earlier  # the stored history: earlier messages and replies
+        assert record.num_prefill_tokens == len(turns[record.turn - 1][0].split())  # the new message alone
+        assert record.num_prompt_tokens == record.num_cached_tokens + record.num_prefill_tokens
+        assert record.num_output_tokens == NUM_CHUNKS * TOKENS_PER_CHUNK  # from usage
+    summary = level.summary()
+    assert [t["turn"] for t in summary["turns"]] == [1, 2, 3] and all(t["num_ok"] == 2 for t in summary["turns"])
+    for turn in summary["turns"]:
+        in_turn = [r for r in level.requests if r.turn == turn["turn"]]
+        assert turn["cached_tokens_mean"] == sum(r.num_cached_tokens for r in in_turn) / 2
+        assert turn["prefill_tokens_mean"] == sum(r.num_prefill_tokens for r in in_turn) / 2
+        assert turn["prefill_tokens_mean"] == turn["prompt_tokens_mean"] - turn["cached_tokens_mean"]
+        assert turn["ttft_p50"] >= FIRST_DELAY * 0.9
+    assert summary["turns"][0]["cached_tokens_mean"] == 0
+    report = format_level(level)
+    third = summary["turns"][2]
+    assert f"prefill {third['prefill_tokens_mean']:.0f} tokens" in report and "turn 3: TTFT p50" in report
+
+
+async def test_a_conversation_that_cannot_be_created_fails_its_first_turn(serve):
+    url, bodies = await serve("http_500")
+    level = (await run_bench(make_options(url, num_requests=2, multi_turn=3, conversations=True))).levels[0]
+    assert [(r.turn, r.ok) for r in level.requests] == [(1, False), (1, False)]
+    [(error, count)] = level.summary()["errors"]
+    assert error.startswith("creating the conversation: HTTP 500") and count == 2
+    assert bodies == []  # no message was posted
+
+
 async def test_completions_endpoint_model_and_ignore_eos(serve):
     url, bodies = await serve("openai")
     options = make_options(url, endpoint="completions", model="m", ignore_eos=True, multi_turn=2, num_requests=1)
@@ -222,6 +382,20 @@ async def test_cli_prints_each_level_and_writes_json(serve, tmp_path, capsys):
     assert len(written["levels"][1]["requests"]) == 2 and written["levels"][1]["requests"][0]["ttft"] > 0
 
 
+async def test_cli_conversations_flag_drives_the_conversations_api(serve, capsys):
+    url, bodies = await serve("openai")
+    parser = argparse.ArgumentParser(prog="chatd")
+    subparsers = parser.add_subparsers(dest="command")
+    add_parser(subparsers)
+    assert "conversations API" in subparsers.choices["bench"].format_help()
+    args = parser.parse_args(["bench", "--url", url, "--num-requests", "1", "--multi-turn", "2", "--conversations",
+                              "--prompt-tokens", "3", "6", "--output-tokens", "4", "8"])
+    assert await asyncio.to_thread(args.func, args) == 0
+    out = capsys.readouterr().out
+    assert "(conversations)" in out and "turn 2: TTFT p50" in out and "prefill" in out
+    assert len(bodies) == 2 and all("content" in body for body in bodies)
+
+
 async def test_cli_exits_nonzero_when_requests_fail(serve):
     url, _ = await serve("http_500")
     parser = argparse.ArgumentParser(prog="chatd")
@@ -253,6 +427,7 @@ def test_events_from_odd_servers_are_read():
         ({"output_tokens": (0, 5)}, "output_tokens"),
         ({"endpoint": "embeddings"}, "endpoint"),
         ({"multi_turn": 0}, "multi_turn"),
+        ({"conversations": True, "endpoint": "completions"}, "conversations"),
     ],
 )
 def test_bad_options_name_the_field(overrides, field):
