@@ -150,9 +150,8 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     headers = {"X-Chatd-Messages-Omitted": str(omitted)}
     if turn.gen.stream:
         return await _stream(request, state, reply, 0, headers)
-    while not reply.done:
-        async for _ in reply.follow(len(reply.events), 3600.0):
-            pass
+    async for _ in reply.follow(len(reply.events), 3600.0):  # returns when the reply has ended
+        pass
     return _whole_reply(state, reply.message, omitted, headers)
 
 
@@ -191,13 +190,13 @@ async def _run_turn(state: ServerState, tenant: Tenant, conversation: Conversati
             prompt, omitted = _render(state, conversation, history, turn)
             results = state.engine.generate(prompt, turn.gen.params, request_id=request_id, priority=turn.gen.priority)
         except BaseException as exc:
-            started.set_exception(exc)
+            _fail(started, exc)
             raise
         try:
             _, assistant = await state.store.start_turn(tenant.id, conversation.id, turn.content)
         except BaseException as exc:
             state.engine.abort(request_id)
-            started.set_exception(_not_found(conversation.id) if isinstance(exc, LookupError) else exc)
+            _fail(started, _not_found(conversation.id) if isinstance(exc, LookupError) else exc)
             raise
         reply = ReplyStream(conversation.id, assistant.id)
         reply.engine_request_id = request_id
@@ -208,6 +207,15 @@ async def _run_turn(state: ServerState, tenant: Tenant, conversation: Conversati
         pass  # the handler answers these
     finally:
         state.busy.discard(conversation.id)
+
+
+def _fail(started: asyncio.Future, exc: BaseException) -> None:
+    if started.done():
+        return
+    if isinstance(exc, asyncio.CancelledError):  # shutdown: a future cannot carry a cancellation
+        started.cancel()
+    else:
+        started.set_exception(exc)
 
 
 async def _generate(state: ServerState, tenant: Tenant, conversation: Conversation, turn: TurnRequest,
