@@ -28,6 +28,8 @@ from chatd.store.db import SCHEMA_VERSION, Store
 
 log = logging.getLogger("chatd.http")
 
+SHUTDOWN_WRITE_SECONDS = 2.0
+
 
 async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
     """Run the server until SIGINT/SIGTERM (or `stop` is set)."""
@@ -60,7 +62,9 @@ async def _serve(config: Config, store: Store, stop: asyncio.Event | None) -> No
     )
     app = create_app(state, config.server.max_body_bytes)
     # handler_cancellation: a client that goes away cancels its handler, which aborts its request.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # shutdown_timeout: after the grace period and the engine's stop, handlers only write their
+    # last events; aiohttp's default (60 s) would silently stretch the grace period.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_WRITE_SECONDS)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port)
     await site.start()
@@ -86,8 +90,8 @@ async def _serve(config: Config, store: Store, stop: asyncio.Event | None) -> No
     finally:
         purge.cancel()
         state.stopping = True
-        await runner.cleanup()  # cancels handlers still running: their requests are aborted
-        await async_engine.stop()  # ends every open stream; replies still running save as partial
+        await async_engine.stop()  # aborts what is left: streams end with an error event, replies save as partial
+        await runner.cleanup()  # handlers finish their last writes, or are cancelled after SHUTDOWN_WRITE_SECONDS
         await state.wait_background(timeout=10.0)
         log.info("stopped")
 

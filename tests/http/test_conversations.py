@@ -23,13 +23,13 @@ BLOCK = 16
 PRICES = {"input": 2.0, "cached_input": 0.5, "output": 8.0}  # USD per million tokens
 
 
-def config_text(db, retention_days: float = 30.0, auth: bool = True) -> str:
+def config_text(db, retention_days: float = 30.0, auth: bool = True, grace: float = 2.0) -> str:
     return (
         f'[store]\ndb_path = "{db}"\nretention_days = {retention_days}\npurge_interval_seconds = 0.2\n'
         f"[auth]\nenabled = {'true' if auth else 'false'}\n"
         "[model]\nmax_model_len = 512\n"
         "[conversations]\nmax_message_chars = 2000\nmax_title_chars = 40\nsave_interval_seconds = 0.05\n"
-        "[server]\nheartbeat_seconds = 0.5\nshutdown_grace_seconds = 2.0\n"
+        f"[server]\nheartbeat_seconds = 0.5\nshutdown_grace_seconds = {grace}\n"
         f"[prices.demo]\ninput = {PRICES['input']}\ncached_input = {PRICES['cached_input']}\noutput = {PRICES['output']}\n"
     )
 
@@ -382,3 +382,26 @@ async def test_kill_9_mid_reply_leaves_a_partial_message_and_a_clean_database(tm
         proc.terminate()
         assert proc.wait(timeout=30) == 0
     assert db_rows(db, "PRAGMA integrity_check") == [("ok",)]
+
+
+async def test_a_stop_mid_reply_saves_what_was_generated_as_partial(tmp_path, server):
+    db = tmp_path / "stop.db"
+    proc, url, _ = start_server(tmp_path, server["model_dir"], config_text(db, auth=False, grace=0.0))
+    try:
+        async with aiohttp.ClientSession() as session:
+            status, conversation = await call(session, "POST", f"{url}/v1/conversations", json={})
+            response = await session.post(f"{url}/v1/conversations/{conversation['id']}/messages",
+                                          json={"content": "cut me off", "max_tokens": 450, "ignore_eos": True, "stream": True})
+            raw = b""
+            while raw.count(b"\n\n") < 8:  # the reply is under way
+                raw += await response.content.readany()
+            proc.send_signal(signal.SIGTERM)  # no grace: what is running is aborted
+            assert proc.wait(timeout=30) == 0
+            response.close()
+    finally:
+        proc.kill()
+    ((status, content, completion),) = db_rows(
+        db, "SELECT status, content, completion_tokens FROM messages WHERE conversation_id = ? AND role = 'assistant'",
+        conversation["id"])
+    assert status == "partial" and content and 0 < completion < 450
+    assert db_rows(db, "SELECT completion_tokens FROM usage_events WHERE conversation_id = ?", conversation["id"]) == [(completion,)]

@@ -26,8 +26,10 @@ class ScriptedEngine:
         self.error = None
         self.is_running = True
         self.aborted: list[str] = []
+        self.prompts: list = []
 
     def generate(self, prompt, params, request_id=None, priority=0):
+        self.prompts.append(prompt)
         async def outputs():
             for item in self.script:
                 await asyncio.sleep(self.pause)
@@ -123,5 +125,24 @@ async def test_health_is_503_once_the_engine_died(tokenizer, store):
         engine.error, engine.is_running = RuntimeError("CUDA error"), False
         response = await client.get("/health")
         assert response.status == 503 and "CUDA error" in (await response.json())["error"]
+    finally:
+        await client.close()
+
+
+async def test_a_failed_reply_is_saved_as_error_and_left_out_of_the_next_prompt(tokenizer, store):
+    engine = ScriptedEngine([delta("Hel"), delta("", error="device lost")])
+    client = await client_for(engine, tokenizer, store)
+    try:
+        conversation = (await (await client.post("/v1/conversations", json={})).json())["id"]
+        response = await client.post(f"/v1/conversations/{conversation}/messages", json={"content": "hi"})
+        assert response.status == 500 and "generation failed" in (await response.json())["error"]["message"]
+        messages = (await (await client.get(f"/v1/conversations/{conversation}")).json())["messages"]
+        assert [(m["role"], m["status"], m["content"]) for m in messages] == [
+            ("user", "complete", "hi"), ("assistant", "error", "Hel")]
+        engine.script = [delta("fine", finish=FinishReason.STOP)]
+        response = await client.post(f"/v1/conversations/{conversation}/messages", json={"content": "again"})
+        assert response.status == 200 and (await response.json())["choices"][0]["message"]["content"] == "fine"
+        # The failed reply is not part of the history the model sees next.
+        assert engine.prompts[-1] == tokenizer.encode_chat([{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}])
     finally:
         await client.close()
