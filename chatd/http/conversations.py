@@ -22,6 +22,7 @@ A server killed mid-reply leaves that reply `partial` with the text saved so far
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -34,7 +35,7 @@ from chatd.http.auth import TENANT
 from chatd.http.errors import APIError, error_body
 from chatd.http.protocol import TurnRequest, parse_new_conversation, parse_turn
 from chatd.http.state import STATE, ServerState
-from chatd.http.views import DONE, ChunkFormat, _dumps, _finish_reason, read_json, sse_event
+from chatd.http.views import DONE, ChunkFormat, _dumps, _finish_reason, _merge, read_json, sse_event
 from chatd.store.db import Conversation, Message, Tenant
 
 log = logging.getLogger("chatd.http")
@@ -45,11 +46,11 @@ MAX_PAGE = 100
 class ReplyStream:
     """One assistant reply's SSE events; event i (from 1) carries `id: i`. Followers wait for more."""
 
-    def __init__(self, conversation_id: str, message_id: str) -> None:
+    def __init__(self, conversation_id: str, message_id: str, engine_request_id: str | None = None) -> None:
         self.conversation_id, self.message_id = conversation_id, message_id
+        self.engine_request_id = engine_request_id  # None for a reply rebuilt from its row
         self.events: list[bytes] = []
-        self.message: Message | None = None  # the saved row, once the reply has ended
-        self.engine_request_id: str | None = None
+        self.message: Message | None = None  # the reply as saved, once it has ended
         self._changed = asyncio.Event()
 
     @property
@@ -198,8 +199,7 @@ async def _run_turn(state: ServerState, tenant: Tenant, conversation: Conversati
             state.engine.abort(request_id)
             _fail(started, _not_found(conversation.id) if isinstance(exc, LookupError) else exc)
             raise
-        reply = ReplyStream(conversation.id, assistant.id)
-        reply.engine_request_id = request_id
+        reply = ReplyStream(conversation.id, assistant.id, request_id)
         state.replies[assistant.id] = reply
         started.set_result((reply, omitted))
         await _generate(state, tenant, conversation, turn, prompt, assistant, reply, results, omitted)
@@ -257,15 +257,23 @@ async def _finish(state: ServerState, tenant: Tenant, turn: TurnRequest, prompt:
     else:
         status = "error"
     output = merged.outputs[0] if merged is not None and merged.outputs else None
-    prompt_tokens = len(prompt)
     cached = merged.num_cached_tokens if merged is not None else 0
     completion = len(output.token_ids) if output is not None else 0
-    cost = state.config.price(state.model_name).cost(prompt_tokens, cached, completion)
-    message = await state.store.finish_turn(
-        tenant.id, assistant.id, content=output.text if output is not None else "", status=status,
+    fields = dict(
+        content=output.text if output is not None else "", status=status,
         finish_reason=_finish_reason(output.finish_reason) if status == "complete" else None,
-        prompt_tokens=prompt_tokens, cached_tokens=cached, completion_tokens=completion, cost=cost, model=state.model_name,
+        prompt_tokens=len(prompt), cached_tokens=cached, completion_tokens=completion,
+        cost=state.cost(len(prompt), cached, completion),
     )
+    message = dataclasses.replace(assistant, **fields)
+    try:
+        await state.store.finish_turn(tenant.id, assistant.id, model=state.model_name, **fields)
+    except LookupError:
+        pass  # the conversation was purged mid-reply; its usage is recorded all the same
+    except Exception:  # the stream must end whatever the store says
+        log.exception("saving reply %s failed", assistant.id)
+        status, error = "error", "the reply could not be saved"
+        message = dataclasses.replace(message, status=status)
     if status == "error":
         reply.publish(error_body(500, f"generation failed: {error}"))
     elif status == "partial":
@@ -278,11 +286,6 @@ async def _finish(state: ServerState, tenant: Tenant, turn: TurnRequest, prompt:
     reply.finish(message)
     loop = asyncio.get_running_loop()
     loop.call_later(state.config.conversations.stream_replay_seconds, state.replies.pop, assistant.id, None)
-
-
-def _merge(merged: RequestOutput, out: RequestOutput) -> RequestOutput:
-    merged.merge(out)
-    return merged
 
 
 def _render(state: ServerState, conversation: Conversation, history: list[Message], turn: TurnRequest) -> tuple[list[int], int]:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -16,6 +16,9 @@ from chatd.engine.tokenizer import Tokenizer
 from chatd.http.errors import APIError
 from chatd.http.metrics import ServerMetrics
 from chatd.store.db import Store, Tenant
+
+if TYPE_CHECKING:
+    from chatd.http.conversations import ReplyStream
 
 log = logging.getLogger("chatd.http")
 
@@ -35,7 +38,7 @@ class ServerState:
     ready: bool = False
     stopping: bool = False  # set at shutdown: replies cut short now are partial, not failed
     metrics: ServerMetrics = field(init=False)
-    replies: dict[str, Any] = field(default_factory=dict)  # assistant message id -> its live ReplyStream
+    replies: dict[str, ReplyStream] = field(default_factory=dict)  # assistant message id -> its reply's events
     busy: set[str] = field(default_factory=set)  # conversations with a reply being generated
     _tasks: set[asyncio.Task] = field(default_factory=set)
     _token_text: dict[int, str] = field(default_factory=dict)
@@ -46,6 +49,10 @@ class ServerState:
     @property
     def heartbeat_seconds(self) -> float:
         return self.config.server.heartbeat_seconds
+
+    def cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
+        """USD for one request at the served model's configured prices."""
+        return self.config.price(self.model_name).cost(prompt_tokens, cached_tokens, completion_tokens)
 
     def spawn(self, coro: Coroutine, name: str) -> asyncio.Task:
         """Run work that must outlive the request that started it; `wait_background` awaits it at shutdown."""

@@ -374,7 +374,7 @@ def _record_usage(state: ServerState, tenant, endpoint: str, out: RequestOutput)
     """Store a usage event in the background: a client that went away must not skip its bill."""
     usage = _usage(out)
     prompt, cached, completion = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]
-    cost = state.config.price(state.model_name).cost(prompt, cached, completion)
+    cost = state.cost(prompt, cached, completion)
     state.spawn(state.store.record_usage(
         tenant.id, endpoint=endpoint, model=state.model_name, prompt_tokens=prompt, cached_tokens=cached,
         completion_tokens=completion, cost=cost), name=f"usage {endpoint}")

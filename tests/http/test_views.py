@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -144,5 +145,20 @@ async def test_a_failed_reply_is_saved_as_error_and_left_out_of_the_next_prompt(
         assert response.status == 200 and (await response.json())["choices"][0]["message"]["content"] == "fine"
         # The failed reply is not part of the history the model sees next.
         assert engine.prompts[-1] == tokenizer.encode_chat([{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}])
+    finally:
+        await client.close()
+
+
+async def test_a_reply_whose_conversation_is_purged_mid_way_still_ends_its_stream(tokenizer, store):
+    engine = ScriptedEngine([delta("a"), delta("b", finish=FinishReason.STOP)], pause=0.2)
+    client = await client_for(engine, tokenizer, store)
+    try:
+        conversation = (await (await client.post("/v1/conversations", json={})).json())["id"]
+        response = await client.post(f"/v1/conversations/{conversation}/messages", json={"content": "hi", "stream": True})
+        await client.delete(f"/v1/conversations/{conversation}")
+        assert await store.purge_deleted(time.time() + 1) == 1  # gone before the reply ends
+        events = await asyncio.wait_for(read_events(response), timeout=10)
+        assert events[-1].endswith("data: [DONE]")
+        assert (await store.usage("local", 0, time.time() + 1)).requests == 1  # still billed
     finally:
         await client.close()
