@@ -1,0 +1,186 @@
+"""Triton kernels for the paged KV cache: store this step's K/V, and attend over each sequence's pages.
+
+`store_kv` writes new keys and values into their cache slots in one launch. `paged_attention`
+is one kernel for a whole mixed batch (decodes and prefill chunks alike): a program owns one
+(sequence, kv head, tile of queries) and its rows are (query token, query head) pairs of that kv
+head's group, so every query head sharing a kv head reuses each K/V tile it loads (grouped-query
+attention without copying K/V). It walks the context in tiles with an online softmax (flash
+attention): a running row max `m`, a running denominator `l` and an unnormalised output, rescaled
+whenever the max grows, so the scores are never materialised for the whole context.
+
+KV layout per layer: `[num_blocks, block_size, kv_heads, head_dim]`; slot = block * block_size +
+offset. The launch shape depends only on the batch size, kv heads and the longest query run, and
+nothing is read back to the host, so a decode-only step can be captured in a CUDA graph. This
+module knows nothing of models, scheduling or `AttentionMetadata`; the backend adapts them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_DOT = 16  # tl.dot on a GPU needs every tile dimension >= 16: smaller tiles are padded and masked
+PREFILL_BLOCK_M = 64  # rows (query token x query head) per program when a step has prefill chunks
+BLOCK_N = 64  # context positions per K/V tile; may span several pages
+
+
+@triton.jit
+def _store_kv_kernel(
+    k, v, k_cache, v_cache, slot_mapping,
+    stride_kt, stride_kh, stride_vt, stride_vh,  # new K/V: [T, kv_heads, head_dim], last dim contiguous
+    stride_cb, stride_cs, stride_ch,  # caches: [num_blocks, block_size, kv_heads, head_dim]
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per new token: its keys and values for every kv head, to the token's slot."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping + token)  # int64; < 0 for a padding token
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    # A padding token writes no heads (a where, not `slot >= 0 & ...`: the interpreter mistypes scalar & tensor).
+    num_heads_written = tl.where(slot >= 0, NUM_KV_HEADS, 0)
+    mask = (heads[:, None] < num_heads_written) & (dims[None, :] < HEAD_DIM)
+    page, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    cache_at = page * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+    new_k = tl.load(k + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    new_v = tl.load(v + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(k_cache + cache_at, new_k.to(k_cache.dtype.element_ty), mask=mask)
+    tl.store(v_cache + cache_at, new_v.to(v_cache.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write this step's keys and values ([T, kv_heads, head_dim], views allowed) into their slots, one launch.
+
+    slot_mapping: [T] int64; a negative slot is a padding token (CUDA-graph batches) and writes nothing.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "the head_dim of new K/V must be contiguous"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,  # q, out: [T, heads, head_dim], last dim contiguous
+    stride_cb, stride_cs, stride_ch,  # caches: [num_blocks, block_size, kv_heads, head_dim]
+    stride_table,  # block_tables: [B, max_blocks]
+    GROUP: tl.constexpr,  # query heads per kv head
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 caches: tl.dot would otherwise round to TF32
+):
+    """Program (sequence, kv head, query tile): rows are BLOCK_Q query tokens x GROUP query heads.
+
+    Query j of a sequence with q_len new tokens and seq_len context sits at position
+    seq_len - q_len + j and sees key positions 0 .. that position. Key tiles past the causal limit
+    of the tile's last query are never loaded; a padding row (q_len 0) loads and stores nothing.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    first_token = tl.program_id(2) * BLOCK_Q
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    seq_len = tl.load(seq_lens + seq)
+    num_prefix = seq_len - q_len  # cached context before this step's tokens
+
+    rows = tl.arange(0, BLOCK_M)
+    token = first_token + rows // GROUP  # which new token of the sequence each row serves
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    query_pos = num_prefix + token  # [BLOCK_M]: the last key position each row may see
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < HEAD_DIM
+
+    q_at = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    queries = tl.load(q + q_at, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    # Context this tile needs: up to its last query's position; none when the tile has no queries.
+    num_tile_tokens = tl.minimum(tl.maximum(q_len - first_token, 0), BLOCK_Q)
+    context_end = tl.where(num_tile_tokens > 0, num_prefix + first_token + num_tile_tokens, 0)
+
+    # Every row sees key 0, so the first tile makes each row max finite: no -inf - -inf below.
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = block_tables + seq.to(tl.int64) * stride_table
+    for tile_start in range(0, context_end, BLOCK_N):
+        key_pos = tile_start + tl.arange(0, BLOCK_N)
+        key_valid = key_pos < context_end
+        # Each column finds its own page, so a tile may span pages; entries past the end are never read.
+        page = tl.load(table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        kv_at = page * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        keys = tl.load(k_cache + kv_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        values = tl.load(v_cache + kv_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+
+        scores = tl.dot(queries, tl.trans(keys), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], in log2 units
+        # Causal, and for every real row also "before context_end" (the tile's last query sees no further).
+        visible = key_pos[None, :] <= query_pos[:, None]
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        correction = tl.exp2(row_max - new_max)  # rescales what was summed under the old max
+        probs = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * correction + tl.sum(probs, axis=1)
+        acc = acc * correction[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
+        row_max = new_max
+
+    result = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    out_at = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out + out_at, result.to(out.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+) -> None:
+    """Causal attention of each sequence's new queries over its whole paged context, into `out`.
+
+    q, out: [T, heads, head_dim]; query_start_loc: [B + 1] int32; seq_lens: [B] int32 (context after
+    this step, new K/V already stored); block_tables: [B, max_blocks] int32. Rows with seq_len 0 are
+    padding and leave `out` untouched. The grid depends only on B, kv heads and max_query_len.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_seqs, num_kv_heads, block_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0, f"heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})"
+    assert q.stride(-1) == 1 and out.stride(-1) == 1, "the head_dim of q and out must be contiguous"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
+    group = num_heads // num_kv_heads
+    # A decode has one token, so its rows are just the group's query heads (padded up to a dot tile);
+    # prefill chunks pack several tokens per program so K/V tiles serve more rows.
+    block_m = max(MIN_DOT, triton.next_power_of_2(group))
+    if max_query_len > 1:
+        block_m = max(block_m, PREFILL_BLOCK_M)
+    block_q = block_m // group
+    if num_seqs == 0 or max_query_len == 0:
+        return
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+    )  # fmt: skip
