@@ -23,7 +23,9 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: int = 0  # 0 = the model's own context length
-    attention_backend: str = "auto"  # auto | sdpa
+    attention_backend: str = "auto"  # auto | flash-attn | torch-varlen | triton | sdpa
+    cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (CUDA only)
+    cuda_graph_max_batch: int = 256  # largest decode batch captured; larger ones run eagerly
     seed: int = 0  # seeds requests that bring no seed of their own
 
 
@@ -34,7 +36,7 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # 0 = size the pool from the memory budget below
     cpu_kv_cache_gb: float = 1.0  # KV pool size on CPU
-    gpu_memory_utilization: float = 0.90  # share of free GPU memory given to the KV pool
+    gpu_memory_utilization: float = 0.90  # share of the GPU's memory chatd may use in all
     enable_prefix_caching: bool = True
 
 

@@ -335,6 +335,8 @@ class LLMEngine:
             "dtype": str(getattr(runner, "dtype", "")).removeprefix("torch."),
             "device": str(getattr(runner, "device", "")),
             "attention_backend": getattr(getattr(runner, "backend", None), "name", ""),
+            # Decode batches up to this size replay CUDA graphs; 0 = every step runs eagerly.
+            "cuda_graph_max_batch": graphs.max_batch if (graphs := getattr(runner, "graphs", None)) else 0,
             "num_kv_blocks": self.block_manager.num_blocks,
             "block_size": self.block_manager.block_size,
             "max_model_len": self.max_model_len,

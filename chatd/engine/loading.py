@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from chatd.config import CacheConfig, Config
-from chatd.engine.attention import select_backend
+from chatd.config import Config
+from chatd.engine.attention import AttentionShape, select_backend, triton_available
 from chatd.engine.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
 from chatd.engine.models.loader import load_model, max_model_len, resolve_dtype, resolve_model_path
 from chatd.engine.runner import ModelRunner, kv_block_bytes
@@ -48,16 +48,33 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def num_kv_blocks(cache: CacheConfig, device: torch.device, block_bytes: int, max_useful: int) -> int:
-    """How many KV blocks fit the memory budget (capped at what max_num_seqs full sequences could use)."""
-    if cache.num_blocks:
-        return cache.num_blocks
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = free - total * (1.0 - cache.gpu_memory_utilization)
-    else:
-        budget = cache.cpu_kv_cache_gb * 2**30
-    return max(0, min(int(budget // block_bytes), max_useful))
+def kv_budget_bytes(total: int, used: int, activation_peak: int, utilization: float) -> int:
+    """Bytes the KV pool may take: the configured share of the GPU, less what is in use now
+    (weights, CUDA context, other processes) and the peak a step's activations reach."""
+    return int(total * utilization) - used - activation_peak
+
+
+def profile_kv_blocks(runner: ModelRunner, config: Config, block_bytes: int) -> int:
+    """On CUDA: run the largest step, measure its peak, and size the pool from what is left."""
+    device = runner.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    runner.profile_step(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+    torch.cuda.synchronize(device)
+    activation_peak = torch.cuda.max_memory_allocated(device) - before
+    runner.allocate_kv(0)  # free the profiling pool before measuring what is in use
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = kv_budget_bytes(total, total - free, activation_peak, config.cache.gpu_memory_utilization)
+    log.info(
+        "GPU memory: %.1f GiB total, %.1f GiB in use after loading, step peak %.2f GiB; KV budget %.1f GiB "
+        "(gpu_memory_utilization %.2f)",
+        total / 2**30, (total - free) / 2**30, activation_peak / 2**30, max(budget, 0) / 2**30,
+        config.cache.gpu_memory_utilization,
+    )
+    return max(0, budget // block_bytes)
 
 
 def load_engine_parts(config: Config) -> EngineParts:
@@ -91,17 +108,34 @@ def load_engine_parts(config: Config) -> EngineParts:
     block_size = config.cache.block_size
     blocks_per_seq = -(-context // block_size)
     block_bytes = kv_block_bytes(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype)
-    num_blocks = num_kv_blocks(config.cache, device, block_bytes, config.scheduler.max_num_seqs * blocks_per_seq)
+    shape = AttentionShape(hf_config.num_attention_heads, model.num_kv_heads, model.head_dim, block_size, dtype)
+    backend = select_backend(config.model.attention_backend, device, shape)
+    max_useful = config.scheduler.max_num_seqs * blocks_per_seq  # more blocks than this could never be used
+    if config.cache.num_blocks:
+        num_blocks = config.cache.num_blocks
+    elif device.type == "cuda":
+        profile_blocks = -(-config.scheduler.max_num_batched_tokens // block_size) + 1
+        runner = ModelRunner(model, backend, profile_blocks, block_size, device, dtype, eos, config.model.seed, context)
+        num_blocks = min(profile_kv_blocks(runner, config, block_bytes), max_useful)
+    else:
+        num_blocks = min(int(config.cache.cpu_kv_cache_gb * 2**30 // block_bytes), max_useful)
     if num_blocks < blocks_per_seq and not config.cache.num_blocks:
         raise ValueError(
             f"the KV cache budget gives {num_blocks} blocks of {block_size} tokens, fewer than one sequence of "
-            f"max_model_len {context} needs ({blocks_per_seq}); raise the KV memory budget or lower max_model_len"
+            f"max_model_len {context} needs ({blocks_per_seq}); raise the KV memory budget "
+            f"({'gpu_memory_utilization' if device.type == 'cuda' else 'cpu_kv_cache_gb'}) or lower max_model_len"
         )
-    backend = select_backend(config.model.attention_backend, device)
-    runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, eos, seed=config.model.seed)
+    runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, eos, config.model.seed, context)
     log.info(
         "loaded %s: dtype %s, device %s, attention %s, %d KV blocks of %d tokens (%.2f GiB), context %d",
         model_path, str(dtype).removeprefix("torch."), device, backend.name, num_blocks, block_size,
         num_blocks * block_bytes / 2**30, context,
     )
+    if device.type == "cuda" and config.model.cuda_graphs and config.model.cuda_graph_max_batch > 0:
+        if backend.supports_cuda_graphs and triton_available():
+            max_batch = min(config.model.cuda_graph_max_batch, config.scheduler.max_num_seqs)
+            seconds = runner.enable_decode_graphs(max_batch)
+            log.info("captured CUDA graphs for decode batches up to %d in %.1f s", max_batch, seconds)
+        else:
+            log.info("CUDA graphs off: attention backend %s cannot be captured", backend.name)
     return EngineParts(runner, tokenizer, num_blocks, context, model.vocab_size, eos, model_path, demo)

@@ -4,16 +4,25 @@ The only engine module besides the model, attention and sampler that touches tor
 sequences (one-token decodes first, then prefill chunks) are concatenated into one batch of
 tokens with per-token positions and cache slots; logits are computed only for the last token
 of each sequence that samples this step.
+
+On a GPU the step is kept lean: its inputs go to the device in one copy, the sampled ids come
+back in one (the step's only wait for the GPU), and decode-only steps replay CUDA graphs.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from chatd.engine.attention import AttentionBackend, AttentionMetadata, KVCache, build_metadata
+from chatd.engine.attention import AttentionBackend, KVCache, build_step, triton_available
+from chatd.engine.cuda_graphs import DecodeGraphs
+from chatd.engine.params import SamplingParams
 from chatd.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from chatd.engine.scheduler import ScheduledSequence
 from chatd.engine.sequence import Sequence
+
+log = logging.getLogger("chatd.engine")
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -34,6 +43,7 @@ class ModelRunner:
         dtype: torch.dtype,
         eos_token_ids: frozenset[int] = frozenset(),
         seed: int = 0,
+        max_model_len: int = 0,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -41,47 +51,96 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own RNG
         self._seed_source = torch.Generator().manual_seed(seed)  # seeds requests that bring none
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches: list[KVCache] = []
+        self.graphs: DecodeGraphs | None = None
+        self.allocate_kv(num_blocks)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """(Re)allocate the KV pool: per layer, keys and values of `num_blocks` blocks."""
+        self.kv_caches = []  # the old pool is freed before the new one is made
+        shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         # Zeros, not empty: padded reads of never-written slots must not meet NaN garbage.
-        self.kv_caches: list[KVCache] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model.num_layers)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.model.num_layers)
         ]
+        self.graphs = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_caches[0][0].shape[0] if self.kv_caches else 0
+
+    def enable_decode_graphs(self, max_batch: int, capture: bool = True) -> float:
+        """Replay decode-only steps of up to max_batch sequences from CUDA graphs; returns capture seconds.
+
+        capture=False runs the same padded path eagerly (CPU tests of the padding).
+        """
+        if not self.backend.supports_cuda_graphs or not triton_available():
+            raise ValueError(f"attention backend {self.backend.name} cannot run in CUDA graphs")
+        graphs = DecodeGraphs(
+            self.model, self.backend, self.kv_caches, max_batch, self.max_model_len, self.block_size, self.device
+        )
+        seconds = graphs.capture() if capture else 0.0
+        self.graphs = graphs
+        return seconds
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> SamplerOutput:
         """Run one step; return the sampled token of each scheduled sequence whose chunk reached its end."""
-        input_ids, positions, meta = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)  # [T, hidden]
-        sampling = [i for i, s in enumerate(scheduled) if s.samples]
-        if not sampling:
-            return SamplerOutput(token_ids=[], logprobs=[])
-        last_token = meta.query_start_loc[1:][sampling].long() - 1
-        logits = self.model.compute_logits(hidden[last_token])  # [num_sampling, vocab]
-        rows = [self._sampling_row(scheduled[i].seq) for i in sampling]
-        return self.sampler(logits, rows)
-
-    def release(self, seq: Sequence) -> None:
-        """Forget a finished sequence's RNG."""
-        self.generators.pop(seq.seq_id, None)
-
-    def _prepare(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         token_ids: list[int] = []
         for s in scheduled:
             start = s.seq.num_computed_tokens
             token_ids.extend(s.seq.token_ids[start : start + s.num_new_tokens])
-        positions, meta = build_metadata(
+        step = build_step(
+            token_ids,
             starts=[s.seq.num_computed_tokens for s in scheduled],
             query_lens=[s.num_new_tokens for s in scheduled],
             block_tables=[s.seq.block_table for s in scheduled],
             block_size=self.block_size,
             device=self.device,
-            dtype=self.dtype,
         )
-        return torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True), positions, meta
+        meta = step.meta
+        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(meta.num_seqs):
+            hidden = self.graphs.run(step)
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, self.backend)  # [T, hidden]
+        sampling = [i for i, s in enumerate(scheduled) if s.samples]
+        if not sampling:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        last_token = [meta.query_starts_cpu[i + 1] - 1 for i in sampling]
+        if last_token != list(range(len(hidden))):
+            hidden = hidden[torch.tensor(last_token, device=self.device)]
+        logits = self.model.compute_logits(hidden)  # [num_sampling, vocab]
+        rows = [self._sampling_row(scheduled[i].seq) for i in sampling]
+        return self.sampler(logits, rows)
+
+    @torch.inference_mode()
+    def profile_step(self, num_tokens: int, num_seqs: int) -> None:
+        """Run the largest step the scheduler can plan, so its peak memory can be measured.
+
+        num_tokens new tokens (prompts of at most max_model_len) through the model, then logits
+        and top-p sampling for num_seqs rows: the sampler's most memory-hungry path. Needs a KV
+        pool of at least num_tokens slots; what it writes there is garbage, to be overwritten.
+        """
+        max_len = self.max_model_len or num_tokens
+        lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+        blocks = iter(range(self.num_blocks))
+        tables = [[next(blocks) for _ in range(-(-n // self.block_size))] for n in lens]
+        step = build_step([0] * num_tokens, [0] * len(lens), lens, tables, self.block_size, self.device)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.backend)
+        rows_index = torch.arange(num_seqs, device=self.device) % num_tokens
+        logits = self.model.compute_logits(hidden[rows_index])
+        params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=1)
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        self.sampler(logits, [SamplingRow(params, [0], [], generator) for _ in range(num_seqs)])
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished sequence's RNG."""
+        self.generators.pop(seq.seq_id, None)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params

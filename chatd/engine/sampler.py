@@ -71,8 +71,21 @@ class Sampler:
             probs = sampling_probs(logits[index], subset)  # [S, V]
             token_ids[index] = draw(probs, [row.generator for row in subset])
 
-        logprobs = _gather_logprobs(raw_logits, token_ids, rows)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        logprob_tensors = _logprob_tensors(raw_logits, token_ids, wanted, rows) if wanted else []
+        # The step's one wait for the device: sampled ids (and logprobs) come back together.
+        token_ids, *logprob_tensors = to_host([token_ids, *logprob_tensors])
+        token_list = token_ids.tolist()
+        return SamplerOutput(token_ids=token_list, logprobs=_logprobs(token_list, wanted, logprob_tensors, rows))
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy device tensors into pinned host memory and wait once for all of them (CPU tensors: as they are)."""
+    if not tensors or tensors[0].device.type == "cpu":
+        return tensors
+    copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return copies
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -199,21 +212,24 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.d
     return counts[:, :vocab_size]
 
 
-def _gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[Logprob | None]:
-    # raw_logits: [B, V], token_ids: [B]. Only rows that asked are computed.
-    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-    result: list[Logprob | None] = [None] * len(rows)
-    if not wanted:
-        return result
+def _logprob_tensors(raw_logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int], rows: list[SamplingRow]) -> list[torch.Tensor]:
+    """For the rows that asked: the sampled token's logprob [W] and the top-k values and ids [W, max_k]."""
     index = torch.tensor(wanted, device=raw_logits.device)
     logprobs = raw_logits[index].log_softmax(dim=-1)  # [W, V]
     sampled = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)  # [W]
     max_k = max(rows[i].params.logprobs for i in wanted)
     top_values, top_ids = logprobs.topk(max_k, dim=-1)  # [W, max_k], sorted descending
-    sampled_list, top_values_list, top_ids_list = sampled.tolist(), top_values.tolist(), top_ids.tolist()
-    chosen = token_ids[index].tolist()
+    return [sampled, top_values, top_ids]
+
+
+def _logprobs(token_ids: list[int], wanted: list[int], tensors: list[torch.Tensor], rows: list[SamplingRow]) -> list[Logprob | None]:
+    # Host-side: one Logprob per row that asked, None for the others.
+    result: list[Logprob | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    sampled, top_values, top_ids = (t.tolist() for t in tensors)
     for j, i in enumerate(wanted):
         k = rows[i].params.logprobs
-        top = dict(zip(top_ids_list[j][:k], top_values_list[j][:k]))
-        result[i] = Logprob(token_id=chosen[j], logprob=sampled_list[j], top=top)
+        top = dict(zip(top_ids[j][:k], top_values[j][:k]))
+        result[i] = Logprob(token_id=token_ids[i], logprob=sampled[j], top=top)
     return result

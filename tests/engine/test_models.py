@@ -11,7 +11,7 @@ import torch
 import transformers
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from chatd.engine.attention import SdpaBackend, build_metadata
+from chatd.engine.attention import SdpaBackend, build_step
 from chatd.engine.models import (
     LlamaForCausalLM,
     load_model,
@@ -123,17 +123,16 @@ class PagedRunner:
 
     def step(self, chunks: list[Chunk]) -> torch.Tensor:
         """Run one flat batch (decodes first) and return logits for every new token: [T, vocab]."""
-        input_ids = [t for chunk in chunks for t in chunk.token_ids]
-        positions, meta = build_metadata(
+        step = build_step(
+            [t for chunk in chunks for t in chunk.token_ids],
             starts=[c.start for c in chunks],
             query_lens=[len(c.token_ids) for c in chunks],
             block_tables=[c.block_table for c in chunks],
             block_size=BLOCK_SIZE,
             device=torch.device("cpu"),
-            dtype=self.model.embed_tokens.weight.dtype,
         )
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(input_ids), positions, self.kv_caches, meta, self.backend)
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.backend)
             return self.model.compute_logits(hidden)
 
 

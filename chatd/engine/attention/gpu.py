@@ -1,0 +1,119 @@
+"""GPU backends: each attends over the paged cache in one kernel call per layer for a whole mixed batch.
+
+- `triton`: chatd's own kernels (chatd/engine/triton_attention.py): one launch writes K and V,
+  one launch attends for decodes and prefill chunks over cached prefixes alike. Runs on CUDA,
+  and on CPU under TRITON_INTERPRET=1 (slowly: that is how CI checks the kernels).
+- `torch-varlen`: `torch.nn.attention.varlen.varlen_attn` with a block table: torch's bundled
+  FlashAttention (torch >= 2.10, CUDA), no extra package.
+- `flash-attn`: the optional flash-attn package's varlen kernel with a block table.
+
+FlashAttention's paged mode has page-size rules of its own; `select_backend` checks each
+backend against sdpa on a small problem with the configured block size before using it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from chatd.engine.attention.common import AttentionBackend, AttentionMetadata, KVCache, triton_available
+
+
+def cu_seq_lens(meta: AttentionMetadata) -> torch.Tensor:
+    """[B + 1] int32 running total of context lengths, made on the device (no sync; capturable)."""
+    cu = meta.scratch.get("cu_seq_lens")
+    if cu is None:
+        cu = meta.scratch["cu_seq_lens"] = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    return cu
+
+
+class TritonBackend(AttentionBackend):
+    """chatd's paged-attention kernels: decodes and prefill chunks in one launch per layer."""
+
+    name = "triton"
+    supports_cuda_graphs = True
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        if not triton_available():
+            return "the triton package is not installed"
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "triton kernels need CUDA (or TRITON_INTERPRET=1, for tests)"
+        return None
+
+    def write_kv(self, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        from chatd.engine.triton_attention import store_kv
+
+        store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        from chatd.engine.triton_attention import paged_attention
+
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        paged_attention(
+            q, kv_cache[0], kv_cache[1], out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            meta.max_query_len, scale,
+        )
+        return out
+
+
+class TorchVarlenBackend(AttentionBackend):
+    """torch's own FlashAttention over the page pool: `varlen_attn(..., block_table=...)`."""
+
+    name = "torch-varlen"
+    supports_cuda_graphs = True
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return "torch's varlen attention needs CUDA"
+        try:
+            from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        except ImportError:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.10)"
+        return None
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        from torch.nn.attention.varlen import varlen_attn
+
+        k_cache, v_cache = kv_cache
+        # window (-1, 0) is causal, aligned to the end of each sequence: a chunk's queries are
+        # the last q_len positions of its context.
+        return varlen_attn(
+            q.contiguous(), k_cache, v_cache, meta.query_start_loc, cu_seq_lens(meta), meta.max_query_len,
+            meta.max_seq_len, scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k_cache.shape[2],
+            seqused_k=meta.seq_lens, block_table=meta.block_tables,
+        )
+
+
+class FlashAttnBackend(AttentionBackend):
+    """The flash-attn package's varlen kernel with a block table (only when the package is installed)."""
+
+    name = "flash-attn"
+    supports_cuda_graphs = True
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return "flash-attn needs CUDA"
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            return "the flash-attn package is not installed (pip install chatd[flash])"
+        return None
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(
+            q.contiguous(), kv_cache[0], kv_cache[1], meta.query_start_loc, cu_seq_lens(meta), meta.max_query_len,
+            meta.max_seq_len, softmax_scale=scale, causal=True, block_table=meta.block_tables,
+        )
