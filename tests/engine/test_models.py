@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from chatd.engine.attention import SdpaBackend, build_step
@@ -222,9 +223,50 @@ def test_load_weights_rejects_missing_and_unexpected_tensors(tmp_path):
     model = LlamaForCausalLM(hf_model.config)
     with pytest.raises(ValueError, match="unexpected tensor 'model.layers.9.mlp.up_proj.weight'"):
         model.load_weights([*state.items(), ("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="'model.norm.weight' appears more than once"):
+        model.load_weights([*state.items(), ("model.norm.weight", state["model.norm.weight"])])
     del state["lm_head.weight"]
     with pytest.raises(ValueError, match="missing 1 tensors: lm_head.weight"):
         model.load_weights(state.items())
+
+
+def edit_checkpoint(path: Path, edit) -> None:
+    """Rewrite the single-file checkpoint at `path` with `edit` applied to its {name: tensor} dict."""
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_checkpoint_without_a_k_proj_tensor_names_it(tmp_path):
+    # q, k and v load into one fused qkv_proj, but the error still names the checkpoint's tensor.
+    make_hf_model("qwen2", tmp_path)
+    edit_checkpoint(tmp_path, lambda tensors: tensors.pop("model.layers.1.self_attn.k_proj.bias"))
+    with pytest.raises(ValueError, match=r"missing 1 tensors: model\.layers\.1\.self_attn\.k_proj\.bias$"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_checkpoint_with_a_misshapen_v_proj_names_it_and_both_shapes(tmp_path):
+    make_hf_model("llama", tmp_path)
+    name = "model.layers.0.self_attn.v_proj.weight"
+    # kv_heads * head_dim = 2 * 16 rows; a q-sized tensor would silently spill into the next shard.
+    edit_checkpoint(tmp_path, lambda tensors: tensors.update({name: torch.zeros(64, 64)}))
+    with pytest.raises(ValueError, match=rf"tensor '{name}' has shape \(64, 64\), the model expects \(32, 64\)"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_fused_projections_hold_the_checkpoint_tensors_in_order(family, tmp_path):
+    make_hf_model(family, tmp_path)
+    model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    tensors = load_file(tmp_path / "model.safetensors")
+    for i, layer in enumerate(model.layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        # Rows are q, then k, then v: the order forward() splits them back apart.
+        for kind in ("weight", "bias") if family == "qwen2" else ("weight",):
+            qkv = torch.cat([tensors[f"{attn}.{proj}.{kind}"] for proj in ("q_proj", "k_proj", "v_proj")])
+            assert torch.equal(getattr(layer.self_attn.qkv_proj, kind), qkv)
+        gate_up = torch.cat([tensors[f"{mlp}.gate_proj.weight"], tensors[f"{mlp}.up_proj.weight"]])
+        assert torch.equal(layer.mlp.gate_up_proj.weight, gate_up)
 
 
 def test_max_model_len_is_capped_by_an_active_sliding_window():

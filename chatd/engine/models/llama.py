@@ -6,6 +6,12 @@ layer hands its new K/V and queries to the attention backend with the step's met
 The families differ only in a few switches read from the Hugging Face config: bias on the q/k/v
 projections (Qwen2), per-head RMSNorm on q and k (Qwen3), an explicit head_dim, rope scaling,
 and whether the output projection shares the embedding matrix.
+
+Projections that read the same input are fused: q, k and v are one `qkv_proj`, the MLP's gate
+and up are one `gate_up_proj`. One GEMM instead of three (or two) per layer means fewer kernel
+launches and a wider matrix, which keeps the GPU busier when the batch is only a few tokens.
+Checkpoints still hold the separate Hugging Face tensors; load_weights copies each into its row
+range of the fused weight, using the FUSED_SHARDS table below.
 """
 
 from __future__ import annotations
@@ -23,6 +29,16 @@ from chatd.engine.attention import AttentionBackend, AttentionMetadata, KVCache
 # Rope types whose frequencies are fixed at load time; "dynamic" and "longrope" change with the
 # batch's length, which a precomputed table cannot follow.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+# Checkpoint module name -> (our fused module, which of its row blocks). The index is the order of
+# the blocks in the fused weight, and so the order of the outputs its forward splits apart.
+FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 def max_positions(config: PretrainedConfig) -> int:
@@ -81,6 +97,19 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+class FusedLinear(nn.Linear):
+    """Several Linear layers over the same input, stacked row-wise into one weight: one GEMM for all."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool):
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+
+    def shard_rows(self, index: int) -> slice:
+        """The rows of the weight (and bias) that belong to the index-th stacked layer."""
+        start = sum(self.output_sizes[:index])
+        return slice(start, start + self.output_sizes[index])
+
+
 class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache."""
 
@@ -95,9 +124,8 @@ class Attention(nn.Module):
         # Qwen2 always has q/k/v biases (and none on o_proj); its config has no field that says so.
         qkv_bias = attention_bias or config.model_type == "qwen2"
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.qkv_proj = FusedLinear(hidden, [q_size, kv_size, kv_size], bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=attention_bias)
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -110,9 +138,12 @@ class Attention(nn.Module):
     ) -> Tensor:
         # x: [tokens, hidden]
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # q: [tokens, heads, head_dim]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # k: [tokens, kv_heads, head_dim]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # qkv: [tokens, (heads + 2 * kv_heads) * head_dim]
+        # split() returns views into qkv, not copies; k and v reach the backend non-contiguous.
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # q: [tokens, heads, head_dim]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # k: [tokens, kv_heads, head_dim]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -127,12 +158,14 @@ class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        intermediate = config.intermediate_size
+        self.gate_up_proj = FusedLinear(config.hidden_size, [intermediate, intermediate], bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # x: [tokens, hidden]; gate, up: [tokens, intermediate], views into one GEMM's output
+        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.output_sizes, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -166,7 +199,8 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = config.vocab_size
         self.hidden_size = config.hidden_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # Module names mirror Hugging Face's (minus the "model." prefix), so loading is a name lookup.
+        # Module names mirror Hugging Face's (minus the "model." prefix), so loading is a name lookup,
+        # except for the fused projections, which FUSED_SHARDS maps.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.head_dim) for i in range(self.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -203,27 +237,47 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
+    def checkpoint_destinations(self) -> dict[str, Tensor]:
+        """Every tensor a checkpoint must hold, by Hugging Face name -> the parameter, or rows of one, it fills."""
+
+        def checkpoint_name(name: str) -> str:
+            return name if name.startswith("lm_head") else f"model.{name}"
+
+        destinations = {}
+        for module_name, module in self.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                if not isinstance(module, FusedLinear):
+                    destinations[checkpoint_name(f"{module_name}.{param_name}")] = param
+                    continue
+                parent, _, fused_name = module_name.rpartition(".")
+                for shard_name, (fused, index) in FUSED_SHARDS.items():
+                    if fused == fused_name:
+                        # A view: copying into it writes those rows of the fused parameter.
+                        rows = param[module.shard_rows(index)]
+                        destinations[checkpoint_name(f"{parent}.{shard_name}.{param_name}")] = rows
+        return destinations
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the model; every parameter must be given exactly once."""
-        params = dict(self.named_parameters())
-        missing = set(params)
-        for hf_name, tensor in weights:
-            if "rotary_emb.inv_freq" in hf_name:
-                continue  # old checkpoints saved the rope buffer; we compute our own
-            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # some tied checkpoints still carry a copy of the embedding
-            name = hf_name.removeprefix("model.")
-            if name not in params:
-                raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint for {self.config.model_type}")
-            param = params[name]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
-            missing.discard(name)
+        """Copy Hugging Face-named tensors into the model; every one it needs must be given exactly once."""
+        with torch.no_grad():
+            destinations = self.checkpoint_destinations()
+            # Tracked by checkpoint name, so a missing k_proj is reported as such, not as "qkv_proj".
+            missing = set(destinations)
+            for hf_name, tensor in weights:
+                if "rotary_emb.inv_freq" in hf_name:
+                    continue  # old checkpoints saved the rope buffer; we compute our own
+                if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                    continue  # some tied checkpoints still carry a copy of the embedding
+                if hf_name not in destinations:
+                    raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint for {self.config.model_type}")
+                if hf_name not in missing:
+                    raise ValueError(f"tensor {hf_name!r} appears more than once in the checkpoint")
+                destination = destinations[hf_name]
+                given, expected = tuple(tensor.shape), tuple(destination.shape)
+                if given != expected:
+                    raise ValueError(f"tensor {hf_name!r} has shape {given}, the model expects {expected}")
+                destination.copy_(tensor)
+                missing.discard(hf_name)
         if missing:
-            hf_names = sorted(n if n.startswith("lm_head") else f"model.{n}" for n in missing)
-            names = ", ".join(hf_names[:5]) + (" ..." if len(missing) > 5 else "")
+            names = ", ".join(sorted(missing)[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensors: {names}")
