@@ -14,11 +14,15 @@ Peers (each driven the fastest way its documentation allows):
   hf-static  plain `model.generate` on static batches of 16, sorted by prompt length, left-padded;
              each batch decodes its longest output, only each sequence's own length counts.
 
+After the throughput table, on CUDA (on CPU with --steps), the same run goes on with
+benchmarks/steps.py: decode step time at several batch sizes against its memory and compute
+rooflines, and time to first token with and without a cached prefix (--skip-steps: not).
+
 This script knows nothing of chatd's internals; it only calls the offline API.
 
     python benchmarks/offline.py                      # CPU workload, all peers
     python benchmarks/offline.py --quick              # smoke test, seconds
-    python benchmarks/offline.py --device cuda --preset qwen3-0.6b --json results.json
+    python benchmarks/offline.py --device cuda --json results.json   # Qwen3-0.6B shape, then steps.py
 """
 
 from __future__ import annotations
@@ -422,7 +426,7 @@ def report(results: list[PeerResult], workload: Workload, flops: float, peak: fl
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--preset", choices=PRESETS, default="cpu", help="model shape and workload (default cpu)")
+    p.add_argument("--preset", choices=PRESETS, help="model shape and workload (default: cpu on CPU, qwen3-0.6b on CUDA)")
     p.add_argument("--num-seqs", dest="num_seqs", type=int, help="sequences in the workload (cpu preset: 64)")
     p.add_argument("--prompt-len", dest="prompt_len", type=int, nargs=2, metavar=("MIN", "MAX"), help="cpu preset: 32 256")
     p.add_argument("--output-len", dest="output_len", type=int, nargs=2, metavar=("MIN", "MAX"), help="cpu preset: 32 128")
@@ -449,7 +453,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="transformers' continuous batching page size (default 16 on CPU, its own on CUDA)")
     p.add_argument("--static-batch", dest="static_batch", type=int, default=16, help="hf-static batch size (default 16)")
     p.add_argument("--gemm-size", dest="gemm_size", type=int, help="matmul peak size (default 2048 on CPU, 8192 on CUDA)")
+    p.add_argument("--steps", action="store_true", help="also run benchmarks/steps.py on CPU (on CUDA it runs unless skipped)")
+    p.add_argument("--skip-steps", dest="skip_steps", action="store_true", help="do not run benchmarks/steps.py after the table")
     args = p.parse_args(argv)
+    args.run_steps = not args.skip_steps and (args.steps or torch.device(args.device).type == "cuda")
+    if args.preset is None:
+        args.preset = "qwen3-0.6b" if torch.device(args.device).type == "cuda" else "cpu"
     for key, value in {**PRESETS[args.preset], **(QUICK if args.quick else {})}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -537,22 +546,48 @@ def main(argv: list[str] | None = None) -> int:
     print(f"output tok/s counts each sequence's own output length ({workload.num_output_tokens} tokens in all).")
     print(f"peak share = model FLOPs / wall time / matmul peak; {FLOP_FORMULA}")
     rows = report(list(results.values()), workload, flops, peak)
+    summary = dict(
+        args={k: v for k, v in vars(args).items()},
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        matmul_peak_flops=peak,
+        matmul_peak_per_round=peaks,
+        model_flops=flops,
+        non_embedding_params=params,
+        num_prompt_tokens=workload.num_prompt_tokens,
+        num_output_tokens=workload.num_output_tokens,
+        results=rows,
+    )
+    if args.json:  # written now too, so a crash in the steps section below does not lose the table
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    failed = any(r.error for r in results.values())
+    if args.run_steps:
+        summary["steps"] = run_steps(args)
+        failed = failed or bool(summary["steps"].get("errors"))
     if args.json:
-        summary = dict(
-            args={k: v for k, v in vars(args).items()},
-            torch=torch.__version__,
-            threads=torch.get_num_threads(),
-            matmul_peak_flops=peak,
-            matmul_peak_per_round=peaks,
-            model_flops=flops,
-            non_embedding_params=params,
-            num_prompt_tokens=workload.num_prompt_tokens,
-            num_output_tokens=workload.num_output_tokens,
-            results=rows,
-        )
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
         print(f"\nwrote {args.json}")
-    return 1 if any(r.error for r in results.values()) else 0
+    return 1 if failed else 0
+
+
+def run_steps(args: argparse.Namespace) -> dict:
+    """benchmarks/steps.py on the same device (its own model and defaults; --quick and --seed passed on)."""
+    from benchmarks import steps
+
+    print("\n-- decode steps against their rooflines, and time to first token (benchmarks/steps.py) --", flush=True)
+    gc.collect()
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.empty_cache()  # the peers' memory, back for the steps' model
+    p = argparse.ArgumentParser()
+    steps.add_arguments(p)
+    steps_args = steps.finish_arguments(
+        p.parse_args(["--device", args.device, "--seed", str(args.seed)] + (["--quick"] if args.quick else []))
+    )
+    try:
+        return steps.run(steps_args)
+    except Exception as exc:  # the throughput table above still stands
+        traceback.print_exc()
+        return dict(errors=[f"{type(exc).__name__}: {exc}"])
 
 
 if __name__ == "__main__":
