@@ -63,7 +63,7 @@ def profile_kv_blocks(runner: ModelRunner, config: Config, block_bytes: int) -> 
     before = torch.cuda.memory_allocated(device)
     runner.profile_step(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
     torch.cuda.synchronize(device)
-    activation_peak = torch.cuda.max_memory_allocated(device) - before
+    activation_peak = torch.cuda.max_memory_allocated(device) - before - runner.num_blocks * block_bytes
     runner.allocate_kv(0)  # free the profiling pool before measuring what is in use
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
@@ -114,8 +114,7 @@ def load_engine_parts(config: Config) -> EngineParts:
     if config.cache.num_blocks:
         num_blocks = config.cache.num_blocks
     elif device.type == "cuda":
-        profile_blocks = -(-config.scheduler.max_num_batched_tokens // block_size) + 1
-        runner = ModelRunner(model, backend, profile_blocks, block_size, device, dtype, eos, config.model.seed, context)
+        runner = ModelRunner(model, backend, 0, block_size, device, dtype, eos, config.model.seed, context)
         num_blocks = min(profile_kv_blocks(runner, config, block_bytes), max_useful)
     else:
         num_blocks = min(int(config.cache.cpu_kv_cache_gb * 2**30 // block_bytes), max_useful)

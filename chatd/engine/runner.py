@@ -123,13 +123,14 @@ class ModelRunner:
         """Run the largest step the scheduler can plan, so its peak memory can be measured.
 
         num_tokens new tokens (prompts of at most max_model_len) through the model, then logits
-        and top-p sampling for num_seqs rows: the sampler's most memory-hungry path. Needs a KV
-        pool of at least num_tokens slots; what it writes there is garbage, to be overwritten.
+        and top-p sampling for num_seqs rows: the sampler's most memory-hungry path. It replaces
+        the KV pool with one just large enough; the caller allocates the real pool afterwards.
         """
         max_len = self.max_model_len or num_tokens
         lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-        blocks = iter(range(self.num_blocks))
+        blocks = iter(range(sum(-(-n // self.block_size) for n in lens)))
         tables = [[next(blocks) for _ in range(-(-n // self.block_size))] for n in lens]
+        self.allocate_kv(sum(map(len, tables)))
         step = build_step([0] * num_tokens, [0] * len(lens), lens, tables, self.block_size, self.device)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.backend)
         rows_index = torch.arange(num_seqs, device=self.device) % num_tokens

@@ -1,0 +1,29 @@
+"""Sizing the KV pool at start: a budget too small for one sequence is a startup error, and the
+profiling step that measures a GPU step's peak fits the pool it is given (checked here on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.conftest import make_llm
+from tests.engine.test_engine import GREEDY, prompts, token_ids
+
+
+def test_kv_budget_below_one_sequence_is_a_startup_error_naming_the_setting(model_dirs):
+    with pytest.raises(ValueError, match=r"fewer than one sequence of max_model_len 256 .*cpu_kv_cache_gb"):
+        make_llm(model_dirs["llama"], num_blocks=0, cpu_kv_cache_gb=1e-6, max_model_len=256)
+
+
+@pytest.mark.parametrize("max_model_len", [100, 256])
+def test_profiling_step_runs_and_leaves_the_engine_correct(model_dirs, max_model_len):
+    """The largest step (2048 tokens as prompts of at most max_model_len; logits and top-p for
+    300 rows) runs on the pool it sizes for itself; with the real pool back, output is unchanged."""
+    path = model_dirs["qwen3"]
+    batch = prompts(500, [5, 40, 17], seed=8)
+    want = token_ids(make_llm(path, max_model_len=max_model_len).generate(batch, GREEDY))
+    llm = make_llm(path, max_model_len=max_model_len)
+    runner = llm.engine.runner
+    runner.profile_step(2048, 300)
+    assert runner.num_blocks >= 2048 // runner.block_size
+    runner.allocate_kv(llm.engine.block_manager.num_blocks)
+    assert token_ids(llm.generate(batch, GREEDY)) == want
