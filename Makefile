@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench gpu-check clean
 
 # pyproject caps torch at the tested release, so pip keeps the CPU build of torch where one is
 # installed or offered locally, instead of fetching the newest multi-GB CUDA build.
@@ -22,6 +22,12 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/offline.py
+
+# On a machine with a GPU: the CUDA-only tests (kernels vs sdpa, CUDA graphs vs eager, memory
+# sizing, greedy vs transformers), then every GPU figure in one run (benchmarks/README.md).
+gpu-check: install
+	$(BIN)/python -m pytest -q -m gpu -rs $(PYTEST_ARGS)
+	$(BIN)/python benchmarks/offline.py --device cuda --json gpu-results.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
