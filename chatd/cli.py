@@ -61,6 +61,10 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["server"]["host"] = args.host
     if args.port is not None:
         overrides["server"]["port"] = args.port
+    if args.attention_backend:
+        overrides["model"]["attention_backend"] = args.attention_backend
+    if args.no_cuda_graphs:
+        overrides["model"]["cuda_graphs"] = False
     config = load_config(args.config, overrides)
     setup_logging(config.server.log_json)
     asyncio.run(serve(config))
@@ -129,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
     serve.add_argument("--device", help="auto | cpu | cuda[:N]")
+    serve.add_argument("--attention-backend", help="auto | flash-attn | torch-varlen | triton | sdpa")
+    serve.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graphs)")
     serve.set_defaults(func=_serve)
 
     add_bench_parser(sub)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 
 import aiohttp
 import openai
@@ -268,3 +271,15 @@ def test_json_logs_and_sigint(tmp_path, server):
     assert done["e2e_s"] >= done["ttft_s"] > 0
     assert any(r["message"].startswith("ready:") for r in records)
     assert records[-1]["message"] == "stopped"
+
+
+def test_an_attention_backend_that_cannot_run_here_stops_startup_with_its_reason(tmp_path, server):
+    """`--attention-backend torch-varlen` on a CPU machine: exit 2 naming the setting and why."""
+    _, model_dir, _ = server
+    done = subprocess.run(
+        [sys.executable, "-m", "chatd", "serve", "--model", str(model_dir), "--port", "0", "--device", "cpu",
+         "--attention-backend", "torch-varlen", "--no-cuda-graphs"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "CHATD_HOME": str(tmp_path)},
+    )
+    assert done.returncode == 2
+    assert "attention_backend 'torch-varlen' cannot run here: torch's varlen attention needs CUDA" in done.stderr
