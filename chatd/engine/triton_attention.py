@@ -8,6 +8,11 @@ attention without copying K/V). It walks the context in tiles with an online sof
 attention): a running row max `m`, a running denominator `l` and an unnormalised output, rescaled
 whenever the max grows, so the scores are never materialised for the whole context.
 
+A decode-only batch may split each context into parts (flash-decoding): grid axis 2 then names
+the part, each part stores its normalised output and log-sum-exp, and `_merge_splits_kernel`
+weighs them together. At small batches that gives every SM work instead of one program per
+(sequence, kv head) reading a whole context alone.
+
 KV layout per layer: `[num_blocks, block_size, kv_heads, head_dim]`; slot = block * block_size +
 offset. The launch shape depends only on the batch size, kv heads and the longest query run, and
 nothing is read back to the host, so a decode-only step can be captured in a CUDA graph. This
@@ -25,6 +30,7 @@ import triton.language as tl
 MIN_DOT = 16  # tl.dot on a GPU needs every tile dimension >= 16: smaller tiles are padded and masked
 PREFILL_BLOCK_M = 64  # rows (query token x query head) per program when a step has prefill chunks
 BLOCK_N = 64  # context positions per K/V tile; may span several pages
+MAX_SPLITS = 16  # most parts a decode's context is split into (each gets at least one key tile)
 
 
 @triton.jit
@@ -75,13 +81,16 @@ def store_kv(
 @triton.jit
 def _paged_attention_kernel(
     q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, qk_scale,
+    split_out, split_lse,  # NUM_SPLITS > 1: per split, [T, heads, NUM_SPLITS, BLOCK_D] and [T, heads, NUM_SPLITS] fp32
     stride_qt, stride_qh, stride_ot, stride_oh,  # q, out: [T, heads, head_dim], last dim contiguous
     stride_cb, stride_cs, stride_ch,  # caches: [num_blocks, block_size, kv_heads, head_dim]
     stride_table,  # block_tables: [B, max_blocks]
     GROUP: tl.constexpr,  # query heads per kv head
+    NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 caches: tl.dot would otherwise round to TF32
+    NUM_SPLITS: tl.constexpr,  # > 1 only for decode-only launches: grid axis 2 splits the context
 ):
     """Program (sequence, kv head, query tile): rows are BLOCK_Q query tokens x GROUP query heads.
 
@@ -91,7 +100,12 @@ def _paged_attention_kernel(
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    first_token = tl.program_id(2) * BLOCK_Q
+    if NUM_SPLITS > 1:
+        split = tl.program_id(2)
+        first_token = 0
+    else:
+        split = 0
+        first_token = tl.program_id(2) * BLOCK_Q
     q_start = tl.load(query_start_loc + seq)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
     seq_len = tl.load(seq_lens + seq)
@@ -112,14 +126,20 @@ def _paged_attention_kernel(
     num_tile_tokens = tl.minimum(tl.maximum(q_len - first_token, 0), BLOCK_Q)
     context_end = tl.where(num_tile_tokens > 0, num_prefix + first_token + num_tile_tokens, 0)
 
-    # Every row sees key 0, so the first tile makes each row max finite: no -inf - -inf below.
+    # A split takes its share of the context, in whole key tiles; the last splits may get none.
+    split_len = tl.cdiv(tl.cdiv(context_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    key_start = split * split_len
+    key_end = tl.minimum(key_start + split_len, context_end)
+
+    # Every row sees its range's first key (keys before a decode are all visible, and a prefill
+    # row sees key 0), so the first tile makes each row max finite: no -inf - -inf below.
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = block_tables + seq.to(tl.int64) * stride_table
-    for tile_start in range(0, context_end, BLOCK_N):
+    for tile_start in range(key_start, key_end, BLOCK_N):
         key_pos = tile_start + tl.arange(0, BLOCK_N)
-        key_valid = key_pos < context_end
+        key_valid = key_pos < key_end
         # Each column finds its own page, so a tile may span pages; entries past the end are never read.
         page = tl.load(table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         kv_at = page * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
@@ -139,8 +159,41 @@ def _paged_attention_kernel(
         row_max = new_max
 
     result = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
-    out_at = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    tl.store(out + out_at, result.to(out.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    if NUM_SPLITS > 1:
+        # This split's normalised output and its log2-sum-exp; _merge_splits_kernel weighs them.
+        at = ((q_start + token).to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
+        lse = row_max + tl.log2(tl.maximum(row_sum, 1e-30))  # -inf for a split with no keys
+        tl.store(split_lse + at, lse, mask=row_valid)
+        tl.store(split_out + at[:, None] * BLOCK_D + dims[None, :], result, mask=row_valid[:, None])
+    else:
+        out_at = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out + out_at, result.to(out.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out, split_out, split_lse, query_start_loc, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Program (sequence, head) of a decode batch: out = sum of the splits' outputs, each weighted
+    by its share of the softmax denominator, exp2(lse_split - max lse) / sum of those."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(query_start_loc + seq)
+    has_query = tl.load(query_start_loc + seq + 1) > token  # a padding row has none
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    at = (token.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits  # [BLOCK_S]
+    # Scalar conditions enter masks through where(), not `&` (the interpreter mistypes scalar & tensor).
+    split_valid = splits < tl.where(has_query, NUM_SPLITS, 0)
+    lse = tl.load(split_lse + at, mask=split_valid, other=float("-inf"))
+    # Splits with no keys (lse -inf) weigh 0; the floor keeps a padding row's all -inf from NaN.
+    weights = tl.exp2(lse - tl.maximum(tl.max(lse, axis=0), -1e30))
+    parts = tl.load(split_out + at[:, None] * BLOCK_D + dims[None, :], mask=split_valid[:, None], other=0.0)
+    result = tl.sum(parts * weights[:, None], axis=0) / tl.maximum(tl.sum(weights, axis=0), 1e-30)  # [BLOCK_D]
+    out_at = token.to(tl.int64) * stride_ot + head * stride_oh + dims
+    tl.store(out + out_at, result.to(out.dtype.element_ty), mask=dims < tl.where(has_query, HEAD_DIM, 0))
 
 
 def paged_attention(
@@ -153,12 +206,15 @@ def paged_attention(
     block_tables: torch.Tensor,
     max_query_len: int,
     scale: float,
+    num_splits: int | None = None,
 ) -> None:
     """Causal attention of each sequence's new queries over its whole paged context, into `out`.
 
     q, out: [T, heads, head_dim]; query_start_loc: [B + 1] int32; seq_lens: [B] int32 (context after
     this step, new K/V already stored); block_tables: [B, max_blocks] int32. Rows with seq_len 0 are
     padding and leave `out` untouched. The grid depends only on B, kv heads and max_query_len.
+    num_splits: for a decode-only batch, how many parts each context is split into (None: enough
+    to give the GPU's SMs work, see decode_splits).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs, num_kv_heads, block_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
@@ -174,13 +230,42 @@ def paged_attention(
     block_q = block_m // group
     if num_seqs == 0 or max_query_len == 0:
         return
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
+    if max_query_len > 1:
+        num_splits = 1
+    elif num_splits is None:
+        num_splits = decode_splits(num_seqs * num_kv_heads, q.device)
+    split_out = split_lse = out  # unused unless the context is split
+    if num_splits > 1:
+        split_out = torch.empty(q.shape[0], num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
+        split_lse = torch.empty(q.shape[0], num_heads, num_splits, dtype=torch.float32, device=q.device)
+    grid = (num_seqs, num_kv_heads, num_splits if num_splits > 1 else triton.cdiv(max_query_len, block_q))
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale * math.log2(math.e),
+        split_out, split_lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+        GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=num_splits, num_warps=4,
     )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            out, split_out, split_lse, query_start_loc, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        )  # fmt: skip
+
+
+def decode_splits(num_programs: int, device: torch.device) -> int:
+    """Context splits per decode so a launch has about two programs per SM (flash-decoding).
+
+    At batch 1 an 8-kv-head model has 8 programs for a GPU of 132 SMs: each reads its whole
+    context alone. Splitting the context and merging the parts' softmax sums puts every SM to
+    work. Depends only on the batch's shape, never its contents, so it is CUDA-graph safe.
+    """
+    if device.type != "cuda":
+        return 1  # the CPU interpreter gains nothing from it; tests ask for splits explicitly
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, 2 * num_sms // max(num_programs, 1)))

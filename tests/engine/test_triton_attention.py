@@ -67,13 +67,13 @@ class Step:
     max_query_len: int
     scale: float
 
-    def attend(self, attention=paged_attention) -> torch.Tensor:
+    def attend(self, attention=paged_attention, num_splits: int | None = None) -> torch.Tensor:
         """Store this step's K/V, then attend with `attention`; returns `out`, prefilled with SENTINEL."""
         store_kv(self.k, self.v, self.k_cache, self.v_cache, self.slot_mapping)
         out = torch.full(self.q.shape, SENTINEL, dtype=self.q.dtype, device=DEVICE)
         args = (self.q, self.k_cache, self.v_cache, out, self.query_start_loc, self.seq_lens, self.block_tables)
         if attention is paged_attention:
-            paged_attention(*args, max_query_len=self.max_query_len, scale=self.scale)
+            paged_attention(*args, max_query_len=self.max_query_len, scale=self.scale, num_splits=num_splits)
         else:
             attention(*args, scale=self.scale)
         return out
@@ -140,9 +140,9 @@ def make_step(
     )
 
 
-def assert_matches_reference(step: Step) -> torch.Tensor:
+def assert_matches_reference(step: Step, num_splits: int | None = None) -> torch.Tensor:
     """The kernel's output equals the dense reference's, including rows it must leave alone."""
-    out = step.attend()
+    out = step.attend(num_splits=num_splits)
     expected = step.attend(reference_paged_attention)
     # Half precision rounds the probabilities before they weight the values; float32 matches closely.
     tolerance = 1e-4 if out.dtype == torch.float32 else 2e-2
@@ -156,6 +156,20 @@ def test_decode_batch_matches_reference(num_heads, num_kv_heads, head_dim):
     # Contexts of one token, exactly one page, one past a page, and several tiles of 64 keys.
     step = make_step([1, 1, 1, 1], [1, 16, 17, 150], num_heads, num_kv_heads, head_dim, seed=head_dim)
     assert_matches_reference(step)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 16])
+def test_decode_with_split_contexts_matches_reference(num_splits):
+    """Flash-decoding: each context in parts merged by their softmax sums; with 16 parts most
+    short contexts leave parts empty, which must weigh nothing."""
+    step = make_step([1, 1, 1, 1, 1], [1, 16, 17, 150, 300], num_heads=8, num_kv_heads=2, head_dim=32, seed=num_splits)
+    assert_matches_reference(step, num_splits=num_splits)
+
+
+def test_split_decode_leaves_padding_rows_untouched():
+    step = make_step([1, 1, 1, 0, 0], [3, 18, 133, 0, 0], num_padding_tokens=2)
+    out = assert_matches_reference(step, num_splits=4)
+    assert (out[3:] == SENTINEL).all()
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
