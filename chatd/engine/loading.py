@@ -133,8 +133,13 @@ def load_engine_parts(config: Config) -> EngineParts:
     if device.type == "cuda" and config.model.cuda_graphs and config.model.cuda_graph_max_batch > 0:
         if backend.supports_cuda_graphs and triton_available():
             max_batch = min(config.model.cuda_graph_max_batch, config.scheduler.max_num_seqs)
-            seconds = runner.enable_decode_graphs(max_batch)
-            log.info("captured CUDA graphs for decode batches up to %d in %.1f s", max_batch, seconds)
+            try:
+                seconds = runner.enable_decode_graphs(max_batch)
+            except Exception as exc:  # serve eagerly rather than not at all; the log says why
+                runner.graphs = None
+                log.warning("CUDA graph capture failed (%s: %s); every step runs eagerly", type(exc).__name__, exc)
+            else:
+                log.info("captured CUDA graphs for decode batches up to %d in %.1f s", max_batch, seconds)
         else:
             log.info("CUDA graphs off: attention backend %s cannot be captured", backend.name)
     return EngineParts(runner, tokenizer, num_blocks, context, model.vocab_size, eos, model_path, demo)
