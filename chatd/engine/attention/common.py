@@ -8,6 +8,7 @@ slot = block * block_size + offset. This module knows nothing of models or sched
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -163,6 +164,7 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+@functools.cache
 def triton_available() -> bool:
     """Triton is importable (it ships with CUDA builds of torch; CPU tests install it to interpret kernels)."""
     try:
