@@ -128,7 +128,7 @@ class ModelRunner:
         """
         max_len = self.max_model_len or num_tokens
         lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-        blocks = iter(range(sum(-(-n // self.block_size) for n in lens)))
+        blocks = iter(range(10**9))  # consecutive blocks, each prompt starting a new one
         tables = [[next(blocks) for _ in range(-(-n // self.block_size))] for n in lens]
         self.allocate_kv(sum(map(len, tables)))
         step = build_step([0] * num_tokens, [0] * len(lens), lens, tables, self.block_size, self.device)
