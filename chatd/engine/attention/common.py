@@ -58,7 +58,7 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
     """Move small host tensors to `device` in one pinned host-to-device copy (on CPU: as they are).
 
     Each separate `.to(device)` of pageable memory is its own staged copy; packing them into one
-    pinned int64 buffer makes a step's inputs one transfer that overlaps with queued GPU work.
+    pinned buffer makes a step's inputs one transfer that overlaps with queued GPU work.
     Tensors of 4- and 8-byte dtypes travel as int32 words, bit for bit.
     """
     if device.type == "cpu":
