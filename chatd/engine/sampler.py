@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from chatd.engine.params import Logprob, SamplingParams
+from chatd.engine.ragged import pad_ragged
 
 # Below this, dividing logits by the temperature can overflow float32; the limit T -> 0 is
 # greedy anyway (vLLM draws the same line).
@@ -204,9 +205,7 @@ def _top_k_only(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     # How often each token occurs in each row: [B, V]. Rows are padded with `vocab_size`, an
     # extra bin that is counted and then cut off, so one scatter_add serves the whole batch.
-    longest = max((len(ids) for ids in token_lists), default=0)
-    padded = [ids + [vocab_size] * (longest - len(ids)) for ids in token_lists]
-    index = torch.tensor(padded, dtype=torch.long, device=device).reshape(len(token_lists), longest)
+    index = torch.from_numpy(pad_ragged(token_lists, fill=vocab_size)).to(device)  # [B, longest]
     counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
     counts.scatter_add_(1, index, torch.ones(index.shape, device=device))
     return counts[:, :vocab_size]

@@ -9,11 +9,12 @@ slot = block * block_size + offset. This module knows nothing of models or sched
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from chatd.engine.ragged import pad_ragged
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block_size, kv_heads, head_dim]
 
@@ -94,12 +95,7 @@ def build_step(
     # on small CPU tensors costs milliseconds a step, which a GPU step would wait for.
     num_seqs = len(starts)
     lens = np.asarray(query_lens, dtype=np.int64)
-    table_lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=num_seqs)
-    tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)
-    # Row-major boolean assignment fills each row's first len(table) entries, in order.
-    tables[np.arange(tables.shape[1]) < table_lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(table_lens.sum())
-    )
+    tables = pad_ragged(block_tables, fill=0, dtype=np.int32)
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
     np.cumsum(lens, out=query_start_loc[1:])
     seq_lens = np.asarray(starts, dtype=np.int64) + lens
