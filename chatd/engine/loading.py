@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig
 
 from chatd.config import Config
-from chatd.engine.attention import AttentionShape, select_backend, triton_available
+from chatd.engine.attention import AttentionShape, select_backend
 from chatd.engine.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
 from chatd.engine.models.loader import load_model, max_model_len, resolve_dtype, resolve_model_path
 from chatd.engine.runner import ModelRunner, kv_block_bytes
@@ -131,7 +131,7 @@ def load_engine_parts(config: Config) -> EngineParts:
         num_blocks * block_bytes / 2**30, context,
     )
     if device.type == "cuda" and config.model.cuda_graphs and config.model.cuda_graph_max_batch > 0:
-        if backend.supports_cuda_graphs and triton_available():
+        if backend.capturable():
             max_batch = min(config.model.cuda_graph_max_batch, config.scheduler.max_num_seqs)
             try:
                 seconds = runner.enable_decode_graphs(max_batch)

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from chatd.engine.attention import AttentionBackend, KVCache, build_step, triton_available
+from chatd.engine.attention import AttentionBackend, KVCache, build_step
 from chatd.engine.cuda_graphs import DecodeGraphs
 from chatd.engine.params import SamplingParams
 from chatd.engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -79,7 +79,7 @@ class ModelRunner:
 
         capture=False runs the same padded path eagerly (CPU tests of the padding).
         """
-        if not self.backend.supports_cuda_graphs or not triton_available():
+        if not self.backend.capturable():
             raise ValueError(f"attention backend {self.backend.name} cannot run in CUDA graphs")
         graphs = DecodeGraphs(
             self.model, self.backend, self.kv_caches, max_batch, self.max_model_len, self.block_size, self.device

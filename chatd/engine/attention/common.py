@@ -134,6 +134,11 @@ class AttentionBackend:
         """Why this backend cannot run on `device` (a missing package, no CUDA); None when it can."""
         return None
 
+    def capturable(self) -> bool:
+        """Decode steps can run in CUDA graphs: its attention is graph-safe and the KV write is the
+        triton kernel, the one that skips padding slots."""
+        return self.supports_cuda_graphs and triton_available()
+
     def write_kv(self, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """Store new keys/values ([T, kv_heads, head_dim]) into their slots.
 

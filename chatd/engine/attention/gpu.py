@@ -13,6 +13,7 @@ backend against sdpa on a small problem with the configured block size before us
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -27,6 +28,17 @@ def cu_seq_lens(meta: AttentionMetadata) -> torch.Tensor:
     if cu is None:
         cu = meta.scratch["cu_seq_lens"] = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
     return cu
+
+
+def cuda_module_missing(device: torch.device, what: str, module: str, missing: str) -> str | None:
+    """Why `what`, a CUDA-only backend built on `module`, cannot run on `device`; None when it can."""
+    if device.type != "cuda":
+        return f"{what} needs CUDA"
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing
+        found = False
+    return None if found else missing
 
 
 class TritonBackend(AttentionBackend):
@@ -69,13 +81,9 @@ class TorchVarlenBackend(AttentionBackend):
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
-        if device.type != "cuda":
-            return "torch's varlen attention needs CUDA"
-        try:
-            from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-        except ImportError:
-            return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.10)"
-        return None
+        return cuda_module_missing(
+            device, "torch's varlen attention", "torch.nn.attention.varlen", f"torch {torch.__version__} has no varlen attention (needs >= 2.10)"
+        )
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
@@ -100,13 +108,7 @@ class FlashAttnBackend(AttentionBackend):
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
-        if device.type != "cuda":
-            return "flash-attn needs CUDA"
-        try:
-            import flash_attn  # noqa: F401
-        except ImportError:
-            return "the flash-attn package is not installed (pip install chatd[flash])"
-        return None
+        return cuda_module_missing(device, "flash-attn", "flash_attn", "the flash-attn package is not installed (pip install chatd[flash])")
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
