@@ -54,6 +54,5 @@ def test_kv_pool_is_sized_from_gpu_memory_utilization(model_dirs):
     llm = make_llm(path, device="cuda", num_blocks=0, gpu_memory_utilization=0.3, max_model_len=256)
     pool = sum(k.numel() * k.element_size() * 2 for k, _ in llm.engine.runner.kv_caches)
     assert 0 < pool < 0.3 * total
-    assert torch.cuda.memory_reserved() < 0.32 * total
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         make_llm(path, device="cuda", num_blocks=0, gpu_memory_utilization=0.001, max_model_len=256)
