@@ -27,6 +27,12 @@ class ModelConfig:
     cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (CUDA only)
     cuda_graph_max_batch: int = 256  # largest decode batch captured; larger ones run eagerly
     seed: int = 0  # seeds requests that bring no seed of their own
+    # false: message content is tokenized as plain text, so a `<|im_end|>` typed by a user stays
+    # text; true: the rendered template is tokenized as a whole (content can forge turns).
+    special_tokens_in_messages: bool = False
+
+
+PREFIX_CACHE_SCOPES = ("tenant", "global")
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,16 @@ class CacheConfig:
     cpu_kv_cache_gb: float = 1.0  # KV pool size on CPU
     gpu_memory_utilization: float = 0.90  # share of the GPU's memory chatd may use in all
     enable_prefix_caching: bool = True
+    # "tenant": with auth on, a tenant's prompts only hit blocks its own requests computed;
+    # "global": every tenant shares every prefix (auth off is always one tenant).
+    prefix_cache_scope: str = "tenant"
+    # System prompts whose blocks every tenant shares even when scope is "tenant".
+    shared_system_prompts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(f"setting cache.prefix_cache_scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}, "
+                             f"got {self.prefix_cache_scope!r}")
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,11 @@ class ServerConfig:
     heartbeat_seconds: float = 15.0  # SSE comment sent on a stream idle this long
     shutdown_grace_seconds: float = 30.0  # on SIGINT/SIGTERM, in-flight requests get this long
     log_json: bool = False  # one JSON object per log line
+    max_messages: int = 2048  # a chat request (or conversation history) with more messages gets 400
+    header_timeout_seconds: float = 30.0  # a connection must send a whole request head this soon (or is closed)
+    body_timeout_seconds: float = 60.0  # the body must arrive this soon after the head (else 408, closed)
+    send_timeout_seconds: float = 60.0  # a response write the client does not take this soon drops it
+    stream_buffer_bytes: int = 8 * 2**20  # output held for a stream's client beyond this drops it
 
 
 @dataclass(frozen=True)
@@ -68,6 +89,8 @@ class StoreConfig:
     db_path: str = ""  # empty = $CHATD_HOME/chatd.db (~/.cache/chatd/chatd.db)
     retention_days: float = 30.0  # deleted conversations are purged this long after deletion
     purge_interval_seconds: float = 3600.0  # how often the purge runs
+    max_db_mb: float = 0.0  # the file may grow to this many MiB (0 = no limit but the disk's)
+    retry_seconds: float = 5.0  # while writes fail: how often they are retried (and the Retry-After)
 
 
 @dataclass(frozen=True)
@@ -157,6 +180,10 @@ def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:
             expected = type(getattr(cls(), key))
             if expected is float and isinstance(value, int) and not isinstance(value, bool):
                 section_values = {**section_values, key: float(value)}
+            elif expected is tuple:
+                if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
+                    raise ValueError(f"setting {name}.{key} must be a list of strings, got {value!r}")
+                section_values = {**section_values, key: tuple(value)}
             elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
                 raise ValueError(
                     f"setting {name}.{key} must be {expected.__name__}, got {value!r}"
