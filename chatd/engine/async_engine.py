@@ -3,8 +3,10 @@
 The only asyncio-aware engine module. Callers never touch LLMEngine state: adds and aborts
 are queued as commands the engine thread applies between steps. Each request has a stream
 that merges deltas as they arrive, so a consumer that reads slowly gets bigger deltas and
-never holds the batch back. Leaving `async for` early (or being cancelled) aborts the
-request; its blocks are free once the engine thread has applied the abort, before its next step.
+never holds the batch back. Closing a stream early (`aclosing`, `abort()`, or dropping it) or
+being cancelled while reading it aborts the request; its blocks are free once the engine
+thread has applied the abort, before its next step. Request ids are made here, never taken
+from a client.
 
 Every torch operation of a server happens on the engine thread, loading included: `AsyncEngine`
 takes a function that builds the engine and calls it there. On CPU this matters for speed: each
@@ -17,11 +19,13 @@ pays a wake-up. With the model loaded on another thread, engine steps ran ~1.9x 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+import weakref
+from collections.abc import Callable
 
 from chatd.engine.engine import EngineStats, LLMEngine
 from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams
@@ -30,11 +34,19 @@ log = logging.getLogger("chatd.engine")
 
 
 class RequestStream:
-    """Collects one request's deltas on the event loop; `get` returns all that arrived since the last get."""
+    """One request's outputs, as an async iterator; what the engine sent since the last read arrives merged.
 
-    def __init__(self) -> None:
+    The engine thread's outputs are put here on the event loop. Iterating to the end (the
+    finished output) leaves nothing behind; `aclose()` (or `contextlib.aclosing`), `abort()`, or
+    a cancellation while waiting abort the request, so its blocks are freed at the next step.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self._engine = engine
         self._pending: RequestOutput | None = None
         self._ready = asyncio.Event()
+        self._finished = False  # the finished output was handed to the reader, or the request aborted
 
     def put(self, out: RequestOutput) -> None:
         if self._pending is None:
@@ -43,12 +55,38 @@ class RequestStream:
             self._pending.merge(out)
         self._ready.set()
 
-    async def get(self) -> RequestOutput:
-        await self._ready.wait()
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished and self._pending is None:
+            raise StopAsyncIteration
+        try:
+            await self._ready.wait()
+        except asyncio.CancelledError:
+            self.abort()
+            raise
         self._ready.clear()
         out, self._pending = self._pending, None
         assert out is not None
+        if out.finished:
+            self._finished = True
         return out
+
+    def abort(self) -> None:
+        """Stop the request unless it has finished (no-op then, and when called again)."""
+        if not self._finished:
+            self._finished = True
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        """Leaving before the end aborts the request."""
+        self.abort()
+
+    def __del__(self) -> None:
+        # A stream dropped unread (a reader that broke out of its loop) still frees its request.
+        if not self._finished:
+            self._engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -59,7 +97,8 @@ class AsyncEngine:
         self.engine: LLMEngine | None = None  # set by start()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, RequestStream] = {}
+        # Weak: a stream its reader dropped is collected, and its __del__ aborts the request.
+        self._streams: weakref.WeakValueDictionary[str, RequestStream] = weakref.WeakValueDictionary()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -88,55 +127,47 @@ class AsyncEngine:
         return self.engine
 
     async def stop(self) -> None:
-        """Abort everything in flight and stop the engine thread."""
+        """Abort everything in flight and stop the engine thread; every open stream ends with an error."""
         self._stopping = True
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        # The thread has answered every request it knew of; none can be left waiting forever.
+        for request_id, stream in list(self._streams.items()):
+            stream.put(_error_output(request_id, [], "engine stopped"))
+        self._streams.clear()
 
     def stats(self) -> EngineStats:
-        """The counters as of the engine thread's last step (or applied command)."""
+        """The counters as of the engine thread's last step (or applied command), and the open streams now."""
         assert self._stats is not None, "start() first"
-        return self._stats
+        return dataclasses.replace(self._stats, num_request_streams=len(self._streams))
 
     def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
-        request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+        num_shared_prefix_tokens: int = 0,
+    ) -> RequestStream:
         """Validate and queue a request now (ValueError names the field); iterate the result for its deltas.
 
-        Leaving the iteration early, or being cancelled inside it, aborts the request. A caller
-        that might never iterate should call `abort(request_id)` when done.
+        The request id is made here, never taken from a client: a client that could name it
+        could read or abort another's request. Its stream is removed when the request finishes
+        or is aborted; a caller that stops early must `abort()` it (or use `aclosing`).
         """
-        if self.error is not None or not self.is_running:
+        if self.error is not None or self._stopping or not self.is_running:
             raise RuntimeError(f"the engine is not running: {self.error!r}")
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.engine.prepare_request(request_id, prompt, params, priority, cache_salt)
-        stream = RequestStream()
+        request_id = uuid.uuid4().hex
+        request = self.engine.prepare_request(request_id, prompt, params, priority, cache_salt, num_shared_prefix_tokens)
+        stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         self._send(("add", request))
-        return self._iterate(request_id, stream)
-
-    async def _iterate(self, request_id: str, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                out = await stream.get()
-                finished = out.finished
-                yield out
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._send(("abort", request_id))
+        return stream
 
     def abort(self, request_id: str) -> None:
-        """Ask the engine thread to abort a request (no-op if it already ended)."""
+        """Abort a request: its stream is dropped now, its blocks freed before the next step (no-op if it ended)."""
+        self._streams.pop(request_id, None)
         self._send(("abort", request_id))
 
     async def sync(self) -> None:
@@ -199,6 +230,7 @@ class AsyncEngine:
     def _shutdown(self) -> None:
         """Abort what is left and tell every open stream why it ends."""
         message = f"engine stopped: {self.error!r}" if self.error else "engine stopped"
+        self._apply_commands()  # requests queued since the last step are answered too
         outputs = []
         for request_id in list(self.engine.requests):
             request = self.engine.requests[request_id]
@@ -213,7 +245,8 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            # The last output leaves the table; its reader still holds the stream.
+            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             if stream is not None:
                 stream.put(out)
 

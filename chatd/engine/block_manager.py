@@ -1,7 +1,9 @@
 """The KV block pool: ref-counted blocks, block tables, and the automatic prefix cache.
 
-A full block is named by a hash chained on its parent block's hash and its own token ids
-(the first block's parent is the request's cache salt), so equal prefixes get equal names.
+A full block is named by a hash chained on its parent block's hash and its own token ids, so
+equal prefixes get equal names. A request's cache salt (its tenant) joins the chain at its
+first block, or after the blocks of a prefix shared on purpose (`num_shared_prefix_tokens`):
+from there on only requests with the same salt can find its blocks.
 A block whose last user leaves keeps its name and stays findable in the free list until it is
 reused; the free list hands out plain blocks first, then named ones least recently freed
 first. Plain Python: the runner owns the tensors, this module only hands out block numbers.
@@ -63,10 +65,10 @@ class BlockManager:
         assert not seq.block_table, f"{seq} already holds blocks"
         seq.block_hashes = []
         if self.enable_prefix_caching:
-            parent = (seq.cache_salt or "").encode()
+            parent = b""
             max_blocks = (seq.num_tokens - 1) // self.block_size
             for i in range(max_blocks):
-                name = hash_block(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                name = self._block_name(seq, i, parent)
                 block = self.cached_blocks.get(name)
                 if block is None:
                     break
@@ -122,9 +124,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else (seq.cache_salt or "").encode()
+        parent = seq.block_hashes[-1] if seq.block_hashes else b""
         for i in range(len(seq.block_hashes), num_full):
-            name = hash_block(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            name = self._block_name(seq, i, parent)
             seq.block_hashes.append(name)
             block = seq.block_table[i]
             # Another sequence may have computed the same block at the same time; the first keeps the name.
@@ -134,6 +136,12 @@ class BlockManager:
             parent = name
 
     # -- internals ------------------------------------------------------------------------
+
+    def _block_name(self, seq: Sequence, index: int, parent: bytes) -> bytes:
+        """The name of the sequence's block `index`, whose parent block is named `parent` (b"" for the first)."""
+        if seq.cache_salt and index == seq.num_shared_prefix_tokens // self.block_size:
+            parent += seq.cache_salt.encode()  # every later name inherits the salt through the chain
+        return hash_block(parent, seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
 
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:

@@ -39,6 +39,7 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int  # tokens computed in prefill (including recompute after preemption)
     num_generation_tokens: int  # tokens sampled
+    num_request_streams: int = 0  # AsyncEngine only: requests whose output stream is still open
 
 
 @dataclass(eq=False)
@@ -119,8 +120,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        num_shared_prefix_tokens: int = 0,
     ) -> Request:
-        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+        """Validate and tokenize a request without touching engine state (safe from any thread).
+
+        `cache_salt` keeps the request's prefix-cache blocks apart from those of other salts,
+        except its first `num_shared_prefix_tokens` tokens' full blocks, which anyone may share.
+        """
         params = params or SamplingParams()
         params.validate()
         if isinstance(prompt, str):
@@ -162,7 +168,8 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=max_tokens)
         arrival = next(self._arrivals)
         seqs = [
-            Sequence(request_id, prompt_token_ids, params, index=i, priority=priority, arrival=arrival, cache_salt=cache_salt)
+            Sequence(request_id, prompt_token_ids, params, index=i, priority=priority, arrival=arrival,
+                     cache_salt=cache_salt, num_shared_prefix_tokens=num_shared_prefix_tokens)
             for i in range(params.n)
         ]
         detokenizers = [self._detokenizer(prompt_token_ids, params) for _ in seqs]
@@ -183,9 +190,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        num_shared_prefix_tokens: int = 0,
     ) -> None:
         """Validate, tokenize and queue a request. Raises ValueError (naming the field) with nothing allocated."""
-        self.add_prepared(self.prepare_request(request_id, prompt, params, priority, cache_salt))
+        self.add_prepared(self.prepare_request(request_id, prompt, params, priority, cache_salt, num_shared_prefix_tokens))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is not (or no longer) running."""

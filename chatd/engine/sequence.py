@@ -35,6 +35,7 @@ class Sequence:
     priority: int = 0  # lower runs first (vLLM's convention)
     arrival: int = 0  # admission order; ties in priority go first-come first-served
     cache_salt: str | None = None  # keeps prefix-cache hits within one tenant where set
+    num_shared_prefix_tokens: int = 0  # the salt applies after these tokens' full blocks (shared ones)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -47,7 +47,7 @@ async def test_cancelled_consumer_aborts_and_blocks_are_freed(engine):
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
     async def consume():
-        async for _ in engine.generate(list(range(3, 60)), params, request_id="leaver"):
+        async for _ in engine.generate(list(range(3, 60)), params):
             pass
 
     task = asyncio.create_task(consume())
@@ -135,3 +135,53 @@ async def test_the_engine_is_built_on_the_engine_thread_and_build_errors_reach_s
     with pytest.raises(FileNotFoundError, match="/nowhere"):
         await failing.start()
     assert not failing.is_running
+
+
+async def test_every_exit_leaves_no_stream_and_no_blocks(engine):
+    """Finished, aborted before its first read, closed mid-way, dropped unread: the stream table and
+    the KV pool end empty (a request whose reader vanished must not be kept forever)."""
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    await collect(engine, [3, 4, 5], params)  # read to the end
+    never_read = engine.generate(list(range(3, 40)), params)
+    never_read.abort()
+    read_once = engine.generate(list(range(5, 40)), params)
+    await read_once.__anext__()
+    await read_once.aclose()
+    dropped = engine.generate(list(range(7, 40)), params)
+    del dropped  # the reader went away without a word
+    ids = [engine.generate([9, 10, 11], params) for _ in range(20)]
+    for stream in ids:
+        stream.abort()
+    await engine.sync()
+    stats = engine.stats()
+    assert stats.num_request_streams == 0
+    assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_blocks
+    assert not engine.engine.requests
+
+
+async def test_request_ids_are_made_by_the_engine_and_never_repeat(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    streams = [engine.generate([3, 4, 5], params) for _ in range(50)]
+    assert len({s.request_id for s in streams}) == 50
+    outs = [await collect_stream(s) for s in streams]
+    assert all(out.request_id == s.request_id for out, s in zip(outs, streams))
+
+
+async def collect_stream(stream):
+    merged = None
+    async for out in stream:
+        merged = out if merged is None else merged.merge(out) or merged
+    return merged
+
+
+async def test_stop_answers_requests_queued_after_the_last_step(model_dirs):
+    async_engine = AsyncEngine(lambda: make_llm(model_dirs["llama"]).engine)
+    await async_engine.start()
+    streams = [async_engine.generate([3, 4, 5], SamplingParams(max_tokens=100, ignore_eos=True)) for _ in range(8)]
+    await async_engine.stop()
+    for stream in streams:
+        last = await asyncio.wait_for(collect_stream(stream), timeout=10)
+        assert last.finished and last.error
+    assert async_engine.stats().num_request_streams == 0
+    with pytest.raises(RuntimeError, match="not running"):
+        async_engine.generate([3, 4, 5])

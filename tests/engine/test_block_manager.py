@@ -10,8 +10,8 @@ from chatd.engine.sequence import Sequence
 BS = 4
 
 
-def make_seq(tokens, salt=None) -> Sequence:
-    return Sequence("r", list(tokens), SamplingParams(), cache_salt=salt)
+def make_seq(tokens, salt=None, shared=0) -> Sequence:
+    return Sequence("r", list(tokens), SamplingParams(), cache_salt=salt, num_shared_prefix_tokens=shared)
 
 
 def admit(bm: BlockManager, seq: Sequence) -> None:
@@ -88,6 +88,26 @@ def test_cache_salt_isolates_tenants():
     a2 = make_seq(range(12), salt="tenant-a")
     bm.allocate(a2)
     assert a2.num_cached_tokens == 8
+
+
+def test_a_shared_prefix_is_shared_across_salts_and_the_rest_is_not():
+    # A shared system prompt of 9 tokens: its 2 full blocks are everyone's; what follows is the tenant's.
+    bm = BlockManager(32, BS)
+    admit(bm, make_seq(list(range(9)) + [50, 51, 52, 53, 54, 55, 56], salt="tenant-a", shared=9))
+    b = make_seq(list(range(9)) + [50, 51, 52, 53, 54, 55, 56], salt="tenant-b", shared=9)
+    bm.allocate(b)
+    assert b.num_cached_tokens == 8  # the shared blocks, not tenant a's own third block
+    a2 = make_seq(list(range(9)) + [50, 51, 52, 53, 54, 55, 56], salt="tenant-a", shared=9)
+    bm.allocate(a2)
+    assert a2.num_cached_tokens == 12
+    # Unsalted requests (auth off) share the shared blocks too, but not tenant a's.
+    plain = make_seq(list(range(9)) + [50, 51, 52, 53, 54, 55, 56])
+    bm.allocate(plain)
+    assert plain.num_cached_tokens == 8
+    # A prompt that merely starts like the shared prefix, without declaring it, shares nothing.
+    undeclared = make_seq(list(range(9)) + [50, 51, 52, 53, 54, 55, 56], salt="tenant-b")
+    bm.allocate(undeclared)
+    assert undeclared.num_cached_tokens == 0
 
 
 def test_allocation_failure_changes_nothing():
