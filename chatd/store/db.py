@@ -30,12 +30,16 @@ from chatd.store.records import ApiKey, Conversation, Message, Tenant, Usage
 SCHEMA_FILE = Path(__file__).with_name("schema.sql")
 # Later schema changes, in order: MIGRATIONS[0] takes a file from version 1 to 2, and so on. Each
 # step is a list of SQL statements, run in one transaction together with its version bump.
-MIGRATIONS: list[list[str]] = []
+MIGRATIONS: list[list[str]] = [
+    # 2: the table probe_write fills in a transaction it always rolls back; it never holds a row.
+    ["CREATE TABLE write_probe (body BLOB NOT NULL)"],
+]
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 
 TIERS = ("free", "paid", "premium")
 STATUSES = ("complete", "partial", "error")  # an assistant message stays "partial" if the server dies mid-reply
 LOCAL_TENANT = "local"  # id and name of the one user while auth is off
+PROBE_PAGES = 8  # probe_write needs room for this many new pages
 LAST_USED_RESOLUTION_S = 60.0  # a key's last_used_at is written at most this often
 KEY_PATTERN = re.compile(r"chatd_([0-9a-f]{12})_([A-Za-z0-9_-]+)")  # chatd_<key id>_<secret>
 
@@ -75,8 +79,13 @@ class Store:
         self.path = path
 
     @classmethod
-    async def open(cls, path: str | Path, *, clock: Callable[[], float] = time.time) -> Store:
-        """Open (creating it and its folder if missing) and migrate the file to SCHEMA_VERSION."""
+    async def open(cls, path: str | Path, *, clock: Callable[[], float] = time.time, max_bytes: int = 0) -> Store:
+        """Open (creating it and its folder if missing) and migrate the file to SCHEMA_VERSION.
+
+        With `max_bytes` > 0 the database may not grow past that size: a write that needs more
+        fails as on a full disk (sqlite3.OperationalError "database or disk is full"), until
+        rows are deleted (freed pages are reused). The WAL file next to it is not counted.
+        """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: no implicit transactions; the store opens its own (see _transaction).
@@ -90,6 +99,11 @@ class Store:
             await conn.execute("PRAGMA foreign_keys = ON")  # per connection; the cascades need it
             await conn.execute("PRAGMA busy_timeout = 5000")  # wait for `chatd keys` in another process
             await _migrate(conn, path)
+            if max_bytes > 0:
+                # Per connection, not kept in the file. SQLite fails a write that would need a page
+                # past it with SQLITE_FULL; a file already larger keeps its size as the limit.
+                [(page_size,)] = await conn.execute_fetchall("PRAGMA page_size")
+                await conn.execute(f"PRAGMA max_page_count = {max(1, max_bytes // page_size)}")
         except BaseException:
             await conn.close()
             raise
@@ -255,15 +269,16 @@ class Store:
     @_whole
     async def finish_turn(self, tenant_id: str, message_id: str, *, content: str, status: str,
                           finish_reason: str | None, prompt_tokens: int, cached_tokens: int,
-                          completion_tokens: int, cost: float, model: str) -> Message:
-        """Write the finished reply and its usage event together.
+                          completion_tokens: int, cost: float, model: str,
+                          finished_at: float | None = None) -> Message:
+        """Write the finished reply and its usage event together, both stamped `finished_at`
+        (default: now).
 
         When the message is gone (its conversation purged mid-reply) the usage is still recorded,
         then LookupError is raised.
         """
-        if status not in STATUSES:
-            raise ValueError(f"status must be one of {', '.join(STATUSES)}; got {status!r}")
-        now = self._clock()
+        check_status(status)
+        now = self._clock() if finished_at is None else finished_at
         async with self._transaction() as conn:
             await conn.execute(
                 "UPDATE messages SET content = ?, status = ?, finish_reason = ?, prompt_tokens = ?, cached_tokens = ?, "
@@ -281,10 +296,12 @@ class Store:
 
     async def record_usage(self, tenant_id: str, *, endpoint: str, model: str, prompt_tokens: int,
                            cached_tokens: int, completion_tokens: int, cost: float,
-                           conversation_id: str | None = None, message_id: str | None = None) -> None:
-        """Record what one request used."""
+                           conversation_id: str | None = None, message_id: str | None = None,
+                           created_at: float | None = None) -> None:
+        """Record what one request used, at `created_at` (default: now)."""
         await self._write(_INSERT_USAGE, (tenant_id, endpoint, model, conversation_id, message_id, prompt_tokens,
-                                          cached_tokens, completion_tokens, cost, self._clock()))
+                                          cached_tokens, completion_tokens, cost,
+                                          self._clock() if created_at is None else created_at))
 
     async def usage(self, tenant_id: str, start: float, end: float) -> Usage:
         """The tenant's totals over events with start <= created_at < end."""
@@ -293,6 +310,29 @@ class Store:
             "COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(cost), 0.0) FROM usage_events "
             "WHERE tenant_id = ? AND created_at >= ? AND created_at < ?", (tenant_id, start, end))
         return Usage(*row)
+
+    # --- can it write? ---
+
+    @_whole
+    async def probe_write(self) -> None:
+        """Raise what a write needing PROBE_PAGES new pages would raise now; return if it would
+        succeed. Leaves nothing: the row is rolled back (its pages may pass through the WAL)."""
+        async with self._lock:
+            [(cache_size,)] = await self._conn.execute_fetchall("PRAGMA cache_size")
+            [(page_size,)] = await self._conn.execute_fetchall("PRAGMA page_size")
+            # A rolled-back row whose pages stay in the page cache never touches the disk, so it
+            # passes on a full disk. A one-page cache makes SQLite spill them into the WAL, as a
+            # commit would. (Under max_page_count the insert fails on its own.)
+            await self._conn.execute("PRAGMA cache_size = 1")
+            try:
+                await self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    await self._conn.execute("INSERT INTO write_probe (body) VALUES (zeroblob(?))",
+                                             (PROBE_PAGES * page_size,))
+                finally:
+                    await self._rollback()
+            finally:
+                await self._conn.execute(f"PRAGMA cache_size = {int(cache_size)}")
 
     # --- plumbing ---
 
@@ -315,10 +355,17 @@ class Store:
             await self._conn.execute("BEGIN IMMEDIATE")
             try:
                 yield self._conn
+                await self._conn.execute("COMMIT")
             except BaseException:
-                await self._conn.execute("ROLLBACK")
+                await self._rollback()
                 raise
-            await self._conn.execute("COMMIT")
+
+    async def _rollback(self) -> None:
+        """Roll back the open transaction, if SQLite has not already: after some errors (a full
+        disk or file, SQLITE_FULL; an I/O error) it rolls back by itself, and a second ROLLBACK
+        would fail with "no transaction is active" and hide the error that matters."""
+        if self._conn.in_transaction:
+            await self._conn.execute("ROLLBACK")
 
 
 async def _migrate(conn: aiosqlite.Connection, path: Path) -> None:
@@ -342,10 +389,11 @@ async def _migrate(conn: aiosqlite.Connection, path: Path) -> None:
                 await conn.execute(sql)
             version += 1
             await conn.execute(f"PRAGMA user_version = {int(version)}")  # PRAGMA takes no parameters
+        await conn.execute("COMMIT")
     except BaseException:
-        await conn.execute("ROLLBACK")
+        if conn.in_transaction:  # see Store._rollback
+            await conn.execute("ROLLBACK")
         raise
-    await conn.execute("COMMIT")
 
 
 def _statements(script: str) -> list[str]:
@@ -366,6 +414,12 @@ async def _upsert_tenant(conn: aiosqlite.Connection, name: str, tier: str, now: 
                        "ON CONFLICT (name) DO UPDATE SET tier = excluded.tier", (new_id, name, tier, now))
     [(tenant_id,)] = await conn.execute_fetchall("SELECT id FROM tenants WHERE name = ?", (name,))
     return tenant_id
+
+
+def check_status(status: str) -> None:
+    """ValueError naming the statuses unless `status` is one of them."""
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {', '.join(STATUSES)}; got {status!r}")
 
 
 def _check_tier(tier: str) -> None:

@@ -1,10 +1,14 @@
-"""The store on a real SQLite file: schema versions, keys, tenant isolation, pages, turns, usage."""
+"""The store on a real SQLite file: schema versions, keys, tenant isolation, pages, turns, usage, a
+full file."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import signal
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ from chatd.store.db import SCHEMA_VERSION, Store, StoreFileError, Tenant
 
 START = 1_800_000_000.0
 TABLES = ("tenants", "api_keys", "conversations", "messages", "usage_events")
+MAX_BYTES = 64 * 4096  # 64 pages: the schema takes about 20
 
 
 class FakeClock:
@@ -61,6 +66,32 @@ def user_version(path: Path) -> int:
     return read_sql(path, "PRAGMA user_version")[0][0]
 
 
+def database_bytes(path: Path) -> int:
+    """The database's size as SQLite counts it (the pages still in the WAL included)."""
+    [(pages,)], [(page_size,)] = read_sql(path, "PRAGMA page_count"), read_sql(path, "PRAGMA page_size")
+    return pages * page_size
+
+
+async def fill_up(store: Store) -> None:
+    """Fill a size-limited file until even one usage event does not fit. Most of it is a deleted
+    conversation, so that `free_up` can make room again."""
+    ballast = await make_tenant(store, "ballast")
+    conversation = await store.create_conversation(ballast, model="m")
+    with pytest.raises(sqlite3.OperationalError, match="database or disk is full"):
+        for _ in range(1000):
+            await store.start_turn(ballast, conversation.id, "x" * 3000)
+    await store.delete_conversation(ballast, conversation.id)
+    with pytest.raises(sqlite3.OperationalError, match="database or disk is full"):
+        for _ in range(10_000):
+            await store.record_usage(ballast, endpoint="completions", model="m", prompt_tokens=1, cached_tokens=0,
+                                     completion_tokens=1, cost=0.0)
+
+
+async def free_up(store: Store) -> None:
+    """Purge the deleted conversation `fill_up` left: its pages are free for new rows."""
+    assert await store.purge_deleted(deleted_before=float("inf")) == 1
+
+
 # --- the file and its schema version ---
 
 async def test_a_new_file_gets_its_folder_the_schema_and_the_version(tmp_path):
@@ -68,7 +99,7 @@ async def test_a_new_file_gets_its_folder_the_schema_and_the_version(tmp_path):
     async with await Store.open(path):
         tables = {name for (name,) in read_sql(path, "SELECT name FROM sqlite_master WHERE type = 'table'")}
         assert set(TABLES) <= tables
-        assert user_version(path) == SCHEMA_VERSION == 1
+        assert user_version(path) == SCHEMA_VERSION == 2
         assert read_sql(path, "PRAGMA journal_mode") == [("wal",)]
 
 
@@ -107,13 +138,33 @@ async def test_migration_steps_run_once_in_order(tmp_path, monkeypatch):
     async with await Store.open(old) as store:
         await make_tenant(store)
     monkeypatch.setattr(db, "MIGRATIONS", [
+        *db.MIGRATIONS,
         ["ALTER TABLE tenants ADD COLUMN note TEXT"],
-        ["UPDATE tenants SET note = 'v3'", "CREATE INDEX tenants_by_note ON tenants (note)"],
+        ["UPDATE tenants SET note = 'later'", "CREATE INDEX tenants_by_note ON tenants (note)"],
     ])
     for path in (old, fresh, old):  # an upgrade, a fresh file, and a reopen that has nothing to do
         async with await Store.open(path):
-            assert user_version(path) == 3
-    assert read_sql(old, "SELECT name, note FROM tenants") == [("alice", "v3")]
+            assert user_version(path) == SCHEMA_VERSION + 2
+    assert read_sql(old, "SELECT name, note FROM tenants") == [("alice", "later")]
+
+
+async def test_a_version_1_file_is_migrated_and_keeps_its_data(tmp_path, monkeypatch):
+    path = tmp_path / "chatd.db"
+    monkeypatch.setattr(db, "MIGRATIONS", [])  # the store as it was at version 1
+    async with await Store.open(path) as store:
+        key, record = await store.create_key("alice", "paid")
+        conversation = await store.create_conversation(record.tenant_id, model="m", title="kept")
+        _, reply = await store.start_turn(record.tenant_id, conversation.id, "hi")
+        await finish(store, record.tenant_id, reply.id)
+    assert user_version(path) == 1
+    monkeypatch.undo()
+    async with await Store.open(path) as store:
+        assert user_version(path) == SCHEMA_VERSION
+        assert await store.authenticate(key) == Tenant(record.tenant_id, "alice", "paid")
+        assert (await store.get_conversation(record.tenant_id, conversation.id)).title == "kept"
+        assert [m.content for m in await store.list_messages(conversation.id)] == ["hi", "hello"]
+        assert (await store.usage(record.tenant_id, 0, float("inf"))).requests == 1
+        await store.probe_write()  # the table it needs came with the migration
 
 
 # --- tenants and keys ---
@@ -403,3 +454,96 @@ def test_any_text_reads_back_identical(tmp_path):
             check()
         finally:
             runner.run(store.close())
+
+
+# --- a full file ---
+
+async def test_a_size_limit_fails_writes_like_a_full_disk_until_rows_are_purged(tmp_path, clock):
+    path = tmp_path / "chatd.db"
+    async with await Store.open(path, clock=clock, max_bytes=MAX_BYTES) as store:
+        alice = await make_tenant(store)
+        conversation = await store.create_conversation(alice, model="m")
+        await fill_up(store)
+        assert MAX_BYTES - 4096 < database_bytes(path) <= MAX_BYTES
+        before = row_counts(path)
+        # The turn's transaction fails whole, with the error that says why (SQLite has already
+        # rolled it back; a second ROLLBACK would have replaced it with "no transaction is active").
+        with pytest.raises(sqlite3.OperationalError, match="database or disk is full"):
+            await store.start_turn(alice, conversation.id, "x" * 3000)
+        assert row_counts(path) == before
+        await free_up(store)
+        await store.start_turn(alice, conversation.id, "x" * 3000)  # freed pages are reused...
+        assert database_bytes(path) <= MAX_BYTES  # ...and the file did not grow
+    async with await Store.open(path, clock=clock) as store:  # without a limit the file grows again
+        await store.start_turn(alice, conversation.id, "x" * 400_000)
+        assert database_bytes(path) > MAX_BYTES
+
+
+async def test_the_write_probe_fails_while_full_and_never_leaves_a_row(tmp_path, clock):
+    path = tmp_path / "chatd.db"
+    async with await Store.open(path, clock=clock, max_bytes=MAX_BYTES) as store:
+        await store.probe_write()
+        await fill_up(store)
+        size = database_bytes(path)
+        for _ in range(2):  # a failed probe leaves the connection as usable as before
+            with pytest.raises(sqlite3.OperationalError, match="database or disk is full"):
+                await store.probe_write()
+        await free_up(store)
+        await store.probe_write()
+        await store.probe_write()
+        assert read_sql(path, "SELECT COUNT(*) FROM write_probe") == [(0,)]
+        assert database_bytes(path) == size
+
+
+# Run in a child process: a file-size limit (RLIMIT_FSIZE) makes the disk refuse to grow the
+# database and its WAL, as a full disk would, without a disk to fill.
+DISK_FULL_SCRIPT = """
+import asyncio, resource, signal, sqlite3, sys
+from chatd.store.db import Store
+
+async def main(path):
+    async with await Store.open(path) as store:
+        _, key = await store.create_key("alice", "paid")
+        conversation = await store.create_conversation(key.tenant_id, model="m")
+        # Past the limit a write fails (EFBIG) instead of the process being killed.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, hard))
+        try:
+            for _ in range(1000):
+                await store.start_turn(key.tenant_id, conversation.id, "x" * 3000)
+        except sqlite3.OperationalError as exc:
+            print("turn:", exc)
+        for limit in (None, hard):  # the disk full, then with room again
+            if limit is not None:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+            try:
+                await store.probe_write()
+                print("probe: passed")
+            except sqlite3.OperationalError as exc:
+                print("probe:", exc)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs POSIX file-size limits")
+def test_the_write_probe_fails_on_a_full_disk_where_a_write_would(tmp_path):
+    done = subprocess.run([sys.executable, "-c", DISK_FULL_SCRIPT, str(tmp_path / "chatd.db")],
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
+    # A probe that only rolled back would pass here: its pages never leave the page cache.
+    assert done.stdout.splitlines() == ["turn: disk I/O error", "probe: disk I/O error", "probe: passed"]
+
+
+async def test_usage_and_replies_keep_the_time_they_were_served(store, clock):
+    alice = await make_tenant(store)
+    conversation = await store.create_conversation(alice, model="m")
+    _, reply = await store.start_turn(alice, conversation.id, "hi")
+    clock.advance(60)  # written a minute after they were served
+    await store.record_usage(alice, endpoint="completions", model="m", prompt_tokens=1, cached_tokens=0,
+                             completion_tokens=1, cost=0.0, created_at=START + 1)
+    done = await finish(store, alice, reply.id, finished_at=START + 2)
+    assert done.updated_at == START + 2
+    assert read_sql(store.path, "SELECT endpoint, created_at FROM usage_events ORDER BY id") == [
+        ("completions", START + 1), ("conversations", START + 2)]
