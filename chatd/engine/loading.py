@@ -97,7 +97,7 @@ def load_engine_parts(config: Config) -> EngineParts:
 
     tokenizer = None
     try:
-        tokenizer = Tokenizer.from_pretrained(model_path)
+        tokenizer = Tokenizer.from_pretrained(model_path, config.model.special_tokens_in_messages)
     except Exception as exc:  # a weights-only folder still serves token-id prompts
         log.warning("no usable tokenizer in %s (%s); only token-id prompts will work", model_path, exc)
     eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset()

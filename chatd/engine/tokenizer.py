@@ -2,13 +2,17 @@
 incremental detokenizer that turns a stream of sampled ids into UTF-8-safe text deltas.
 
 The tokenizer itself is Hugging Face's (transformers.AutoTokenizer); this file adds only what a
-server needs around it. It knows nothing of the engine, the scheduler or HTTP.
+server needs around it. Message text that spells a control token is tokenized as plain text
+(chat_tokens.py) unless the operator opts out. It knows nothing of the engine, the scheduler or HTTP.
 """
 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
+
+from chatd.engine.chat_tokens import ControlTokenGuard
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
 
@@ -21,22 +25,46 @@ _MAX_UTF8_CONTINUATION_BYTES = 3  # a UTF-8 character is at most 4 bytes: a lead
 class Tokenizer:
     """Wraps a Hugging Face tokenizer (transformers.AutoTokenizer) loaded from a model folder."""
 
-    def __init__(self, hf, extra_eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
+    def __init__(
+        self,
+        hf,
+        extra_eos_token_ids: tuple[int, ...] | list[int] = (),
+        special_tokens_in_messages: bool = False,
+    ) -> None:
+        """special_tokens_in_messages: tokenize control-token strings in messages as control tokens
+        (any client can then forge turns); the default reads them as plain text."""
         self.hf = hf
         eos = set(extra_eos_token_ids)
         if hf.eos_token_id is not None:
             eos.add(hf.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size: int = len(hf)
+        # Pieces are what tokens decode to: a byte-level BPE piece spells each byte with one
+        # character, a SentencePiece piece is its text with "▁" for the space. Byte-fallback
+        # pieces (<0xE2>) over-count, which only loosens the bound.
+        self.max_token_chars: int = max((len(piece) for piece in hf.get_vocab()), default=1)
+        self._control_token_guard: ControlTokenGuard | None = None
+        if not special_tokens_in_messages:
+            backend = getattr(hf, "backend_tokenizer", None)
+            if backend is None:
+                raise ValueError(
+                    "this tokenizer has no Rust backend, which reading control tokens in messages as text "
+                    "needs; set model.special_tokens_in_messages = true to serve it anyway"
+                )
+            self._control_token_guard = ControlTokenGuard(backend, _template_source(hf))
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+    def from_pretrained(cls, path: str | Path, special_tokens_in_messages: bool = False) -> Tokenizer:
         """Load the tokenizer in a model folder, with the EOS ids its generation_config.json adds."""
         from transformers import AutoTokenizer  # imported here: importing transformers takes seconds
 
         path = Path(path)
         hf = AutoTokenizer.from_pretrained(str(path))
-        return cls(hf, extra_eos_token_ids=_generation_config_eos_ids(path))
+        return cls(
+            hf,
+            extra_eos_token_ids=_generation_config_eos_ids(path),
+            special_tokens_in_messages=special_tokens_in_messages,
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for text; add_special_tokens adds what the tokenizer adds (usually BOS)."""
@@ -61,9 +89,14 @@ class Tokenizer:
         )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render messages and tokenize them; the template writes BOS itself, so none is added."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        return self.encode(text, add_special_tokens=False)
+        """Render messages and tokenize them; control tokens come from the template alone (unless
+        the operator opted out), and the template writes BOS itself, so none is added."""
+        render = partial(self.apply_chat_template, add_generation_prompt=add_generation_prompt)
+        guard = self._control_token_guard
+        if guard is not None and guard.finds_control_text(messages):
+            return guard.encode(messages, render)
+        # No control token spelled in any message: the whole rendered text, exactly as always.
+        return self.encode(render(messages), add_special_tokens=False)
 
     def is_continuation_byte(self, token_id: int) -> bool:
         """Whether a token is a byte-fallback token holding a UTF-8 continuation byte (0x80-0xBF)."""
@@ -76,6 +109,12 @@ class Tokenizer:
             and piece.endswith(">")
             and piece[3] in "89AB"
         )
+
+
+def _template_source(hf) -> str:
+    """The chat template's source text ("" for none); a dict of named templates gives them all."""
+    template = getattr(hf, "chat_template", None) or ""
+    return "\n".join(template.values()) if isinstance(template, dict) else template
 
 
 def _generation_config_eos_ids(path: Path) -> list[int]:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from chatd.engine.demo import build_tokenizer
 from chatd.engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from tests.engine.test_chat_tokens import build_llama3_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -83,6 +84,19 @@ def test_apply_chat_template_without_a_template_is_a_value_error(tokenizer_dir, 
     bare = Tokenizer.from_pretrained(folder)
     with pytest.raises(ValueError, match="chat template"):
         bare.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("kind", ["chatml", "llama3"])
+def test_no_token_decodes_to_more_characters_than_max_token_chars(tokenizer_dir, tmp_path, kind):
+    """The HTTP layer refuses text longer than max_model_len * max_token_chars without tokenizing it."""
+    tok = Tokenizer.from_pretrained(tokenizer_dir if kind == "chatml" else build_llama3_tokenizer(tmp_path))
+    left = tok.encode("a", add_special_tokens=False)  # a left neighbour keeps SentencePiece's leading space
+    lengths = [
+        len(tok.decode(left + [i], skip_special_tokens=False)) - len(tok.decode(left, skip_special_tokens=False))
+        for i in range(tok.vocab_size)
+    ]
+    assert max(lengths) <= tok.max_token_chars
+    assert max(lengths) >= 8  # words and markers, not just bytes: the bound is not vacuous
 
 
 @pytest.mark.parametrize("eos_field", [[2, 5], 5])

@@ -1,0 +1,168 @@
+"""Chat prompts in which message text stays text: a `<|im_end|>` typed into a message is tokenized
+as the characters it is spelled with, so a client cannot forge a turn, a system prompt or an end of
+turn. Only the chat template writes control tokens.
+
+A prompt whose messages spell no control token is tokenized as it always was: render, then
+tokenize the whole text. Otherwise each control-token string in the messages is swapped for a
+private-use character before rendering (templates that trim or slice text keep it), the rendered
+text is tokenized once with offsets, and each stretch between two of the template's control tokens
+that holds a swapped string is tokenized again, with the strings put back, by a copy of the Rust
+tokenizer that reads control-token strings as plain text.
+
+The copies are private and set up once: the model's own tokenizer is shared by worker threads, and
+transformers' split_special_tokens flips a flag on it (and leaves it flipped until the next call).
+
+This file knows the `tokenizers` library and its JSON format; it knows nothing of transformers,
+the engine or HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+# Private-use code points mean nothing in Unicode, so templates do not write them; a message that
+# does use some only moves the choice of stand-ins on to others.
+_PRIVATE_USE_RANGES = ((0xE000, 0xF8FF), (0xF0000, 0xFFFFD), (0x100000, 0x10FFFD))
+_PRIVATE_USE_CHAR = re.compile("[\ue000-\uf8ff\U000f0000-\U000ffffd\U00100000-\U0010fffd]")
+
+
+class ControlTokenGuard:
+    """Tokenizes rendered chats so that control tokens come from the chat template, never from message text."""
+
+    def __init__(self, backend: Any, chat_template: str = "") -> None:
+        """backend: the model's Rust tokenizer (`tokenizers.Tokenizer`), copied here and not used after;
+        chat_template: the template's source, whose non-special added tokens are control tokens too."""
+        spec = dict(json.loads(backend.to_str()), truncation=None, padding=None)
+        control = {
+            token["id"]: token["content"]
+            for token in spec.get("added_tokens") or []
+            if token["special"] or _written_by_template(token["content"], chat_template)
+        }
+        self._whole_text = _tokenizer_from_spec(spec, plain_text=False)
+        self._control_ids = frozenset(control)
+        # Longest first, so a marker wins over a shorter one it contains, as in the tokenizer itself.
+        markers = sorted(set(control.values()), key=len, reverse=True)
+        self._control_text = re.compile("|".join(map(re.escape, markers))) if markers else None
+        self._taken_chars = set(_PRIVATE_USE_CHAR.findall("".join(markers) + chat_template))
+        self._plain_at_start, self._plain_after_control = _plain_text_tokenizers(spec, set(markers))
+
+    def finds_control_text(self, messages: list[dict]) -> bool:
+        """Whether any string in messages (content, role, text parts) spells a control token."""
+        pattern = self._control_text
+        return pattern is not None and any(pattern.search(text) for text in _strings(messages))
+
+    def encode(self, messages: list[dict], render: Callable[[list[dict]], str]) -> list[int]:
+        """Token ids of render(messages), with every control token spelled in messages read as plain text."""
+        pattern = self._control_text
+        texts = list(_strings(messages))
+        spelled = sorted({marker for text in texts for marker in pattern.findall(text)}) if pattern else []
+        if not spelled:
+            return self._whole_text.encode(render(messages), add_special_tokens=False).ids
+        taken = self._taken_chars | set(_PRIVATE_USE_CHAR.findall("".join(texts)))
+        stand_ins = dict(zip(spelled, _free_private_use_chars(taken)))
+        if len(stand_ins) < len(spelled):
+            raise ValueError("message text uses every private-use character and also spells control tokens")
+        escaped = _map_strings(messages, lambda text: pattern.sub(lambda match: stand_ins[match.group()], text))
+        restore = {ord(char): marker for marker, char in stand_ins.items()}
+        return self._encode_rendered(render(escaped), restore)
+
+    def _encode_rendered(self, text: str, restore: dict[int, str]) -> list[int]:
+        """Tokenize rendered text; stretches holding stand-ins are re-tokenized as plain text with the markers back."""
+        encoding = self._whole_text.encode(text, add_special_tokens=False)
+        ids, offsets = encoding.ids, encoding.offsets  # offsets: character spans in text
+        holds_stand_in = re.compile("[" + "".join(map(chr, restore)) + "]")
+        token_ids: list[int] = []
+        start_token = start_char = 0
+        # The tokenizer splits text at control tokens and tokenizes each stretch between them on
+        # its own, so a stretch can be replaced without touching its neighbours.
+        ends = [i for i, token_id in enumerate(ids) if token_id in self._control_ids] + [len(ids)]
+        for end_token in ends:
+            end_char = offsets[end_token][0] if end_token < len(ids) else len(text)
+            stretch = text[start_char:end_char]
+            if holds_stand_in.search(stretch):
+                plain = self._plain_after_control if start_char else self._plain_at_start
+                token_ids += plain.encode(stretch.translate(restore), add_special_tokens=False).ids
+            else:
+                token_ids += ids[start_token:end_token]
+            if end_token < len(ids):
+                token_ids.append(ids[end_token])
+                start_token, start_char = end_token + 1, offsets[end_token][1]
+        return token_ids
+
+
+def _written_by_template(content: str, chat_template: str) -> bool:
+    """Whether a non-special added token is one the template writes (Qwen's `<think>`, `<tool_call>`)."""
+    # Whitespace tokens (Gemma's "\n" runs) appear in every template as ordinary text.
+    return bool(chat_template) and not content.isspace() and content in chat_template
+
+
+def _plain_text_tokenizers(spec: dict, control: set[str]) -> tuple[Any, Any]:
+    """Private copies of the tokenizer that read control-token strings as plain text: one for a
+    stretch at the very start of the text, one for a stretch after a control token."""
+    # encode_special_tokens skips only special added tokens; mark the template's other ones special.
+    spec["added_tokens"] = [
+        dict(token, special=token["special"] or token["content"] in control) for token in spec.get("added_tokens") or []
+    ]
+    at_start = _tokenizer_from_spec(spec, plain_text=True)
+    pre_tokenizer = spec.get("pre_tokenizer")
+    after_control = _without_start_marker(pre_tokenizer)
+    if after_control == pre_tokenizer:
+        return at_start, at_start
+    return at_start, _tokenizer_from_spec(dict(spec, pre_tokenizer=after_control), plain_text=True)
+
+
+def _tokenizer_from_spec(spec: dict, plain_text: bool) -> Any:
+    """A Rust tokenizer built from spec; with plain_text, one that matches no special token."""
+    from tokenizers import Tokenizer  # transformers' own dependency
+
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    tokenizer.encode_special_tokens = plain_text  # set once, on a copy no other code sees
+    return tokenizer
+
+
+def _without_start_marker(pre_tokenizer: Any) -> Any:
+    """The pre-tokenizer spec with every Metaspace prepend_scheme "first" turned into "never"."""
+    # "first" writes "▁" before text that begins at offset 0 of the whole input, and only there
+    # (tokenizers' Metaspace checks offsets_original().0 == 0): a stretch after a control token
+    # never gets it, but tokenized alone it would.
+    if isinstance(pre_tokenizer, dict):
+        if pre_tokenizer.get("type") == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first":
+            return dict(pre_tokenizer, prepend_scheme="never")
+        return {key: _without_start_marker(value) for key, value in pre_tokenizer.items()}
+    if isinstance(pre_tokenizer, list):
+        return [_without_start_marker(value) for value in pre_tokenizer]
+    return pre_tokenizer
+
+
+def _free_private_use_chars(taken: set[str]) -> Iterator[str]:
+    """Private-use characters not in taken, in code point order."""
+    for first, last in _PRIVATE_USE_RANGES:
+        for code in range(first, last + 1):
+            if chr(code) not in taken:
+                yield chr(code)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a message structure: contents, roles, names, text parts."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+
+
+def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
+    """A copy of a message structure with change applied to every string in it."""
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, dict):
+        return {key: _map_strings(item, change) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_map_strings(item, change) for item in value]
+    return value
