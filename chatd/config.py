@@ -211,8 +211,15 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     """Read config.toml (when given) and apply overrides (e.g. from command-line flags)."""
     values: dict[str, dict[str, Any]] = {}
     if path is not None:
-        with open(path, "rb") as f:
-            values = tomllib.load(f)
+        try:
+            with open(path, "rb") as f:
+                values = tomllib.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"config file {str(path)!r} does not exist") from None
+        except (IsADirectoryError, PermissionError) as exc:
+            raise ValueError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
     for section, section_values in (overrides or {}).items():
         values.setdefault(section, {}).update(section_values)
     return build_config(values)

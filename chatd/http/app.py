@@ -6,20 +6,31 @@ listening socket is the job of `serve.py`.
 
 from __future__ import annotations
 
+import re
 import uuid
 
 from aiohttp import web
 
 from chatd.http import conversations, views
 from chatd.http.auth import auth_middleware
-from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, error_middleware
+from chatd.http.errors import LEDGER, MAX_BODY_BYTES, REQUEST_ID, error_middleware
 from chatd.http.state import STATE, ServerState
+
+
+# What a client's X-Request-Id may look like to be logged and echoed: visible ASCII, short.
+CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 
 @web.middleware
 async def request_id_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Honour the client's X-Request-Id or make one; `_echo_request_id` puts it on the response."""
-    request[REQUEST_ID] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    """Take the client's X-Request-Id for logs and the echo, or make one.
+
+    It is only a label: the engine names requests itself, so an id a client reuses (its own or
+    another tenant's) can neither read nor abort anyone's request. An id that is not short
+    visible ASCII (control characters, bytes that are not UTF-8) is replaced, never echoed.
+    """
+    given = request.headers.get("X-Request-Id", "")
+    request[REQUEST_ID] = given if CLIENT_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
     return await handler(request)
 
 
@@ -28,6 +39,7 @@ def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Appli
     app = web.Application(middlewares=[request_id_middleware, error_middleware, auth_middleware], client_max_size=max_body_bytes)
     app[STATE] = state
     app[MAX_BODY_BYTES] = max_body_bytes
+    app[LEDGER] = state.ledger
     app.on_response_prepare.append(_echo_request_id)
     app.router.add_post("/v1/chat/completions", views.chat_completions)
     app.router.add_post("/v1/completions", views.completions)

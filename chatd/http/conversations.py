@@ -25,17 +25,17 @@ import asyncio
 import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from chatd.engine.params import RequestOutput
 from chatd.http.auth import TENANT
-from chatd.http.errors import APIError, error_body
+from chatd.http.errors import APIError, error_body, store_cannot_write
 from chatd.http.protocol import TurnRequest, parse_new_conversation, parse_turn
 from chatd.http.state import STATE, ServerState
-from chatd.http.views import DONE, ChunkFormat, _dumps, _finish_reason, _merge, read_json, sse_event
+from chatd.http.views import ChunkFormat, _dumps, _finish_reason, _merge
+from chatd.http.wire import DONE, SlowClient, drop_slow_client, read_json, send, sse_event
 from chatd.store.db import Conversation, Message, Tenant
 
 log = logging.getLogger("chatd.http")
@@ -90,6 +90,7 @@ class ReplyStream:
 
 async def create_conversation(request: web.Request) -> web.Response:
     state, tenant = request.app[STATE], request[TENANT]
+    state.check_store_writable()
     fields = parse_new_conversation(await read_json(request) if request.can_read_body else None, state.config.conversations)
     state.check_model(fields.pop("model"))
     conversation = await state.store.create_conversation(tenant.id, model=state.model_name, **fields)
@@ -140,6 +141,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     conversation = await _own_conversation(state, tenant, request.match_info["conversation_id"])
     turn = parse_turn(await read_json(request), state.config.conversations.max_message_chars)
     state.check_model(turn.gen.model)
+    state.check_store_writable()
     if conversation.id in state.busy:
         raise APIError(409, "a reply is being generated in this conversation; post the next message when it has finished",
                        None, "conversation_busy")
@@ -184,22 +186,23 @@ async def stream_message(request: web.Request) -> web.StreamResponse:
 async def _run_turn(state: ServerState, tenant: Tenant, conversation: Conversation, turn: TurnRequest,
                     started: asyncio.Future) -> None:
     """Render, start and run one turn; `started` gets (reply, omitted) or the error that stopped it."""
-    request_id = f"turn-{uuid.uuid4().hex}"
     try:
         try:
             history = await state.store.list_messages(conversation.id)
-            prompt, omitted = _render(state, conversation, history, turn)
-            results = state.engine.generate(prompt, turn.gen.params, request_id=request_id, priority=turn.gen.priority)
+            # Rendering a long history and tokenizing it is CPU work: off the event loop.
+            prompt, omitted = await state.off_loop(_render, state, conversation, history, turn)
+            results = state.engine.generate(prompt, turn.gen.params, priority=turn.gen.priority,
+                                            **state.cache_scope(tenant, prompt))
         except BaseException as exc:
             _fail(started, exc)
             raise
         try:
             _, assistant = await state.store.start_turn(tenant.id, conversation.id, turn.content)
         except BaseException as exc:
-            state.engine.abort(request_id)
+            results.abort()
             _fail(started, _not_found(conversation.id) if isinstance(exc, LookupError) else exc)
             raise
-        reply = ReplyStream(conversation.id, assistant.id, request_id)
+        reply = ReplyStream(conversation.id, assistant.id, results.request_id)
         state.replies[assistant.id] = reply
         started.set_result((reply, omitted))
         await _generate(state, tenant, conversation, turn, prompt, assistant, reply, results, omitted)
@@ -239,7 +242,7 @@ async def _generate(state: ServerState, tenant: Tenant, conversation: Conversati
                 reply.publish(chunk)
             if not out.finished and time.monotonic() - saved_at >= state.config.conversations.save_interval_seconds:
                 saved_at = time.monotonic()
-                await state.store.save_partial(assistant.id, merged.outputs[0].text, len(merged.outputs[0].token_ids))
+                await _save_partial(state, assistant.id, merged)
     except Exception as exc:  # a bug here must still end the reply and free the conversation
         log.exception("reply %s failed", assistant.id)
         error = f"internal error: {exc!r}"
@@ -266,14 +269,10 @@ async def _finish(state: ServerState, tenant: Tenant, turn: TurnRequest, prompt:
         cost=state.cost(len(prompt), cached, completion),
     )
     message = dataclasses.replace(assistant, **fields)
-    try:
-        await state.store.finish_turn(tenant.id, assistant.id, model=state.model_name, **fields)
-    except LookupError:
-        pass  # the conversation was purged mid-reply; its usage is recorded all the same
-    except Exception:  # the stream must end whatever the store says
-        log.exception("saving reply %s failed", assistant.id)
-        status, error = "error", "the reply could not be saved"
-        message = dataclasses.replace(message, status=status)
+    # The reply and its usage are written together before its stream ends, so a client that reads
+    # the conversation next sees it. If the store cannot write now (a full disk) the ledger keeps
+    # it and writes it later; the stream ends at once, with the message as it will be saved.
+    await state.ledger.finish_turn(tenant.id, assistant.id, model=state.model_name, **fields)
     if status == "error":
         reply.publish(error_body(500, f"generation failed: {error}"))
     elif status == "partial":
@@ -288,34 +287,69 @@ async def _finish(state: ServerState, tenant: Tenant, turn: TurnRequest, prompt:
     loop.call_later(state.config.conversations.stream_replay_seconds, state.replies.pop, assistant.id, None)
 
 
+async def _save_partial(state: ServerState, message_id: str, merged: RequestOutput) -> None:
+    """Keep the reply so far, in case the server dies mid-reply; a store that cannot write now only skips it."""
+    try:
+        await state.store.save_partial(message_id, merged.outputs[0].text, len(merged.outputs[0].token_ids))
+    except Exception as exc:
+        if not store_cannot_write(exc):
+            raise
+        state.ledger.report_failure(exc)  # the finished reply still reaches the file, through the ledger
+
+
 def _render(state: ServerState, conversation: Conversation, history: list[Message], turn: TurnRequest) -> tuple[list[int], int]:
     """The prompt for this turn and how many of the oldest messages had to be left out to fit the window.
 
     Failed replies are left out (their user message stays); a partial reply counts with the text
-    it has. Trimming drops whole turns from the front: the first message kept is a user message.
+    it has. Trimming drops whole turns from the front (the first message kept is a user one)
+    until the prompt and the reply's room fit the window and at most max_messages remain.
+    Runs in a worker thread. One rendering when everything fits; else O(log turns) renderings,
+    none longer than what fits, so a long history costs no more than a short one.
     """
     window = state.max_model_len
     room = turn.gen.params.max_tokens or min(1024, window // 4)  # what the reply needs
+    state.check_text_size(len(turn.content) + len(conversation.system_prompt or ""), "content")
     system = [{"role": "system", "content": conversation.system_prompt}] if conversation.system_prompt else []
     past = [{"role": m.role, "content": m.content} for m in history
             if m.role == "user" or (m.status != "error" and m.content)]
     new = [{"role": "user", "content": turn.content}]
-    dropped = 0
-    while True:
+
+    def encode(dropped: int) -> list[int]:
         try:
-            prompt = state.tokenizer.encode_chat(system + past[dropped:] + new)
+            return state.tokenizer.encode_chat(system + past[dropped:] + new)
         except ValueError as exc:
             raise APIError(400, f"cannot render this conversation with the model's chat template: {exc}", "content") from exc
-        if len(prompt) + room <= window:
-            return prompt, dropped
-        if dropped == len(past):
-            param = "max_tokens" if turn.gen.params.max_tokens is not None else "content"
-            raise APIError(
-                400, f"this message and the system prompt take {len(prompt)} tokens; with max_tokens {room} that exceeds "
-                     f"the context window of {window} tokens even with every earlier message left out", param)
-        dropped += 1
-        while dropped < len(past) and past[dropped]["role"] != "user":
-            dropped += 1
+
+    def fits(prompt: list[int]) -> bool:
+        return len(prompt) + room <= window
+
+    # Where trimming may cut (how many of `past` to drop): before a user message, or all of it.
+    max_past = state.config.server.max_messages - len(system) - 1
+    cuts = [d for d in range(len(past) + 1) if (d == len(past) or past[d]["role"] == "user") and len(past) - d <= max_past]
+    bad = -1  # the highest index into cuts known not to fit (-1: none known)
+    if cuts[0] == 0 and sum(len(m["content"]) for m in past) <= state.max_prompt_chars:
+        prompt = encode(0)  # the usual case: everything fits
+        if fits(prompt):
+            return prompt, 0
+        bad = 0
+    good = len(cuts) - 1
+    prompt = encode(cuts[good])
+    if not fits(prompt):
+        param = "max_tokens" if turn.gen.params.max_tokens is not None else "content"
+        raise APIError(
+            400, f"this message and the system prompt take {len(prompt)} tokens; with max_tokens {room} that exceeds "
+                 f"the context window of {window} tokens even with every earlier message left out", param)
+    # Fitting only gets easier as more is dropped: keep 1, 2, 4, ... turns until one does not
+    # fit, then bisect between the last cut that fit and the first that did not.
+    step, bisecting = 1, False
+    while good - bad > 1:
+        probe = (good + bad) // 2 if bisecting else max(good - step, bad + 1)
+        candidate = encode(cuts[probe])
+        if fits(candidate):
+            good, prompt, step = probe, candidate, step * 2
+        else:
+            bad, bisecting = probe, True
+    return prompt, cuts[good]
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -324,8 +358,14 @@ def _render(state: ServerState, conversation: Conversation, history: list[Messag
 async def _stream(request: web.Request, state: ServerState, reply: ReplyStream, after: int, headers: dict) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await response.prepare(request)
-    async for event in reply.follow(after, state.heartbeat_seconds):
-        await response.write(event)
+    try:
+        async for event in reply.follow(after, state.heartbeat_seconds):
+            await send(request, response, event)
+    except SlowClient as exc:  # the reply goes on and is saved; only this follower is dropped
+        drop_slow_client(request, exc)
+        return response
+    except ConnectionError:  # this follower went away; the reply goes on
+        return response
     await response.write_eof()
     return response
 

@@ -7,39 +7,59 @@ exceptions (500, traceback only in the log, next to the request id).
 from __future__ import annotations
 
 import logging
+import sqlite3
 
 import orjson
 from aiohttp import web
 
 from chatd.engine.params import ParamError
+from chatd.store.ledger import Ledger, cannot_write_now
 
 log = logging.getLogger("chatd.http")
 
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+LEDGER = web.AppKey("ledger", Ledger)
 # Typed request keys arrived in aiohttp 3.13; a plain string works (with a warning) before that.
 REQUEST_ID = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-         409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+         408: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+         500: "server_error", 503: "server_error"}
 
 
 class APIError(Exception):
     """An error a client caused (or must hear about), answered in OpenAI's error shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
+
+
+class BodyTimeout(Exception):
+    """The client sent a request head but not its body in time: 408, and the connection is closed."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the request body did not arrive within {seconds:g} seconds")
+
+
+def store_cannot_write(exc: BaseException) -> bool:
+    """Whether an error is the store's file or disk refusing writes now (not a client's connection, not a bug)."""
+    return isinstance(exc, sqlite3.Error) and cannot_write_now(exc)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(error_body(status, message, param, code)), content_type="application/json")
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(error_body(status, message, param, code)),
+                        content_type="application/json", headers=headers)
 
 
 @web.middleware
@@ -48,9 +68,18 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as exc:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
     except ParamError as exc:
         return error_response(400, str(exc), exc.param)
+    except BodyTimeout as exc:
+        response = error_response(408, str(exc), None, "request_timeout")
+        response.force_close()
+        await response.prepare(request)
+        await response.write_eof()
+        # Closed now: aiohttp would otherwise linger reading what is left of the body (10 s).
+        if request.transport is not None:
+            request.transport.close()
+        return response
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[MAX_BODY_BYTES]
         return error_response(413, f"request body is larger than the limit of {limit} bytes", None, "request_too_large")
@@ -60,6 +89,11 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return error_response(404, f"no route for {request.method} {request.path}", None, "not_found")
     except web.HTTPException as exc:
         return error_response(exc.status, exc.reason or "error")
-    except Exception:
+    except Exception as exc:
+        if store_cannot_write(exc):  # the store's file or disk is full: not a bug; new work waits for it
+            ledger = request.app[LEDGER]
+            ledger.report_failure(exc)
+            return error_response(503, f"the server cannot write to its store right now ({exc}); try again later", None,
+                                  "store_unavailable", {"Retry-After": str(ledger.retry_after)})
         log.exception("internal error handling %s %s (request id %s)", request.method, request.path, request.get(REQUEST_ID))
         return error_response(500, f"internal server error (request id {request.get(REQUEST_ID)})")

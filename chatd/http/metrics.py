@@ -139,6 +139,8 @@ class _EngineCollector:
             ("chatd:num_requests_running", "Requests in the running batch.", stats.num_running if stats else 0),
             ("chatd:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting if stats else 0),
             ("chatd:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", stats.kv_cache_usage if stats else 0.0),
+            ("chatd:num_request_streams", "Requests with an open output stream (running, waiting, or not yet collected).",
+             stats.num_request_streams if stats else 0),
         ]
         # CounterMetricFamily adds the `_total` suffix to these names when it exposes them.
         counters = [

@@ -46,15 +46,16 @@ MAX_STOP = 4
 
 @dataclass
 class GenerationRequest:
-    """What a view needs to run one request."""
+    """What a view needs to run one request. Parsing never tokenizes: the view does, off the event loop."""
 
     model: str | None
-    prompt: str | list[int]  # text, or token ids already rendered
+    prompt: str | list[int] | None  # a completion's text or token ids; None for chat
     params: SamplingParams
     stream: bool
     include_usage: bool
     priority: int
     user: str | None
+    messages: list[dict] | None = None  # chat: the messages to render with the chat template
 
 
 @dataclass
@@ -65,8 +66,8 @@ class TurnRequest:
     gen: GenerationRequest
 
 
-def parse_chat(body: Any, tokenizer) -> GenerationRequest:
-    """Validate a /v1/chat/completions body and render its messages with the model's chat template."""
+def parse_chat(body: Any, max_messages: int) -> GenerationRequest:
+    """Validate a /v1/chat/completions body; its messages are rendered later, off the event loop."""
     body = _object(body)
     _check_fields(body, CHAT_FIELDS)
     response_format = _get(body, "response_format", dict, None)
@@ -75,12 +76,11 @@ def parse_chat(body: Any, tokenizer) -> GenerationRequest:
     messages = _get(body, "messages", list, None)
     if not messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
-    rendered = [_message(m, i) for i, m in enumerate(messages)]
-    try:
-        prompt = tokenizer.encode_chat(rendered)
-    except ValueError as exc:
-        raise APIError(400, f"cannot render messages with this model's chat template: {exc}", "messages") from exc
-    return _request(body, prompt, _chat_max_tokens(body), _chat_logprobs(body))
+    if len(messages) > max_messages:
+        raise APIError(400, f"messages has {len(messages)} entries; the limit is {max_messages}", "messages")
+    gen = _request(body, None, _chat_max_tokens(body), _chat_logprobs(body))
+    gen.messages = [_message(m, i) for i, m in enumerate(messages)]
+    return gen
 
 
 def parse_turn(body: Any, max_chars: int) -> TurnRequest:

@@ -1,8 +1,9 @@
 """`chatd serve`: load the model, start the engine thread and the HTTP server, stop gracefully.
 
-Order at start: open the store (migrations) -> load (before the port opens) -> listen (/health
-answers, /ready says warming up) -> warm-up request (one prefill, a few decode steps) -> ready,
-one log line with the URL. A background task purges deleted conversations past retention.
+Order at start: reserve the port (bind without listening: a port in use is a message before
+minutes of loading) -> open the store (migrations) -> load -> listen (/health answers, /ready
+says warming up) -> warm-up request (one prefill, a few decode steps) -> ready, one log line
+with the URL. A background task purges deleted conversations past retention.
 On SIGINT/SIGTERM: stop accepting, give in-flight requests the grace period, abort the rest
 (conversation replies cut short are saved as partial), wait for the store writes, close it.
 """
@@ -10,9 +11,12 @@ On SIGINT/SIGTERM: stop accepting, give in-flight requests the grace period, abo
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import functools
 import logging
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -22,27 +26,56 @@ from chatd.config import Config, StoreConfig, store_path
 from chatd.engine.async_engine import AsyncEngine
 from chatd.engine.engine import LLMEngine
 from chatd.engine.params import SamplingParams
+from chatd.engine.tokenizer import Tokenizer
 from chatd.http.app import create_app
 from chatd.http.state import ServerState
 from chatd.store.db import SCHEMA_VERSION, Store
+from chatd.store.ledger import Ledger
 
 log = logging.getLogger("chatd.http")
 
 SHUTDOWN_WRITE_SECONDS = 2.0
+LEDGER_FLUSH_SECONDS = 10.0  # at stop, billing writes the store refuses are retried this long
 
 
 async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
     """Run the server until SIGINT/SIGTERM (or `stop` is set)."""
-    path = store_path(config)
-    store = await Store.open(path)
-    log.info("store: %s (schema version %d)", path, SCHEMA_VERSION)
+    sock = reserve_port(config.server.host, config.server.port)
     try:
-        await _serve(config, store, stop)
+        path = store_path(config)
+        store = await Store.open(path, max_bytes=int(config.store.max_db_mb * 2**20))
+        log.info("store: %s (schema version %d)", path, SCHEMA_VERSION)
+        ledger = Ledger(store, retry_seconds=config.store.retry_seconds)
+        ledger.start()
+        try:
+            await _serve(config, store, ledger, sock, stop)
+        finally:
+            await ledger.stop(timeout=LEDGER_FLUSH_SECONDS)  # what still cannot be written is logged in full
+            await store.close()
     finally:
-        await store.close()
+        sock.close()
 
 
-async def _serve(config: Config, store: Store, stop: asyncio.Event | None) -> None:
+def reserve_port(host: str, port: int) -> socket.socket:
+    """Bind the listening address now (listening starts after loading); ValueError naming it if taken."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror} (check [server] host or --host)") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT after a restart is fine
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"cannot listen on {host}:{port}: the address is already in use (is another server "
+                             "running there? pick another port with --port)") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+async def _serve(config: Config, store: Store, ledger: Ledger, sock: socket.socket, stop: asyncio.Event | None) -> None:
     # Loaded on the engine thread, where all of the server's torch work runs (see async_engine.py).
     async_engine = AsyncEngine(functools.partial(LLMEngine.from_config, config))
     engine = await async_engine.start()
@@ -58,15 +91,22 @@ async def _serve(config: Config, store: Store, stop: asyncio.Event | None) -> No
         details=engine.describe(),
         store=store,
         local_tenant=await store.local_tenant(config.auth.local_tier),
+        ledger=ledger,
         config=config,
     )
+    state.shared_prefixes = await state.off_loop(_shared_prefixes, engine.tokenizer, config.cache.shared_system_prompts)
     app = create_app(state, config.server.max_body_bytes)
     # handler_cancellation: a client that goes away cancels its handler, which aborts its request.
     # shutdown_timeout: after the grace period and the engine's stop, handlers only write their
     # last events; aiohttp's default (60 s) would silently stretch the grace period.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_WRITE_SECONDS)
+    # keepalive_timeout: aiohttp closes a connection that has not sent a whole request head this
+    # long after opening (or after its last response): the header timeout.
+    # auto_decompress off: views.read_json decodes bodies itself, with bounded output and a 400
+    # for data that does not decode.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_WRITE_SECONDS,
+                           keepalive_timeout=config.server.header_timeout_seconds, auto_decompress=False)
     await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port)
+    site = web.SockSite(runner, sock)
     await site.start()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -74,13 +114,13 @@ async def _serve(config: Config, store: Store, stop: asyncio.Event | None) -> No
         loop.add_signal_handler(sig, stop.set)
     purge = asyncio.create_task(_purge_forever(store, config.store), name="purge")
     try:
-        await _warm_up(async_engine)
+        await _warm_up(async_engine, state)
         state.ready = True
         d = state.details
         log.info(
             "ready: model %s, dtype %s, device %s, attention %s, %d KV blocks, http://%s:%d",
             state.model_name, d["dtype"], d["device"], d["attention_backend"], d["num_kv_blocks"],
-            config.server.host, _bound_port(site, config.server.port),
+            config.server.host, sock.getsockname()[1],
         )
         await stop.wait()
         log.info("stopping: no new connections; %.0f s for in-flight requests", config.server.shutdown_grace_seconds)
@@ -93,13 +133,16 @@ async def _serve(config: Config, store: Store, stop: asyncio.Event | None) -> No
         await async_engine.stop()  # aborts what is left: streams end with an error event, replies save as partial
         await runner.cleanup()  # handlers finish their last writes, or are cancelled after SHUTDOWN_WRITE_SECONDS
         await state.wait_background(timeout=10.0)
+        state.tokenizing.shutdown(wait=False, cancel_futures=True)
         log.info("stopped")
 
 
-async def _warm_up(engine: AsyncEngine) -> None:
-    """One prefill and a few decode steps, so the first user does not pay for lazy initialisation."""
+async def _warm_up(engine: AsyncEngine, state: ServerState) -> None:
+    """One prefill and a few decode steps, and the chat template compiled, so the first user does not pay for lazy initialisation."""
     async for _ in engine.generate([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)):
         pass
+    with contextlib.suppress(ValueError):  # a model without a chat template serves completions only
+        await state.off_loop(state.tokenizer.encode_chat, [{"role": "user", "content": "hi"}])
 
 
 async def _purge_forever(store: Store, config: StoreConfig) -> None:
@@ -123,8 +166,12 @@ async def _drain(engine: AsyncEngine, grace: float) -> None:
         await asyncio.sleep(0.05)
 
 
-def _bound_port(site: web.TCPSite, configured: int) -> int:
-    server = site._server  # the port actually bound, for --port 0
-    if server is not None and server.sockets:
-        return server.sockets[0].getsockname()[1]
-    return configured
+def _shared_prefixes(tokenizer: Tokenizer, prompts: tuple[str, ...]) -> list[list[int]]:
+    """Each shared system prompt as the chat template renders it alone, in tokens."""
+    prefixes = []
+    for prompt in prompts:
+        try:
+            prefixes.append(tokenizer.encode_chat([{"role": "system", "content": prompt}], add_generation_prompt=False))
+        except ValueError as exc:
+            log.warning("shared system prompt %r cannot be rendered on its own (%s); it is not shared", prompt[:40], exc)
+    return prefixes

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
 
@@ -16,11 +17,14 @@ from chatd.engine.tokenizer import Tokenizer
 from chatd.http.errors import APIError
 from chatd.http.metrics import ServerMetrics
 from chatd.store.db import Store, Tenant
+from chatd.store.ledger import Ledger
 
 if TYPE_CHECKING:
     from chatd.http.conversations import ReplyStream
 
 log = logging.getLogger("chatd.http")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -34,17 +38,72 @@ class ServerState:
     details: dict  # chatd's own model details for /v1/models (dtype, attention backend, ...)
     store: Store
     local_tenant: Tenant  # who every request is while auth is off
+    ledger: Ledger  # usage and finished replies, written in order even when the store must wait
     config: Config = field(default_factory=Config)
     ready: bool = False
     stopping: bool = False  # set at shutdown: replies cut short now are partial, not failed
     metrics: ServerMetrics = field(init=False)
     replies: dict[str, ReplyStream] = field(default_factory=dict)  # assistant message id -> its reply's events
     busy: set[str] = field(default_factory=set)  # conversations with a reply being generated
+    # Token ids of the chat template's rendering of each [cache] shared_system_prompts entry.
+    shared_prefixes: list[list[int]] = field(default_factory=list)
+    # Rendering and tokenizing run here, off the event loop. Two threads: a huge prompt does not
+    # hold up everyone else's, and the loop competes for the GIL with few threads.
+    tokenizing: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="chatd-tokenize"))
     _tasks: set[asyncio.Task] = field(default_factory=set)
     _token_text: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name)
+
+    # -- prompts: sized before tokenizing, tokenized off the event loop ------------------------
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """More characters than this cannot fit the context window: no token decodes to more than max_token_chars."""
+        return self.max_model_len * self.tokenizer.max_token_chars
+
+    def check_text_size(self, num_chars: int, param: str) -> None:
+        """Refuse text that cannot fit the context window from its length alone, before tokenizing it."""
+        if num_chars > self.max_prompt_chars:
+            raise APIError(400, f"{param} has {num_chars} characters; the context window of {self.max_model_len} tokens "
+                                f"holds at most {self.max_prompt_chars} characters of text", param, "context_length_exceeded")
+
+    async def encode_chat(self, messages: list[dict], param: str = "messages") -> list[int]:
+        """Render messages with the chat template and tokenize them, in a worker thread."""
+        self.check_text_size(sum(len(m["content"]) for m in messages), param)
+        try:
+            return await self.off_loop(self.tokenizer.encode_chat, messages)
+        except ValueError as exc:
+            raise APIError(400, f"cannot render messages with this model's chat template: {exc}", param) from exc
+
+    async def encode_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """A completion's prompt as token ids (text is tokenized in a worker thread)."""
+        if not isinstance(prompt, str):
+            return prompt
+        self.check_text_size(len(prompt), param)
+        return await self.off_loop(self.tokenizer.encode, prompt) if prompt else []
+
+    async def off_loop(self, function: Callable[..., T], *args) -> T:
+        """Run CPU work on text (templates, tokenizing) in the tokenizing threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, function, *args)
+
+    def cache_scope(self, tenant: Tenant, prompt: list[int]) -> dict:
+        """The prefix-cache salt for a tenant's prompt (`AsyncEngine.generate` keywords).
+
+        With auth on and scope "tenant", blocks are salted by tenant: nobody can learn from
+        cached_tokens or timing what another tenant sent. A prompt that begins with a shared
+        system prompt leaves those blocks unsalted, so everyone shares them on purpose.
+        """
+        if not self.config.auth.enabled or self.config.cache.prefix_cache_scope == "global":
+            return {}
+        shared = 0
+        for prefix in self.shared_prefixes:
+            common = _common_prefix_length(prefix, prompt)
+            if common >= len(prefix) - 1:  # the last token may merge with what follows it
+                shared = max(shared, common)
+        return {"cache_salt": tenant.id, "num_shared_prefix_tokens": shared}
 
     @property
     def heartbeat_seconds(self) -> float:
@@ -75,6 +134,12 @@ class ServerState:
             if pending:
                 await asyncio.wait(pending)
 
+    def check_store_writable(self) -> None:
+        """New work waits while the store cannot write: no token is served that could not be billed."""
+        if not self.ledger.healthy:
+            raise APIError(503, f"the server cannot record usage right now ({self.ledger.last_error}); try again later",
+                           None, "store_unavailable", headers={"Retry-After": str(self.ledger.retry_after)})
+
     def check_model(self, model: str | None) -> None:
         """A request may name the served model or leave it out; any other name is a 404."""
         if model is not None and model != self.model_name:
@@ -96,6 +161,14 @@ class ServerState:
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+
+def _common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 STATE = web.AppKey("state", ServerState)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,25 +18,19 @@ from datetime import datetime, timedelta, timezone
 import orjson
 from aiohttp import web
 
-from chatd.engine.params import FinishReason, RequestOutput
+from chatd.engine.params import FinishReason, ParamError, RequestOutput
 from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, APIError, error_body
 from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion
 from chatd.http.state import STATE, ServerState
+from chatd.http.wire import DONE, SlowClient, drop_slow_client, read_json, send, sse_event
 
 log = logging.getLogger("chatd.http")
 
 
-async def read_json(request: web.Request):
-    try:
-        return orjson.loads(await request.read())
-    except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    gen = parse_chat(await read_json(request), state.tokenizer)
+    gen = parse_chat(await read_json(request), state.config.server.max_messages)
     return await _generate(request, state, gen, chat=True)
 
 
@@ -96,9 +91,13 @@ def _timestamp(value: str | None, name: str, default: float) -> float:
     if value is None:
         return default
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(seconds):
+            raise APIError(400, f"{name} must be a finite number of unix seconds or an ISO 8601 date, got {value!r}", name)
+        return seconds
     try:
         moment = datetime.fromisoformat(value)
     except ValueError:
@@ -109,17 +108,28 @@ def _timestamp(value: str | None, name: str, default: float) -> float:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Whether the process can serve: 503 once the engine died. A store that cannot write is reported, not fatal."""
     state = request.app[STATE]
     if state.engine.error is not None or not state.engine.is_running:
         return web.json_response({"status": "engine stopped", "error": repr(state.engine.error)}, status=503)
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok", "store": _store_status(state)})
 
 
 async def ready(request: web.Request) -> web.Response:
+    """Whether to send it traffic: not while warming up, nor while its store cannot record usage."""
     state = request.app[STATE]
     if not state.ready:
         return web.json_response({"status": "warming up"}, status=503)
+    if not state.ledger.healthy:
+        return web.json_response({"status": "store cannot write", "store": _store_status(state)}, status=503,
+                                 headers={"Retry-After": str(state.ledger.retry_after)})
     return web.json_response({"status": "ready"})
+
+
+def _store_status(state: ServerState) -> dict:
+    ledger = state.ledger
+    return {"writable": ledger.healthy, "pending_writes": ledger.num_pending,
+            "error": None if ledger.healthy else ledger.last_error}
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -149,17 +159,26 @@ class _Timing:
 
 async def _generate(request: web.Request, state: ServerState, gen: GenerationRequest, chat: bool) -> web.StreamResponse:
     state.check_model(gen.model)
-    request_id = request[REQUEST_ID]
+    state.check_store_writable()
+    tenant = request[TENANT]
+    timing = _Timing()
+    prompt = await state.encode_chat(gen.messages) if chat else await state.encode_prompt(gen.prompt)
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
     created = int(time.time())
-    timing = _Timing()
-    results = state.engine.generate(gen.prompt, gen.params, request_id=request_id, priority=gen.priority)
+    # The engine names the request itself; the client's X-Request-Id is only logged and echoed.
+    try:
+        results = state.engine.generate(prompt, gen.params, priority=gen.priority, **state.cache_scope(tenant, prompt))
+    except ParamError as exc:
+        if chat and exc.param == "prompt":  # a chat client sent messages, not a prompt
+            raise APIError(400, str(exc), "messages", "context_length_exceeded") from None
+        raise
     merged: RequestOutput | None = None
+    writer: _ChunkWriter | None = None
     try:
         if gen.stream:
             writer = _ChunkWriter(state, response_id, created, chat, gen)
-            merged = await writer.stream(request, results, timing)
+            await writer.stream(request, results, timing)
             return writer.response
         async for out in results:
             timing.tokens_arrived()
@@ -168,11 +187,12 @@ async def _generate(request: web.Request, state: ServerState, gen: GenerationReq
             raise APIError(500, f"generation failed: {merged.error}")
         return web.json_response(_whole_response(state, merged, response_id, created, chat), dumps=_dumps)
     finally:
-        if merged is None or not merged.finished:
-            state.engine.abort(request_id)
-        _log_and_observe(state, request_id, merged, timing)
+        if writer is not None:
+            merged = writer.merged  # what was generated, even if the client left before it was sent
+        results.abort()  # a no-op when it finished; otherwise (disconnect, error, timeout) frees it now
+        _log_and_observe(state, request[REQUEST_ID], response_id, merged, timing)
         if merged is not None:
-            _record_usage(state, request[TENANT], "chat.completions" if chat else "completions", merged)
+            _record_usage(state, tenant, "chat.completions" if chat else "completions", merged)
 
 
 def _merge(merged: RequestOutput, out: RequestOutput) -> RequestOutput:
@@ -226,16 +246,6 @@ class ChunkFormat:
         }
 
 
-def sse_event(payload: dict | bytes, event_id: int | None = None) -> bytes:
-    """One Server-Sent Event: optional `id:` line, one `data:` line (a dict is JSON-encoded)."""
-    data = payload if isinstance(payload, bytes) else orjson.dumps(payload)
-    head = b"" if event_id is None else b"id: %d\n" % event_id
-    return head + b"data: " + data + b"\n\n"
-
-
-DONE = b"[DONE]"
-
-
 class _ChunkWriter:
     """Writes one request's deltas as OpenAI chunks over SSE."""
 
@@ -243,34 +253,42 @@ class _ChunkWriter:
         self.state, self.gen = state, gen
         self.format = ChunkFormat(state, response_id, created, chat, gen.include_usage)
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self.merged: RequestOutput | None = None  # every delta that arrived, sent or not: what is billed
 
-    async def stream(self, request: web.Request, results, timing: _Timing) -> RequestOutput | None:
-        await self.response.prepare(request)
-        merged: RequestOutput | None = None
+    async def stream(self, request: web.Request, results, timing: _Timing) -> None:
+        """Write every delta; a client that leaves or stops reading ends it early (unfinished)."""
+        try:
+            await self.response.prepare(request)
+            await self._write_all(request, results, timing)
+        except SlowClient as exc:
+            drop_slow_client(request, exc)
+        except ConnectionError:
+            pass  # the client went away; the caller aborts what is left of its request
+
+    async def _write_all(self, request: web.Request, results, timing: _Timing) -> None:
         for chunk in self.format.role_chunks(self.gen.params.n):
-            await self.response.write(sse_event(chunk))
+            await send(request, self.response, sse_event(chunk))
         iterator = results.__aiter__()
         while True:
             try:
-                out = await _next_with_heartbeats(iterator, self.response, self.state.heartbeat_seconds)
+                out = await _next_with_heartbeats(iterator, request, self.response, self.state.heartbeat_seconds)
             except StopAsyncIteration:
                 break
-            merged = out if merged is None else _merge(merged, out)
+            self.merged = out if self.merged is None else _merge(self.merged, out)
             if out.error:
-                await self.response.write(sse_event(error_body(500, f"generation failed: {out.error}")))
-                return merged
+                await send(request, self.response, sse_event(error_body(500, f"generation failed: {out.error}")))
+                return
             timing.tokens_arrived()
             chunk = self.format.delta_chunk(out)
             if chunk is not None:
-                await self.response.write(sse_event(chunk))
-        if merged is not None and self.gen.include_usage:
-            await self.response.write(sse_event(self.format.usage_chunk(merged)))
-        await self.response.write(sse_event(DONE))
+                await send(request, self.response, sse_event(chunk))
+        if self.merged is not None and self.gen.include_usage:
+            await send(request, self.response, sse_event(self.format.usage_chunk(self.merged)))
+        await send(request, self.response, sse_event(DONE))
         await self.response.write_eof()
-        return merged
 
 
-async def _next_with_heartbeats(iterator, response: web.StreamResponse, heartbeat: float) -> RequestOutput:
+async def _next_with_heartbeats(iterator, request: web.Request, response: web.StreamResponse, heartbeat: float) -> RequestOutput:
     """The next delta; while none comes, an SSE comment every `heartbeat` seconds keeps the connection alive."""
     task = asyncio.ensure_future(iterator.__anext__())
     try:
@@ -278,7 +296,7 @@ async def _next_with_heartbeats(iterator, response: web.StreamResponse, heartbea
             done, _ = await asyncio.wait({task}, timeout=heartbeat)
             if done:
                 return task.result()
-            await response.write(b": keep-alive\n\n")
+            await send(request, response, b": keep-alive\n\n")
     finally:
         if not task.done():
             task.cancel()
@@ -339,7 +357,7 @@ def _logprobs(state: ServerState, logprobs, chat: bool) -> dict:
     }
 
 
-def _log_and_observe(state: ServerState, request_id: str, out: RequestOutput | None, timing: _Timing) -> None:
+def _log_and_observe(state: ServerState, request_id: str, response_id: str, out: RequestOutput | None, timing: _Timing) -> None:
     end = time.perf_counter()
     if out is None:
         reason = "abort"
@@ -364,20 +382,19 @@ def _log_and_observe(state: ServerState, request_id: str, out: RequestOutput | N
     )
     log.info(
         "request finished",
-        extra={"request_id": request_id, "finish_reason": reason, "prompt_tokens": usage["prompt_tokens"],
+        extra={"request_id": request_id, "response_id": response_id, "finish_reason": reason, "prompt_tokens": usage["prompt_tokens"],
                "completion_tokens": usage["completion_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                "ttft_s": None if ttft is None else round(ttft, 4), "e2e_s": round(end - timing.start, 4)},
     )
 
 
 def _record_usage(state: ServerState, tenant, endpoint: str, out: RequestOutput) -> None:
-    """Store a usage event in the background: a client that went away must not skip its bill."""
+    """Hand a usage event to the ledger, which writes it even if the client went away or the store must wait."""
     usage = _usage(out)
     prompt, cached, completion = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]
-    cost = state.cost(prompt, cached, completion)
-    state.spawn(state.store.record_usage(
-        tenant.id, endpoint=endpoint, model=state.model_name, prompt_tokens=prompt, cached_tokens=cached,
-        completion_tokens=completion, cost=cost), name=f"usage {endpoint}")
+    state.ledger.record_usage(tenant.id, endpoint=endpoint, model=state.model_name, prompt_tokens=prompt,
+                              cached_tokens=cached, completion_tokens=completion,
+                              cost=state.cost(prompt, cached, completion))
 
 
 def _dumps(value) -> str:

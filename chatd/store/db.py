@@ -171,7 +171,9 @@ class Store:
             return None
         now = self._clock()
         if last_used_at is None or now - last_used_at >= LAST_USED_RESOLUTION_S:
-            await self._write("UPDATE api_keys SET last_used_at = ? WHERE id = ?", (now, key_id))
+            # Bookkeeping only: a store that cannot write now (full disk) must not lock every key out.
+            with contextlib.suppress(sqlite3.OperationalError):
+                await self._write("UPDATE api_keys SET last_used_at = ? WHERE id = ?", (now, key_id))
         return Tenant(*tenant)
 
     # --- conversations ---

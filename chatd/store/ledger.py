@@ -101,7 +101,9 @@ class Ledger:
         self._retry_seconds = retry_seconds
         self._clock = clock
         self._sleep = sleep
-        self._pending: deque[UsageWrite | ReplyWrite] = deque()
+        # Each queued write, with the future its caller may await: True once written, False once
+        # it could not be written now (it stays queued) or was dropped.
+        self._pending: deque[tuple[UsageWrite | ReplyWrite, asyncio.Future[bool]]] = deque()
         self._work = asyncio.Event()  # a write was queued or a failure reported
         self._retry_now = asyncio.Event()  # stop() cuts the wait before the next retry short
         self._drained = asyncio.Event()
@@ -131,18 +133,20 @@ class Ledger:
 
     def record_usage(self, tenant_id: str, *, endpoint: str, model: str, prompt_tokens: int, cached_tokens: int,
                      completion_tokens: int, cost: float, conversation_id: str | None = None,
-                     message_id: str | None = None) -> None:
-        """Queue a usage event (as Store.record_usage), stamped now; returns at once."""
-        self._queue(UsageWrite(tenant_id, endpoint, model, prompt_tokens, cached_tokens, completion_tokens, cost,
-                               conversation_id, message_id, self._clock()))
+                     message_id: str | None = None) -> asyncio.Future[bool]:
+        """Queue a usage event (as Store.record_usage), stamped now; returns at once, with a future
+        that is True once it is written and False once it cannot be written now (it stays queued)."""
+        return self._queue(UsageWrite(tenant_id, endpoint, model, prompt_tokens, cached_tokens, completion_tokens, cost,
+                                      conversation_id, message_id, self._clock()))
 
     def finish_turn(self, tenant_id: str, message_id: str, *, content: str, status: str, finish_reason: str | None,
-                    prompt_tokens: int, cached_tokens: int, completion_tokens: int, cost: float, model: str) -> None:
-        """Queue a finished reply with its usage (as Store.finish_turn), stamped now; returns at once.
-        ValueError at once for a status outside db.STATUSES."""
+                    prompt_tokens: int, cached_tokens: int, completion_tokens: int, cost: float,
+                    model: str) -> asyncio.Future[bool]:
+        """Queue a finished reply with its usage (as Store.finish_turn), stamped now; returns at once,
+        with a future as record_usage's. ValueError at once for a status outside db.STATUSES."""
         check_status(status)  # the caller's bug, told to it now rather than logged later
-        self._queue(ReplyWrite(tenant_id, message_id, content, status, finish_reason, prompt_tokens, cached_tokens,
-                               completion_tokens, cost, model, self._clock()))
+        return self._queue(ReplyWrite(tenant_id, message_id, content, status, finish_reason, prompt_tokens, cached_tokens,
+                                      completion_tokens, cost, model, self._clock()))
 
     def report_failure(self, exc: BaseException) -> None:
         """Another write failed (a turn's start, say): if it means the store cannot write now, the
@@ -175,8 +179,9 @@ class Ledger:
             await asyncio.wait([self._task])
             self._task = None
         self._stopping = True
-        for write in self._pending:
+        for write, written in self._pending:
             log.error("unwritten %s, bill it by hand: %s", write.kind, _json(write))
+            _settle(written, False)
         if self._pending:
             log.error("%d billing writes could not be saved to %s; each is logged above", len(self._pending),
                       self._store.path)
@@ -193,13 +198,18 @@ class Ledger:
 
     # --- inside ---
 
-    def _queue(self, write: UsageWrite | ReplyWrite) -> None:
+    def _queue(self, write: UsageWrite | ReplyWrite) -> asyncio.Future[bool]:
+        written = asyncio.get_running_loop().create_future()
         if self._stopping:  # a caller that outlived stop(): the write cannot be made, but must not vanish
             log.error("unwritten %s (the ledger was stopped), bill it by hand: %s", write.kind, _json(write))
-            return
-        self._pending.append(write)
+            written.set_result(False)
+            return written
+        if not self.healthy:  # it waits behind the retries: its caller need not
+            written.set_result(False)
+        self._pending.append((write, written))
         self._drained.clear()
         self._work.set()
+        return written
 
     async def _run(self) -> None:
         while not self._stopping:
@@ -236,7 +246,7 @@ class Ledger:
                 self._recover()
             return
         while self._pending and not self._stopping:  # stop() has waited long enough: log the rest
-            write = self._pending[0]
+            write, written = self._pending[0]
             try:
                 await write.apply(self._store)
             except Exception as exc:
@@ -248,13 +258,17 @@ class Ledger:
                 log.error("dropped %s that failed (%s: %s), bill it by hand: %s", write.kind, type(exc).__name__,
                           exc, _json(write))
                 self._pending.popleft()
+                _settle(written, False)
                 continue
             self._pending.popleft()
+            _settle(written, True)
             self._recover()
         if not self._pending:
             self._drained.set()
 
     def _fail(self, exc: BaseException) -> None:
+        for _, written in self._pending:  # nobody waits for a write that waits for the disk
+            _settle(written, False)
         self.last_error = f"{type(exc).__name__}: {exc}"
         if self.healthy:  # once per outage, not at every retry
             log.error("the store cannot write (%s): new work is refused, billing writes are kept in memory "
@@ -265,6 +279,11 @@ class Ledger:
         if not self.healthy:
             log.warning("the store writes again (%d billing writes still queued)", len(self._pending))
             self._healthy.set()
+
+
+def _settle(written: asyncio.Future[bool], outcome: bool) -> None:
+    if not written.done():
+        written.set_result(outcome)
 
 
 def _log_crash(task: asyncio.Task) -> None:

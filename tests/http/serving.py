@@ -1,4 +1,4 @@
-"""Start a real `chatd serve` process for a test: a free loopback port, its log in a file."""
+"""Start a real `chatd serve` process for a test (a free loopback port, its log in a file), and make API keys."""
 
 from __future__ import annotations
 
@@ -33,3 +33,10 @@ def start_server(root: Path, model_dir: Path, config_text: str) -> tuple[subproc
         time.sleep(0.1)
     proc.kill()
     pytest.fail("chatd serve did not become ready:\n" + log_path.read_text())
+
+
+def create_key(config: Path, name: str, tier: str = "paid") -> str:
+    """`chatd keys create` for tenant `name` in the store that `config` names; returns the key."""
+    done = subprocess.run([sys.executable, "-m", "chatd", "keys", "create", "--name", name, "--tier", tier, "--config", str(config)],
+                          capture_output=True, text=True, check=True)
+    return re.search(r"chatd_[0-9a-f]{12}_\S+", done.stdout).group(0)

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 
 import aiohttp
@@ -17,7 +14,7 @@ import pytest
 
 from chatd.engine.demo import build_demo_model
 from chatd.engine.tokenizer import Tokenizer
-from tests.http.serving import start_server
+from tests.http.serving import create_key, start_server
 
 BLOCK = 16
 PRICES = {"input": 2.0, "cached_input": 0.5, "output": 8.0}  # USD per million tokens
@@ -32,12 +29,6 @@ def config_text(db, retention_days: float = 30.0, auth: bool = True, grace: floa
         f"[server]\nheartbeat_seconds = 0.5\nshutdown_grace_seconds = {grace}\n"
         f"[prices.demo]\ninput = {PRICES['input']}\ncached_input = {PRICES['cached_input']}\noutput = {PRICES['output']}\n"
     )
-
-
-def create_key(config, name: str, tier: str = "paid") -> str:
-    done = subprocess.run([sys.executable, "-m", "chatd", "keys", "create", "--name", name, "--tier", tier, "--config", str(config)],
-                          capture_output=True, text=True, check=True)
-    return re.search(r"chatd_[0-9a-f]{12}_\S+", done.stdout).group(0)
 
 
 @pytest.fixture(scope="module")

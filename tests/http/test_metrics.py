@@ -15,6 +15,7 @@ ENGINE_FAMILIES = {
     "chatd:num_requests_running": "gauge",
     "chatd:num_requests_waiting": "gauge",
     "chatd:kv_cache_usage_perc": "gauge",
+    "chatd:num_request_streams": "gauge",
     "chatd:prefix_cache_queries": "counter",
     "chatd:prefix_cache_hits": "counter",
     "chatd:num_preemptions": "counter",
@@ -81,7 +82,7 @@ def test_exposed_text_has_vllm_style_names_with_total_suffix():
     assert all(f'model_name="{MODEL}"' in line for line in lines)
     exposed = {line.split("{")[0] for line in lines}
     counters = {"prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "request_success"}
-    gauges = {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"}
+    gauges = {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_request_streams"}
     histograms = {name.removeprefix("chatd:") for name, kind in REQUEST_FAMILIES.items() if kind == "histogram"}
     expected = (
         {f"chatd:{name}_total" for name in counters}

@@ -13,8 +13,9 @@ from chatd.engine.demo import build_tokenizer
 from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput
 from chatd.engine.tokenizer import Tokenizer
 from chatd.http.app import create_app
-from chatd.http.state import ServerState
+from chatd.http.state import STATE, ServerState
 from chatd.store.db import Store
+from chatd.store.ledger import Ledger
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -29,21 +30,38 @@ class ScriptedEngine:
         self.aborted: list[str] = []
         self.prompts: list = []
 
-    def generate(self, prompt, params, request_id=None, priority=0):
+    def generate(self, prompt, params, priority=0, cache_salt=None, num_shared_prefix_tokens=0):
         self.prompts.append(prompt)
-        async def outputs():
-            for item in self.script:
-                await asyncio.sleep(self.pause)
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-        return outputs()
+        return ScriptedStream(self, f"scripted-{len(self.prompts)}")
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
     def stats(self):
         raise AssertionError("not used here")
+
+
+class ScriptedStream:
+    """What ScriptedEngine.generate returns: the script's outputs, with AsyncEngine's RequestStream interface."""
+
+    def __init__(self, engine: ScriptedEngine, request_id: str) -> None:
+        self.engine, self.request_id = engine, request_id
+        self.items = iter(engine.script)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        await asyncio.sleep(self.engine.pause)
+        item = next(self.items, None)
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def abort(self) -> None:
+        self.engine.aborted.append(self.request_id)
 
 
 def delta(text: str, finish: FinishReason | None = None, error: str | None = None) -> RequestOutput:
@@ -67,8 +85,10 @@ async def store(tmp_path):
 
 async def client_for(engine: ScriptedEngine, tokenizer: Tokenizer, store: Store, heartbeat: float = 15.0) -> TestClient:
     config = build_config({"server": {"heartbeat_seconds": heartbeat}})
+    ledger = Ledger(store, retry_seconds=1.0)
+    ledger.start()
     state = ServerState(engine=engine, tokenizer=tokenizer, model_name="m", max_model_len=64, details={}, store=store,
-                        local_tenant=await store.local_tenant("paid"), config=config)
+                        local_tenant=await store.local_tenant("paid"), ledger=ledger, config=config)
     client = TestClient(TestServer(create_app(state)))
     await client.start_server()
     return client
@@ -102,7 +122,7 @@ async def test_an_internal_error_is_a_500_without_a_traceback(tokenizer, store, 
         assert "secret" not in body["error"]["message"] and "Traceback" not in body["error"]["message"]
         assert "req-9" in body["error"]["message"]
         assert "req-9" in caplog.text and "secret internals" in caplog.text  # the traceback goes to the log
-        assert engine.aborted == ["req-9"]
+        assert engine.aborted == ["scripted-1"]  # the engine's own id, not the client's
     finally:
         await client.close()
 
@@ -137,6 +157,7 @@ async def test_a_failed_reply_is_saved_as_error_and_left_out_of_the_next_prompt(
         conversation = (await (await client.post("/v1/conversations", json={})).json())["id"]
         response = await client.post(f"/v1/conversations/{conversation}/messages", json={"content": "hi"})
         assert response.status == 500 and "generation failed" in (await response.json())["error"]["message"]
+        await client.app[STATE].ledger.drained()
         messages = (await (await client.get(f"/v1/conversations/{conversation}")).json())["messages"]
         assert [(m["role"], m["status"], m["content"]) for m in messages] == [
             ("user", "complete", "hi"), ("assistant", "error", "Hel")]
@@ -159,6 +180,7 @@ async def test_a_reply_whose_conversation_is_purged_mid_way_still_ends_its_strea
         assert await store.purge_deleted(time.time() + 1) == 1  # gone before the reply ends
         events = await asyncio.wait_for(read_events(response), timeout=10)
         assert events[-1].endswith("data: [DONE]")
+        await client.app[STATE].ledger.drained()
         assert (await store.usage("local", 0, time.time() + 1)).requests == 1  # still billed
     finally:
         await client.close()

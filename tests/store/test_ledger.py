@@ -67,15 +67,15 @@ async def ledger(store, clock, sleeps):
     await ledger.stop(timeout=0)
 
 
-def usage_of(ledger: Ledger, tenant_id: str, completion_tokens: int, endpoint: str = "chat.completions") -> None:
-    ledger.record_usage(tenant_id, endpoint=endpoint, model="m", prompt_tokens=10, cached_tokens=2,
+def usage_of(ledger: Ledger, tenant_id: str, completion_tokens: int, endpoint: str = "chat.completions") -> asyncio.Future:
+    return ledger.record_usage(tenant_id, endpoint=endpoint, model="m", prompt_tokens=10, cached_tokens=2,
                         completion_tokens=completion_tokens, cost=0.25)
 
 
-def finish_of(ledger: Ledger, tenant_id: str, message_id: str, **overrides) -> None:
+def finish_of(ledger: Ledger, tenant_id: str, message_id: str, **overrides) -> asyncio.Future:
     values = dict(content=LONG_REPLY, status="complete", finish_reason="stop", prompt_tokens=10, cached_tokens=0,
                   completion_tokens=2, cost=0.5, model="m")
-    ledger.finish_turn(tenant_id, message_id, **{**values, **overrides})
+    return ledger.finish_turn(tenant_id, message_id, **{**values, **overrides})
 
 
 def events_of(store: Store, tenant_id: str) -> list[tuple]:
@@ -121,6 +121,25 @@ async def test_usage_served_while_full_is_written_once_in_order_when_room_return
     await ledger.drained()
     assert events_of(store, alice)[-1] == ("chat.completions", 4, START + 602)
     assert len(sleeps.durations) == 2
+
+
+async def test_a_caller_may_wait_for_its_write_but_never_for_the_disk(store, ledger, sleeps):
+    """A conversation reply waits until its row is written, so the client reads it next; with the
+    file full it is told at once that the write waits, and the reply is written later."""
+    alice = await make_tenant(store)
+    conversation = await store.create_conversation(alice, model="m")
+    _, first = await store.start_turn(alice, conversation.id, "hi")
+    assert await finish_of(ledger, alice, first.id, content="short") is True
+    assert (await store.get_message(conversation.id, first.id)).status == "complete"  # written when told so
+
+    _, second = await store.start_turn(alice, conversation.id, "again")
+    await fill_up(store)
+    assert await asyncio.wait_for(finish_of(ledger, alice, second.id), timeout=5) is False  # kept, not waited for
+    assert await asyncio.wait_for(usage_of(ledger, alice, 1), timeout=5) is False  # queued behind the outage
+    await free_up(store)
+    sleeps.end()
+    await ledger.drained()
+    assert (await store.get_message(conversation.id, second.id)).content == LONG_REPLY
 
 
 async def test_a_failure_elsewhere_is_probed_until_the_file_takes_writes(store, ledger, sleeps):

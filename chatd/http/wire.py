@@ -1,0 +1,127 @@
+"""The bytes of a request and of a stream: reading a body within the server's limits (time,
+size once decoded, Content-Encoding, JSON) and writing Server-Sent Events within the limits on
+output held for a client that does not read.
+
+It knows nothing of OpenAI's shapes or the engine; handlers in views.py and conversations.py
+use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import struct
+import sys
+import termios
+import zlib
+
+import orjson
+from aiohttp import web
+
+from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, BodyTimeout
+from chatd.http.state import STATE
+
+log = logging.getLogger("chatd.http")
+
+
+# Content-Encodings a body may arrive in, as zlib's wbits. The server runs with aiohttp's
+# auto_decompress off so that a body that does not decode is a 400 here (aiohttp's own decoding
+# raised it as a 500) and the decoded size is bounded by max_body_bytes (no zip bombs).
+BODY_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+async def read_json(request: web.Request):
+    """The body as JSON; a body that does not arrive within body_timeout_seconds is a 408 (connection closed)."""
+    timeout = request.app[STATE].config.server.body_timeout_seconds
+    try:
+        async with asyncio.timeout(timeout):
+            raw = await request.read()
+    except TimeoutError:
+        raise BodyTimeout(timeout) from None
+    except web.RequestPayloadError as exc:
+        raise APIError(400, f"the request body could not be read: {exc}") from None
+    try:
+        return orjson.loads(_decoded(request, raw))
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+
+
+def _decoded(request: web.Request, raw: bytes) -> bytes:
+    """The body without its Content-Encoding; 400/413/415 naming the header when it cannot be."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding not in BODY_ENCODINGS:
+        raise APIError(415, f"Content-Encoding {encoding!r} is not supported; send the body as is, or as gzip or deflate",
+                       "Content-Encoding", "unsupported_content_encoding")
+    limit = request.app[MAX_BODY_BYTES]
+    decoder = zlib.decompressobj(BODY_ENCODINGS[encoding])
+    try:
+        body = decoder.decompress(raw, limit + 1)
+    except zlib.error as exc:
+        raise APIError(400, f"the request body is not valid {encoding} data ({exc})", "Content-Encoding") from None
+    if len(body) > limit:
+        raise APIError(413, f"the request body is larger than the limit of {limit} bytes once decoded", None, "request_too_large")
+    if not decoder.eof:
+        raise APIError(400, f"the request body ends in the middle of its {encoding} data", "Content-Encoding")
+    return body
+
+
+def sse_event(payload: dict | bytes, event_id: int | None = None) -> bytes:
+    """One Server-Sent Event: optional `id:` line, one `data:` line (a dict is JSON-encoded)."""
+    data = payload if isinstance(payload, bytes) else orjson.dumps(payload)
+    head = b"" if event_id is None else b"id: %d\n" % event_id
+    return head + b"data: " + data + b"\n\n"
+
+
+DONE = b"[DONE]"
+
+
+class SlowClient(Exception):
+    """A streaming client that stopped reading: it is dropped so it cannot hold memory or its request."""
+
+
+async def send(request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+    """Write to a stream within the server's limits on output held for its client; SlowClient if not.
+
+    Deltas merge while a write waits, so a client that falls behind gets bigger events; what
+    is held for it is what it has not taken yet (the kernel's send queue and aiohttp's buffer)
+    plus the next event. Past stream_buffer_bytes, or with a write not taken in
+    send_timeout_seconds, it is a SlowClient.
+    """
+    limits = request.app[STATE].config.server
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        raise ConnectionResetError("the client went away")
+    held = _untaken_bytes(transport) + len(data)
+    if held > limits.stream_buffer_bytes:
+        raise SlowClient(f"{held} bytes of output are waiting for a client that does not read "
+                         f"(stream_buffer_bytes is {limits.stream_buffer_bytes})")
+    try:
+        async with asyncio.timeout(limits.send_timeout_seconds):
+            await response.write(data)
+    except TimeoutError:
+        raise SlowClient(f"the client took no output for {limits.send_timeout_seconds:g} s (send_timeout_seconds)") from None
+
+
+def _untaken_bytes(transport) -> int:
+    """Bytes written for a client that it has not received yet: aiohttp's buffer plus the kernel's send queue."""
+    held = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None and _SEND_QUEUE_IOCTL is not None:
+        with contextlib.suppress(OSError):
+            held += struct.unpack("i", fcntl.ioctl(sock.fileno(), _SEND_QUEUE_IOCTL, b"\0" * 4))[0]
+    return held
+
+
+# Linux's SIOCOUTQ: bytes in a socket's send queue not yet acknowledged by the peer (elsewhere: not counted).
+_SEND_QUEUE_IOCTL = getattr(termios, "TIOCOUTQ", None) if sys.platform == "linux" else None
+
+
+def drop_slow_client(request: web.Request, exc: SlowClient) -> None:
+    """Close a slow client's connection now, discarding what it did not read."""
+    log.warning("dropping a client that does not read: %s", exc, extra={"request_id": request.get(REQUEST_ID)})
+    if request.transport is not None:
+        request.transport.abort()
