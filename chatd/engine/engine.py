@@ -137,19 +137,19 @@ class LLMEngine:
             prompt_token_ids = list(prompt)
         if not prompt_token_ids:
             raise ParamError("prompt", "prompt must not be empty")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= self.max_model_len:  # checked first: it costs nothing however long the prompt
+            raise ParamError(
+                "prompt",
+                f"prompt has {num_prompt} tokens; the context window is {self.max_model_len} tokens "
+                "and must leave room for at least one generated token",
+            )
         bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
         if bad is not None:
             raise ParamError("prompt", f"prompt token id {bad!r} is out of range [0, {self.vocab_size})")
         bad = next((t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
         if bad is not None:
             raise ParamError("stop_token_ids", f"stop token id {bad!r} is out of range [0, {self.vocab_size})")
-        num_prompt = len(prompt_token_ids)
-        if num_prompt >= self.max_model_len:
-            raise ParamError(
-                "prompt",
-                f"prompt has {num_prompt} tokens; the context window is {self.max_model_len} tokens "
-                "and must leave room for at least one generated token",
-            )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
         if num_prompt + max_tokens > self.max_model_len:
             raise ParamError(
