@@ -42,6 +42,10 @@ COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs"}
 TURN_FIELDS = (SAMPLING_FIELDS - {"store", "metadata"}) | {"content", "role", "max_completion_tokens", "logprobs", "top_logprobs"}
 ROLES = {"system", "user", "assistant", "developer"}
 MAX_STOP = 4
+# Conversation metadata is stored as JSON by orjson, which writes at most 254 levels; real
+# metadata is a flat map of tags, so the limit is far below that.
+MAX_METADATA_DEPTH = 32
+ORJSON_MAX_DEPTH = 254
 
 
 @dataclass
@@ -72,7 +76,8 @@ def parse_chat(body: Any, max_messages: int) -> GenerationRequest:
     _check_fields(body, CHAT_FIELDS)
     response_format = _get(body, "response_format", dict, None)
     if response_format is not None and response_format.get("type") != "text":
-        raise APIError(400, f"response_format {response_format.get('type')!r} is not supported by chatd; only 'text'", "response_format")
+        raise APIError(400, f"response_format {_shown(response_format.get('type'))} is not supported by chatd; only 'text'",
+                       "response_format")
     messages = _get(body, "messages", list, None)
     if not messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
@@ -113,15 +118,27 @@ def parse_new_conversation(body: Any, limits: ConversationsConfig) -> dict:
         raise APIError(400, f"system_prompt has {len(system_prompt)} characters; the limit is {limits.max_message_chars}",
                        "system_prompt")
     metadata = _get(body, "metadata", dict, {})
-    size = len(orjson.dumps(metadata))
+    try:
+        size = len(orjson.dumps(metadata))
+    except orjson.JSONEncodeError:  # what orjson read it writes back, except nesting past its limit
+        raise APIError(400, f"metadata nests more than {ORJSON_MAX_DEPTH} levels deep; the limit is {MAX_METADATA_DEPTH}",
+                       "metadata") from None
     if size > limits.max_metadata_bytes:
         raise APIError(400, f"metadata takes {size} bytes as JSON; the limit is {limits.max_metadata_bytes}", "metadata")
+    depth = _depth(metadata)  # after the size check: walking a few KB in Python is cheap, a 4 MB body is not
+    if depth > MAX_METADATA_DEPTH:
+        raise APIError(400, f"metadata nests {depth} levels deep; the limit is {MAX_METADATA_DEPTH}", "metadata")
     return {"model": _get(body, "model", str, None), "title": title, "system_prompt": system_prompt, "metadata": metadata}
 
 
 def _chat_max_tokens(body: dict) -> int | None:
     max_tokens = _get(body, "max_completion_tokens", int, None)
-    return _get(body, "max_tokens", int, None) if max_tokens is None else max_tokens
+    if max_tokens is None:
+        return _get(body, "max_tokens", int, None)
+    # Checked here so that the error names the field the client sent; validate() knows only max_tokens.
+    if max_tokens < 1:
+        raise APIError(400, f"max_completion_tokens must be an integer >= 1, got {max_tokens}", "max_completion_tokens")
+    return max_tokens
 
 
 def _chat_logprobs(body: dict) -> int | None:
@@ -206,8 +223,8 @@ def _message(message: Any, index: int) -> dict:
     if not isinstance(message, dict):
         raise APIError(400, f"{where} must be an object", where)
     role = message.get("role")
-    if role not in ROLES:
-        raise APIError(400, f"{where}.role must be one of system, user, assistant; got {role!r}", f"{where}.role")
+    if not isinstance(role, str) or role not in ROLES:  # a list or an object cannot even be looked up in ROLES
+        raise APIError(400, f"{where}.role must be one of system, user, assistant, developer; got {_shown(role)}", f"{where}.role")
     content = _content(message.get("content"), f"{where}.content")
     if set(message) - {"role", "content", "name"}:
         extra = sorted(set(message) - {"role", "content", "name"})
@@ -221,8 +238,10 @@ def _content(content: Any, where: str) -> str:
         texts = []
         for j, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(400, f"{where}[{j}] of type {kind!r} is not supported; only text parts", where)
+                if not isinstance(part, dict):
+                    raise APIError(400, f"{where}[{j}] must be a part like {{'type': 'text', 'text': ...}}, got {_shown(part)}",
+                                   where)
+                raise APIError(400, f"{where}[{j}] of type {_shown(part.get('type'))} is not supported; only text parts", where)
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
@@ -254,6 +273,27 @@ def _get(body: dict, name: str, types, default):
     if not isinstance(value, types):
         raise APIError(400, f"{name} must be {_type_name(types)}, got {type(value).__name__}", name)
     return value
+
+
+def _shown(value: Any) -> str:
+    """A client's value as an error message quotes it: never the whole of a huge string, never the
+    repr of a nested list or object (a thousand levels deep, repr itself fails)."""
+    if isinstance(value, str):
+        return repr(value if len(value) <= 80 else value[:80] + "...")
+    if isinstance(value, (dict, list)):
+        return "an object" if isinstance(value, dict) else "a list"
+    return orjson.dumps(value).decode()  # null, true, 1.5: as the client wrote it
+
+
+def _depth(value: Any) -> int:
+    """How many levels of objects and lists a JSON value has (without recursion: orjson reads up to 1,024)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 
 def _type_name(types) -> str:
