@@ -1,5 +1,5 @@
 """Fuzz a chatd server with malformed requests, many more than CI sends: the generators of
-tests/http/test_fuzz.py, `--concurrency` at a time. First every body field set to each wrong
+tests/http/fuzzing.py, `--concurrency` at a time. First every body field set to each wrong
 JSON type in turn (~800 requests), then `--requests` generated ones (every route; wrong JSON
 types, numbers no encoder writes, bytes that are not UTF-8, deep nesting, odd framing, queries,
 ids and headers).
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, installed or not
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from tests.http.test_fuzz import FUZZ_CONFIG, Tally, field_sweep, first_turn, raw_requests, send_all  # noqa: E402
+from tests.http.fuzzing import FUZZ_CONFIG, Tally, field_sweep, first_turn, raw_requests, send_all  # noqa: E402
 from tests.http.test_isolation import engine_is_empty  # noqa: E402
 
 

@@ -41,8 +41,9 @@ class RequestStream:
     a cancellation while waiting abort the request, so its blocks are freed at the next step.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, prompt_token_ids: list[int], num_choices: int) -> None:
         self.request_id = request_id
+        self.prompt_token_ids, self.num_choices = prompt_token_ids, num_choices
         self._engine = engine
         self._pending: RequestOutput | None = None
         self._ready = asyncio.Event()
@@ -77,7 +78,7 @@ class RequestStream:
         """Stop the request unless it has finished (no-op then, and when called again)."""
         if not self._finished:
             self._finished = True
-            self._engine.abort(self.request_id)
+            self._engine._forget(self.request_id)
 
     async def aclose(self) -> None:
         """Leaving before the end aborts the request."""
@@ -86,7 +87,7 @@ class RequestStream:
     def __del__(self) -> None:
         # A stream dropped unread (a reader that broke out of its loop) still frees its request.
         if not self._finished:
-            self._engine.abort(self.request_id)
+            self._engine._forget(self.request_id)
 
 
 class AsyncEngine:
@@ -160,13 +161,22 @@ class AsyncEngine:
             raise RuntimeError(f"the engine is not running: {self.error!r}")
         request_id = uuid.uuid4().hex
         request = self.engine.prepare_request(request_id, prompt, params, priority, cache_salt, num_shared_prefix_tokens)
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, request.prompt_token_ids, request.params.n)
         self._streams[request_id] = stream
         self._send(("add", request))
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Abort a request: its stream is dropped now, its blocks freed before the next step (no-op if it ended)."""
+        """Abort someone else's request (no-op if it ended): its reader gets a finished output now,
+        every choice ending with `abort`, and its blocks are freed before the next step."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            outputs = [CompletionOutput(i, finish_reason=FinishReason.ABORT) for i in range(stream.num_choices)]
+            stream.put(RequestOutput(request_id, stream.prompt_token_ids, outputs, finished=True))
+        self._send(("abort", request_id))
+
+    def _forget(self, request_id: str) -> None:
+        """A reader aborts its own request: nobody is left to tell."""
         self._streams.pop(request_id, None)
         self._send(("abort", request_id))
 

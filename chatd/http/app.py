@@ -6,6 +6,7 @@ listening socket is the job of `serve.py`.
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 
@@ -13,7 +14,7 @@ from aiohttp import web
 
 from chatd.http import conversations, views
 from chatd.http.auth import auth_middleware
-from chatd.http.errors import LEDGER, MAX_BODY_BYTES, REQUEST_ID, error_middleware
+from chatd.http.errors import LEDGER, MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware, error_response
 from chatd.http.state import STATE, ServerState
 
 
@@ -41,20 +42,50 @@ def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Appli
     app[MAX_BODY_BYTES] = max_body_bytes
     app[LEDGER] = state.ledger
     app.on_response_prepare.append(_echo_request_id)
-    app.router.add_post("/v1/chat/completions", views.chat_completions)
-    app.router.add_post("/v1/completions", views.completions)
-    app.router.add_get("/v1/models", views.models)
-    app.router.add_get("/v1/usage", views.usage)
-    app.router.add_post("/v1/conversations", conversations.create_conversation)
-    app.router.add_get("/v1/conversations", conversations.list_conversations)
-    app.router.add_get("/v1/conversations/{conversation_id}", conversations.get_conversation)
-    app.router.add_delete("/v1/conversations/{conversation_id}", conversations.delete_conversation)
-    app.router.add_post("/v1/conversations/{conversation_id}/messages", conversations.post_message)
-    app.router.add_get("/v1/conversations/{conversation_id}/messages/{message_id}/stream", conversations.stream_message)
-    app.router.add_get("/health", views.health)
-    app.router.add_get("/ready", views.ready)
-    app.router.add_get("/metrics", views.metrics)
+    # Every route gets chatd's Expect handler: aiohttp runs it before any middleware, and its own
+    # answered a value that is not UTF-8 with a 500.
+    router = app.router
+    post, get = functools.partial(router.add_post, expect_handler=expect), functools.partial(router.add_get, expect_handler=expect)
+    post("/v1/chat/completions", views.chat_completions)
+    post("/v1/completions", views.completions)
+    get("/v1/models", views.models)
+    get("/v1/usage", views.usage)
+    post("/v1/conversations", conversations.create_conversation)
+    get("/v1/conversations", conversations.list_conversations)
+    get("/v1/conversations/{conversation_id}", conversations.get_conversation)
+    router.add_delete("/v1/conversations/{conversation_id}", conversations.delete_conversation, expect_handler=expect)
+    post("/v1/conversations/{conversation_id}/messages", conversations.post_message)
+    get("/v1/conversations/{conversation_id}/messages/{message_id}/stream", conversations.stream_message)
+    get("/health", views.health)
+    get("/ready", views.ready)
+    get("/metrics", views.metrics)
+    # Last, every other path and method: aiohttp's own 404 and 405 would use its Expect handler.
+    router.add_route("*", "/{path:.*}", no_route, expect_handler=expect)
     return app
+
+
+async def expect(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue` gets its interim answer; any other expectation a 417 in OpenAI's shape."""
+    value = request.headers.get("Expect", "")
+    if value.lower() == "100-continue":
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # the interim answer is not part of the response (as aiohttp's own does)
+        return None
+    shown = value.encode("utf-8", "surrogateescape").decode("ascii", "backslashreplace")[:80]
+    return error_response(417, f"Expect {shown!r} is not supported; only 100-continue", "Expect", "expectation_failed")
+
+
+async def no_route(request: web.Request) -> web.Response:
+    """404 for a path chatd does not serve, 405 naming the methods it allows on one it does."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource is not request.match_info.route.resource:
+            _, methods = await resource.resolve(request)
+            allowed |= methods
+    if allowed:
+        raise APIError(405, f"method {request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(allowed))}")
+    raise APIError(404, f"no route for {request.method} {request.path}", None, "not_found")
 
 
 async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:

@@ -29,10 +29,10 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from chatd.engine.params import RequestOutput
+from chatd.engine.params import FinishReason, RequestOutput
 from chatd.http.auth import TENANT
 from chatd.http.errors import APIError, error_body, store_cannot_write
-from chatd.http.protocol import TurnRequest, parse_new_conversation, parse_turn
+from chatd.http.protocol import TurnRequest, parse_new_conversation, parse_turn, shown
 from chatd.http.state import STATE, ServerState
 from chatd.http.views import ChunkFormat, _dumps, _finish_reason, _merge
 from chatd.http.wire import DONE, SlowClient, drop_slow_client, read_json, send, sse_event
@@ -49,6 +49,7 @@ class ReplyStream:
     def __init__(self, conversation_id: str, message_id: str, engine_request_id: str | None = None) -> None:
         self.conversation_id, self.message_id = conversation_id, message_id
         self.engine_request_id = engine_request_id  # None for a reply rebuilt from its row
+        self.deleted = False  # its conversation was deleted while it was being generated
         self.events: list[bytes] = []
         self.message: Message | None = None  # the reply as saved, once it has ended
         self._changed = asyncio.Event()
@@ -102,7 +103,7 @@ async def list_conversations(request: web.Request) -> web.Response:
     try:
         limit = int(request.query.get("limit", "20"))
     except ValueError:
-        raise APIError(400, f"limit must be an integer, got {request.query['limit']!r}", "limit") from None
+        raise APIError(400, f"limit must be an integer, got {shown(request.query['limit'])}", "limit") from None
     if not 1 <= limit <= MAX_PAGE:
         raise APIError(400, f"limit must be in [1, {MAX_PAGE}], got {limit}", "limit")
     after = request.query.get("after")
@@ -132,7 +133,8 @@ async def delete_conversation(request: web.Request) -> web.Response:
         raise _not_found(conversation_id)
     for reply in state.replies.values():  # nobody wants the rest of a reply in a deleted conversation
         if reply.conversation_id == conversation_id and not reply.done and reply.engine_request_id:
-            state.engine.abort(reply.engine_request_id)
+            reply.deleted = True
+            state.engine.abort(reply.engine_request_id)  # its turn task wakes with the abort and saves it as partial
     return web.json_response({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
 
@@ -155,7 +157,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         return await _stream(request, state, reply, 0, headers)
     async for _ in reply.follow(len(reply.events), 3600.0):  # returns when the reply has ended
         pass
-    return _whole_reply(state, reply.message, omitted, headers)
+    return _whole_reply(state, reply, omitted, headers)
 
 
 async def stream_message(request: web.Request) -> web.StreamResponse:
@@ -170,7 +172,7 @@ async def stream_message(request: web.Request) -> web.StreamResponse:
     try:
         after = int(raw or "0")
     except ValueError:
-        raise APIError(400, f"Last-Event-ID must be an event id (an integer), got {raw!r}", "Last-Event-ID") from None
+        raise APIError(400, f"Last-Event-ID must be an event id (an integer), got {shown(raw)}", "Last-Event-ID") from None
     reply = state.replies.get(message_id)
     if reply is None:  # no longer in memory: the stored message, in one piece
         reply = _stored_reply(state, message)
@@ -253,7 +255,8 @@ async def _generate(state: ServerState, tenant: Tenant, conversation: Conversati
 
 async def _finish(state: ServerState, tenant: Tenant, turn: TurnRequest, prompt: list[int], assistant: Message,
                   reply: ReplyStream, fmt: ChunkFormat, merged: RequestOutput | None, error: str | None) -> None:
-    if merged is not None and merged.finished and error is None:
+    aborted = merged is not None and any(o.finish_reason == FinishReason.ABORT for o in merged.outputs)
+    if merged is not None and merged.finished and error is None and not aborted:
         status = "complete"
     elif error is None or state.stopping:
         status = "partial"  # aborted (conversation deleted) or the server is stopping
@@ -276,8 +279,7 @@ async def _finish(state: ServerState, tenant: Tenant, turn: TurnRequest, prompt:
     if status == "error":
         reply.publish(error_body(500, f"generation failed: {error}"))
     elif status == "partial":
-        reply.publish(error_body(503, "the reply was cut short (the server is stopping or the conversation was deleted); "
-                                      "what was generated is saved as a partial message", None, "reply_interrupted"))
+        reply.publish(error_body(*_interrupted(reply)))
     else:
         if turn.gen.include_usage:
             reply.publish(fmt.usage_chunk(merged))
@@ -335,10 +337,11 @@ def _render(state: ServerState, conversation: Conversation, history: list[Messag
     good = len(cuts) - 1
     prompt = encode(cuts[good])
     if not fits(prompt):
-        param = "max_tokens" if turn.gen.params.max_tokens is not None else "content"
+        # The message itself is too long, or it fits but not with the room the client asked for.
+        param = turn.gen.max_tokens_field if turn.gen.params.max_tokens is not None and len(prompt) < window else "content"
         raise APIError(
-            400, f"this message and the system prompt take {len(prompt)} tokens; with max_tokens {room} that exceeds "
-                 f"the context window of {window} tokens even with every earlier message left out", param)
+            400, f"this message and the system prompt take {len(prompt)} tokens; with {room} tokens for the reply that "
+                 f"exceeds the context window of {window} tokens even with every earlier message left out", param)
     # Fitting only gets easier as more is dropped: keep 1, 2, 4, ... turns until one does not
     # fit, then bisect between the last cut that fit and the first that did not.
     step, bisecting = 1, False
@@ -389,11 +392,20 @@ def _stored_reply(state: ServerState, message: Message) -> ReplyStream:
     return reply
 
 
-def _whole_reply(state: ServerState, message: Message, omitted: int, headers: dict) -> web.Response:
+def _interrupted(reply: ReplyStream) -> tuple[int, str, None, str]:
+    """Why a reply was cut short, as an error: the client's own delete (409) or the server stopping (503)."""
+    if reply.deleted:
+        return (409, "the conversation was deleted while this reply was being generated; what was generated is saved "
+                     "as a partial message", None, "conversation_deleted")
+    return 503, "the reply was cut short (the server is stopping); what was generated is saved as a partial message", None, "reply_interrupted"
+
+
+def _whole_reply(state: ServerState, reply: ReplyStream, omitted: int, headers: dict) -> web.Response:
+    message = reply.message
     if message.status == "error":
         raise APIError(500, "generation failed; the message is saved with status 'error'")
     if message.status != "complete":
-        raise APIError(503, "the reply was cut short; what was generated is saved as a partial message", None, "reply_interrupted")
+        raise APIError(*_interrupted(reply))
     body = {
         "id": message.id,
         "object": "chat.completion",

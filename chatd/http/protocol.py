@@ -60,6 +60,7 @@ class GenerationRequest:
     priority: int
     user: str | None
     messages: list[dict] | None = None  # chat: the messages to render with the chat template
+    max_tokens_field: str = "max_tokens"  # the name the client gave its reply's length, for errors
 
 
 @dataclass
@@ -76,7 +77,7 @@ def parse_chat(body: Any, max_messages: int) -> GenerationRequest:
     _check_fields(body, CHAT_FIELDS)
     response_format = _get(body, "response_format", dict, None)
     if response_format is not None and response_format.get("type") != "text":
-        raise APIError(400, f"response_format {_shown(response_format.get('type'))} is not supported by chatd; only 'text'",
+        raise APIError(400, f"response_format {shown(response_format.get('type'))} is not supported by chatd; only 'text'",
                        "response_format")
     messages = _get(body, "messages", list, None)
     if not messages:
@@ -85,6 +86,7 @@ def parse_chat(body: Any, max_messages: int) -> GenerationRequest:
         raise APIError(400, f"messages has {len(messages)} entries; the limit is {max_messages}", "messages")
     gen = _request(body, None, _chat_max_tokens(body), _chat_logprobs(body))
     gen.messages = [_message(m, i) for i, m in enumerate(messages)]
+    gen.max_tokens_field = _max_tokens_field(body)
     return gen
 
 
@@ -101,6 +103,7 @@ def parse_turn(body: Any, max_chars: int) -> TurnRequest:
     if len(content) > max_chars:
         raise APIError(400, f"content has {len(content)} characters; the limit is {max_chars}", "content")
     gen = _request(body, [], _chat_max_tokens(body), _chat_logprobs(body))
+    gen.max_tokens_field = _max_tokens_field(body)
     if gen.params.n != 1:
         raise APIError(400, f"a conversation takes one reply per message: n must be 1, got {gen.params.n}", "n")
     return TurnRequest(content, gen)
@@ -131,6 +134,10 @@ def parse_new_conversation(body: Any, limits: ConversationsConfig) -> dict:
     return {"model": _get(body, "model", str, None), "title": title, "system_prompt": system_prompt, "metadata": metadata}
 
 
+def _max_tokens_field(body: dict) -> str:
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
 def _chat_max_tokens(body: dict) -> int | None:
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
@@ -152,11 +159,14 @@ def _chat_logprobs(body: dict) -> int | None:
     return (top_logprobs or 0) if logprobs else None
 
 
-def parse_completion(body: Any) -> GenerationRequest:
+def parse_completion(body: Any, max_model_len: int) -> GenerationRequest:
     """Validate a /v1/completions body (prompt: a string or a list of token ids)."""
     body = _object(body)
     _check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) >= max_model_len:  # before a pass over a list of maybe a million
+        raise APIError(400, f"prompt has {len(prompt)} tokens; the context window is {max_model_len} tokens and must "
+                            "leave room for at least one generated token", "prompt", "context_length_exceeded")
     if isinstance(prompt, str):
         pass
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -224,7 +234,7 @@ def _message(message: Any, index: int) -> dict:
         raise APIError(400, f"{where} must be an object", where)
     role = message.get("role")
     if not isinstance(role, str) or role not in ROLES:  # a list or an object cannot even be looked up in ROLES
-        raise APIError(400, f"{where}.role must be one of system, user, assistant, developer; got {_shown(role)}", f"{where}.role")
+        raise APIError(400, f"{where}.role must be one of system, user, assistant, developer; got {shown(role)}", f"{where}.role")
     content = _content(message.get("content"), f"{where}.content")
     if set(message) - {"role", "content", "name"}:
         extra = sorted(set(message) - {"role", "content", "name"})
@@ -239,9 +249,9 @@ def _content(content: Any, where: str) -> str:
         for j, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 if not isinstance(part, dict):
-                    raise APIError(400, f"{where}[{j}] must be a part like {{'type': 'text', 'text': ...}}, got {_shown(part)}",
+                    raise APIError(400, f"{where}[{j}] must be a part like {{'type': 'text', 'text': ...}}, got {shown(part)}",
                                    where)
-                raise APIError(400, f"{where}[{j}] of type {_shown(part.get('type'))} is not supported; only text parts", where)
+                raise APIError(400, f"{where}[{j}] of type {shown(part.get('type'))} is not supported; only text parts", where)
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
@@ -275,7 +285,7 @@ def _get(body: dict, name: str, types, default):
     return value
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """A client's value as an error message quotes it: never the whole of a huge string, never the
     repr of a nested list or object (a thousand levels deep, repr itself fails)."""
     if isinstance(value, str):

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from chatd.config import Config, StoreConfig, store_path
 from chatd.engine.async_engine import AsyncEngine
@@ -101,10 +102,14 @@ async def _serve(config: Config, store: Store, ledger: Ledger, sock: socket.sock
     # last events; aiohttp's default (60 s) would silently stretch the grace period.
     # keepalive_timeout: aiohttp closes a connection that has not sent a whole request head this
     # long after opening (or after its last response): the header timeout.
-    # auto_decompress off: views.read_json decodes bodies itself, with bounded output and a 400
-    # for data that does not decode.
+    # lingering_time: after answering early (401, 404) aiohttp reads the rest of an unread body so
+    # the client can read the answer; no longer than a body may take to arrive at all.
+    # auto_decompress off: wire.read_json decodes bodies itself, with bounded output and a 400 for
+    # data that does not decode.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_WRITE_SECONDS,
-                           keepalive_timeout=config.server.header_timeout_seconds, auto_decompress=False)
+                           keepalive_timeout=config.server.header_timeout_seconds,
+                           lingering_time=min(10.0, config.server.body_timeout_seconds), auto_decompress=False)
+    logging.getLogger("aiohttp.server").addFilter(_malformed_requests_at_debug)
     await runner.setup()
     site = web.SockSite(runner, sock)
     await site.start()
@@ -164,6 +169,17 @@ async def _drain(engine: AsyncEngine, grace: float) -> None:
         if stats.num_running == 0 and stats.num_waiting == 0:
             return
         await asyncio.sleep(0.05)
+
+
+def _malformed_requests_at_debug(record: logging.LogRecord) -> bool:
+    """aiohttp logs each request its parser rejects at ERROR with a traceback, so any client could
+    flood the log; they are the client's mistakes, answered with a 400: one line, at DEBUG."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if not isinstance(exc, HttpProcessingError):
+        return True
+    record.levelno, record.levelname, record.exc_info = logging.DEBUG, "DEBUG", None
+    record.msg, record.args = "malformed request refused: %s", (str(exc).replace("\n", " "),)
+    return logging.getLogger("aiohttp.server").isEnabledFor(logging.DEBUG)
 
 
 def _shared_prefixes(tokenizer: Tokenizer, prompts: tuple[str, ...]) -> list[list[int]]:

@@ -36,7 +36,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    gen = parse_completion(await read_json(request))
+    gen = parse_completion(await read_json(request), state.max_model_len)
     return await _generate(request, state, gen, chat=False)
 
 
@@ -169,9 +169,11 @@ async def _generate(request: web.Request, state: ServerState, gen: GenerationReq
     # The engine names the request itself; the client's X-Request-Id is only logged and echoed.
     try:
         results = state.engine.generate(prompt, gen.params, priority=gen.priority, **state.cache_scope(tenant, prompt))
-    except ParamError as exc:
-        if chat and exc.param == "prompt":  # a chat client sent messages, not a prompt
+    except ParamError as exc:  # named as the client named it: chat sends messages, not a prompt
+        if chat and exc.param == "prompt":
             raise APIError(400, str(exc), "messages", "context_length_exceeded") from None
+        if exc.param == "max_tokens" and gen.max_tokens_field != "max_tokens":
+            raise APIError(400, str(exc).replace("max_tokens", gen.max_tokens_field), gen.max_tokens_field) from None
         raise
     merged: RequestOutput | None = None
     writer: _ChunkWriter | None = None

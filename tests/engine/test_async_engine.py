@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from chatd.engine.async_engine import AsyncEngine
-from chatd.engine.params import ParamError, SamplingParams
+from chatd.engine.params import FinishReason, ParamError, SamplingParams
 from tests.engine.conftest import make_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -185,3 +185,17 @@ async def test_stop_answers_requests_queued_after_the_last_step(model_dirs):
     assert async_engine.stats().num_request_streams == 0
     with pytest.raises(RuntimeError, match="not running"):
         async_engine.generate([3, 4, 5])
+
+
+async def test_an_abort_from_elsewhere_ends_the_readers_stream(engine):
+    """Aborting a request by id (a conversation deleted mid-reply) wakes whoever reads it."""
+    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    stream = engine.generate(list(range(3, 30)), params)
+    first = await stream.__anext__()
+    engine.abort(stream.request_id)
+    rest = await asyncio.wait_for(collect_stream(stream), timeout=10)
+    first.merge(rest)
+    assert first.finished and first.outputs[0].finish_reason == FinishReason.ABORT
+    assert len(first.outputs[0].token_ids) < 500
+    await engine.sync()
+    assert engine.stats().num_request_streams == 0 and engine.stats().num_running == 0
