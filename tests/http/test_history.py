@@ -10,7 +10,7 @@ import pytest
 from chatd.config import build_config
 from chatd.engine.demo import build_tokenizer
 from chatd.engine.tokenizer import Tokenizer
-from chatd.http.conversations import _render
+from chatd.http.history import render_turn
 from chatd.http.errors import APIError
 from chatd.http.protocol import parse_turn
 from chatd.http.state import ServerState
@@ -65,7 +65,7 @@ def test_the_fewest_turns_are_dropped_with_logarithmically_few_renderings(tokeni
     turn = parse_turn({"content": "and now, the last question", "max_tokens": 64}, 10_000)
     stored = history(turns)
     tokenizer.renders = 0
-    prompt, dropped = _render(make_state(tokenizer, window), conversation, stored, turn)
+    prompt, dropped = render_turn(make_state(tokenizer, window), conversation, stored, turn)
     renders = tokenizer.renders
 
     system = [{"role": "system", "content": "Be brief."}]
@@ -79,7 +79,7 @@ def test_the_fewest_turns_are_dropped_with_logarithmically_few_renderings(tokeni
 def test_a_history_longer_than_max_messages_keeps_only_the_newest(tokenizer):
     conversation = Conversation("conv", "t", "m", None, None, {}, 0.0, 0.0)
     turn = parse_turn({"content": "last", "max_tokens": 8}, 10_000)
-    _, dropped = _render(make_state(tokenizer, 100_000, max_messages=11), conversation, history(20), turn)
+    _, dropped = render_turn(make_state(tokenizer, 100_000, max_messages=11), conversation, history(20), turn)
     assert dropped == 40 - 10  # 10 of the past messages and the new one
 
 
@@ -87,5 +87,5 @@ def test_a_message_that_cannot_fit_alone_names_the_window(tokenizer):
     conversation = Conversation("conv", "t", "m", None, None, {}, 0.0, 0.0)
     turn = parse_turn({"content": "word " * 400, "max_tokens": 8}, 10_000)
     with pytest.raises(APIError) as err:
-        _render(make_state(tokenizer, 256), conversation, history(5), turn)
+        render_turn(make_state(tokenizer, 256), conversation, history(5), turn)
     assert err.value.status == 400 and "context window of 256 tokens" in err.value.message
