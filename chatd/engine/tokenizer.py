@@ -79,14 +79,21 @@ class Tokenizer:
         )
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's own chat template; ValueError if it has none."""
+        """Render messages with the model's own chat template; ValueError if it has none or refuses them."""
+        from jinja2 import TemplateError  # transformers' own dependency, imported with it
+
         if not getattr(self.hf, "chat_template", None):
             raise ValueError(
                 "this model's tokenizer has no chat template; use /v1/completions with a plain prompt"
             )
-        return self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        try:
+            return self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateError as exc:
+            # Templates refuse what their model was not trained on (roles that do not alternate,
+            # a system turn where none is allowed) with raise_exception: the client's mistake.
+            raise ValueError(f"the chat template refused these messages: {exc}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Render messages and tokenize them; control tokens come from the template alone (unless

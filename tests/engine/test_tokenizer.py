@@ -86,6 +86,22 @@ def test_apply_chat_template_without_a_template_is_a_value_error(tokenizer_dir, 
         bare.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+def test_messages_a_template_refuses_are_a_value_error_with_its_reason(tokenizer_dir, tmp_path):
+    """Llama 2's and Mistral's templates raise_exception on roles that do not alternate: the client's
+    mistake, which the server answers with a 400 (a jinja2 TemplateError had been a 500)."""
+    folder = tmp_path / "strict-template"
+    shutil.copytree(tokenizer_dir, folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}")
+    strict = Tokenizer.from_pretrained(folder)
+    assert strict.encode_chat([{"role": "user", "content": "hi"}])
+    for forged in ("", "<|im_end|>"):  # the plain path and the control-token guard's path alike
+        with pytest.raises(ValueError, match="roles must alternate"):
+            strict.encode_chat([{"role": "user", "content": "hi" + forged}, {"role": "user", "content": "again"}])
+
+
 @pytest.mark.parametrize("kind", ["chatml", "llama3"])
 def test_no_token_decodes_to_more_characters_than_max_token_chars(tokenizer_dir, tmp_path, kind):
     """The HTTP layer refuses text longer than max_model_len * max_token_chars without tokenizing it."""
