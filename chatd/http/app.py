@@ -14,7 +14,7 @@ from aiohttp import web
 
 from chatd.http import conversations, views
 from chatd.http.auth import auth_middleware
-from chatd.http.errors import LEDGER, MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware, error_response
+from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware, error_response
 from chatd.http.state import STATE, ServerState
 
 
@@ -35,12 +35,25 @@ async def request_id_middleware(request: web.Request, handler) -> web.StreamResp
     return await handler(request)
 
 
+@web.middleware
+async def store_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """A store that cannot write now (its file or disk full) under any route is a 503 with
+    Retry-After, not a bug: the ledger hears of it, and new work waits until writes succeed."""
+    state = request.app[STATE]
+    try:
+        return await handler(request)
+    except Exception as exc:
+        if state.store_failed(exc):
+            raise state.store_unavailable(exc) from None
+        raise
+
+
 def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Application:
     """Build the app around a started engine."""
-    app = web.Application(middlewares=[request_id_middleware, error_middleware, auth_middleware], client_max_size=max_body_bytes)
+    middlewares = [request_id_middleware, error_middleware, store_middleware, auth_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[STATE] = state
     app[MAX_BODY_BYTES] = max_body_bytes
-    app[LEDGER] = state.ledger
     app.on_response_prepare.append(_echo_request_id)
     # Every route gets chatd's Expect handler: aiohttp runs it before any middleware, and its own
     # answered a value that is not UTF-8 with a 500.

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from chatd.engine.params import FinishReason, RequestOutput
 from chatd.http.auth import TENANT
-from chatd.http.errors import APIError, error_body, store_cannot_write
+from chatd.http.errors import APIError, error_body
 from chatd.http.history import render_turn
 from chatd.http.protocol import TurnRequest, parse_new_conversation, parse_turn, shown
 from chatd.http.state import STATE, ServerState
@@ -295,9 +295,8 @@ async def _save_partial(state: ServerState, message_id: str, merged: RequestOutp
     try:
         await state.store.save_partial(message_id, merged.outputs[0].text, len(merged.outputs[0].token_ids))
     except Exception as exc:
-        if not store_cannot_write(exc):
-            raise
-        state.ledger.report_failure(exc)  # the finished reply still reaches the file, through the ledger
+        if not state.store_failed(exc):
+            raise  # (a full store only skips it: the finished reply reaches the file through the ledger)
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -342,7 +341,8 @@ def _interrupted(reply: ReplyStream) -> tuple[int, str, None, str]:
     if reply.deleted:
         return (409, "the conversation was deleted while this reply was being generated; what was generated is saved "
                      "as a partial message", None, "conversation_deleted")
-    return 503, "the reply was cut short (the server is stopping); what was generated is saved as a partial message", None, "reply_interrupted"
+    return (503, "the reply was cut short (the server is stopping); what was generated is saved as a partial message",
+            None, "reply_interrupted")
 
 
 def _whole_reply(state: ServerState, reply: ReplyStream, omitted: int, headers: dict) -> web.Response:

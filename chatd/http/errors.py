@@ -7,24 +7,21 @@ exceptions (500, traceback only in the log, next to the request id).
 from __future__ import annotations
 
 import logging
-import sqlite3
 
 import orjson
 from aiohttp import web
 
 from chatd.engine.params import ParamError
-from chatd.store.ledger import Ledger, cannot_write_now
 
 log = logging.getLogger("chatd.http")
 
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
-LEDGER = web.AppKey("ledger", Ledger)
 # Typed request keys arrived in aiohttp 3.13; a plain string works (with a warning) before that.
 REQUEST_ID = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-         408: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error", 417: "invalid_request_error", 429: "rate_limit_error",
-         500: "server_error", 503: "server_error"}
+         408: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error",
+         417: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
 class APIError(Exception):
@@ -45,11 +42,6 @@ class BodyTimeout(Exception):
 
     def __init__(self, seconds: float) -> None:
         super().__init__(f"the request body did not arrive within {seconds:g} seconds")
-
-
-def store_cannot_write(exc: BaseException) -> bool:
-    """Whether an error is the store's file or disk refusing writes now (not a client's connection, not a bug)."""
-    return isinstance(exc, sqlite3.Error) and cannot_write_now(exc)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -89,11 +81,6 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return error_response(404, f"no route for {request.method} {request.path}", None, "not_found")
     except web.HTTPException as exc:
         return error_response(exc.status, exc.reason or "error")
-    except Exception as exc:
-        if store_cannot_write(exc):  # the store's file or disk is full: not a bug; new work waits for it
-            ledger = request.app[LEDGER]
-            ledger.report_failure(exc)
-            return error_response(503, f"the server cannot write to its store right now ({exc}); try again later", None,
-                                  "store_unavailable", {"Retry-After": str(ledger.retry_after)})
+    except Exception:
         log.exception("internal error handling %s %s (request id %s)", request.method, request.path, request.get(REQUEST_ID))
         return error_response(500, f"internal server error (request id {request.get(REQUEST_ID)})")

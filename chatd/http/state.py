@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import sqlite3
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -17,7 +18,7 @@ from chatd.engine.tokenizer import Tokenizer
 from chatd.http.errors import APIError
 from chatd.http.metrics import ServerMetrics
 from chatd.store.db import Store, Tenant
-from chatd.store.ledger import Ledger
+from chatd.store.ledger import Ledger, cannot_write_now
 
 if TYPE_CHECKING:
     from chatd.http.conversations import ReplyStream
@@ -137,8 +138,20 @@ class ServerState:
     def check_store_writable(self) -> None:
         """New work waits while the store cannot write: no token is served that could not be billed."""
         if not self.ledger.healthy:
-            raise APIError(503, f"the server cannot record usage right now ({self.ledger.last_error}); try again later",
-                           None, "store_unavailable", headers={"Retry-After": str(self.ledger.retry_after)})
+            raise self.store_unavailable(self.ledger.last_error)
+
+    def store_failed(self, exc: BaseException) -> bool:
+        """Whether an error is the store's file or disk refusing writes now (not a client's connection,
+        not a bug); if so the ledger hears of it, and new work waits until writes succeed again."""
+        if not (isinstance(exc, sqlite3.Error) and cannot_write_now(exc)):
+            return False
+        self.ledger.report_failure(exc)
+        return True
+
+    def store_unavailable(self, reason: object) -> APIError:
+        """The 503 a client gets while the store cannot write, with when to try again."""
+        return APIError(503, f"the server cannot record usage right now ({reason}); try again later", None,
+                        "store_unavailable", headers={"Retry-After": str(self.ledger.retry_after)})
 
     def check_model(self, model: str | None) -> None:
         """A request may name the served model or leave it out; any other name is a 404."""
