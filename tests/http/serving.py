@@ -40,3 +40,12 @@ def create_key(config: Path, name: str, tier: str = "paid") -> str:
     done = subprocess.run([sys.executable, "-m", "chatd", "keys", "create", "--name", name, "--tier", tier, "--config", str(config)],
                           capture_output=True, text=True, check=True)
     return re.search(r"chatd_[0-9a-f]{12}_\S+", done.stdout).group(0)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, and the server must exit 0 (a clean shutdown) within 30 s; killed either way."""
+    proc.terminate()
+    try:
+        assert proc.wait(timeout=30) == 0, "chatd serve should exit 0 on SIGTERM"
+    finally:
+        proc.kill()

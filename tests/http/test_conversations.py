@@ -14,7 +14,7 @@ import pytest
 
 from chatd.engine.demo import build_demo_model
 from chatd.engine.tokenizer import Tokenizer
-from tests.http.serving import create_key, start_server
+from tests.http.serving import create_key, start_server, stop_server
 
 BLOCK = 16
 PRICES = {"input": 2.0, "cached_input": 0.5, "output": 8.0}  # USD per million tokens
@@ -41,11 +41,7 @@ def server(tmp_path_factory):
     keys = {name: create_key(root / "config.toml", name) for name in ("alice", "bob")}
     proc, url, log_path = start_server(root, model_dir, config_text(db, retention_days=0.0))
     yield {"url": url, "keys": keys, "db": db, "model_dir": model_dir, "root": root}
-    proc.terminate()
-    try:
-        assert proc.wait(timeout=30) == 0
-    finally:
-        proc.kill()
+    stop_server(proc)
 
 
 def headers(server, who: str = "alice") -> dict:

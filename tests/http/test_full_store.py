@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from chatd.engine.demo import build_demo_model
-from tests.http.serving import start_server
+from tests.http.serving import start_server, stop_server
 
 FILLER = "x" * 60_000  # a system prompt that takes ~15 pages of the file
 
@@ -30,11 +30,7 @@ def server(tmp_path):
         f'[store]\ndb_path = "{db}"\nmax_db_mb = 0.5\nretry_seconds = 0.2\n'
         "[server]\nheartbeat_seconds = 0.5\n"))
     yield {"url": url, "db": db, "log": log_path}
-    proc.terminate()
-    try:
-        assert proc.wait(timeout=30) == 0
-    finally:
-        proc.kill()
+    stop_server(proc)
 
 
 async def read_stream(response: aiohttp.ClientResponse) -> tuple[str, dict | None, str]:

@@ -18,7 +18,7 @@ from chatd.engine.demo import build_demo_model
 
 from tests.http.fuzzing import (FUZZ_CONFIG, REFUSED_BY_THE_PARSER, Raw, Tally, exchange, field_sweep, first_turn,
                                 raw_requests, send_all, to_json)
-from tests.http.serving import create_key, start_server
+from tests.http.serving import create_key, start_server, stop_server
 from tests.http.test_isolation import engine_is_empty
 
 
@@ -36,11 +36,7 @@ def server(tmp_path_factory):
     proc, url, log_path = start_server(root, model_dir, config)
     targets = asyncio.run(first_turn(url, key))
     yield {"url": url, "targets": targets, "log": log_path}
-    proc.terminate()
-    try:
-        assert proc.wait(timeout=30) == 0
-    finally:
-        proc.kill()
+    stop_server(proc)
 
 
 async def chat(server, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict]:

@@ -21,7 +21,7 @@ import pytest
 
 from chatd.engine.demo import build_demo_model
 from chatd.engine.tokenizer import Tokenizer
-from tests.http.serving import start_server
+from tests.http.serving import start_server, stop_server
 from tests.http.test_isolation import engine_is_empty, metric
 
 HEADER_TIMEOUT, BODY_TIMEOUT, SEND_TIMEOUT, STREAM_BUFFER = 1.0, 1.0, 3.0, 65536
@@ -37,11 +37,7 @@ def server(tmp_path_factory):
         "[cache]\nnum_blocks = 4096\n"))
     host, port = url.removeprefix("http://").split(":")
     yield {"url": url, "host": host, "port": int(port), "model_dir": model_dir, "log": log_path, "root": root}
-    proc.terminate()
-    try:
-        assert proc.wait(timeout=30) == 0
-    finally:
-        proc.kill()
+    stop_server(proc)
 
 
 async def closed_by_server(reader: asyncio.StreamReader, within: float) -> bytes:

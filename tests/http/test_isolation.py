@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chatd.engine.demo import build_demo_model
 from chatd.engine.tokenizer import Tokenizer
-from tests.http.serving import create_key, start_server
+from tests.http.serving import create_key, start_server, stop_server
 
 SHARED_SYSTEM = "You are the shared assistant of this service. Answer briefly and politely, in plain words."
 
@@ -33,11 +33,7 @@ def server(tmp_path_factory):
     keys = {name: create_key(root / "config.toml", name) for name in ("alice", "bob")}
     proc, url, _ = start_server(root, model_dir, config)
     yield {"url": url, "keys": keys, "model_dir": model_dir}
-    proc.terminate()
-    try:
-        assert proc.wait(timeout=30) == 0
-    finally:
-        proc.kill()
+    stop_server(proc)
 
 
 def client(server, who: str) -> openai.AsyncOpenAI:

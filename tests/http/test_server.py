@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chatd.engine.demo import build_demo_model
 from chatd.engine.tokenizer import Tokenizer
-from tests.http.serving import start_server
+from tests.http.serving import start_server, stop_server
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about paged attention."}]
 
@@ -33,11 +33,7 @@ def server(tmp_path_factory):
         "[server]\nmax_body_bytes = 65536\nheartbeat_seconds = 0.5\nshutdown_grace_seconds = 5.0\n[cache]\nnum_blocks = 2048\n",
     )
     yield url, model_dir, proc
-    proc.terminate()
-    try:
-        assert proc.wait(timeout=30) == 0, "chatd serve should exit 0 on SIGTERM"
-    finally:
-        proc.kill()
+    stop_server(proc)
 
 
 @pytest.fixture
