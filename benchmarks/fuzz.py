@@ -82,7 +82,7 @@ def main() -> int:
     if args.url:
         report = fuzz(args.url, args.key, args.requests, args.concurrency, args.seed)
     else:
-        from chatd.engine.demo import build_demo_model
+        from chatd.engine.models.demo import build_demo_model
         from tests.http.serving import create_key, start_server
 
         with tempfile.TemporaryDirectory(prefix="chatd-fuzz-") as directory:

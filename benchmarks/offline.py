@@ -106,7 +106,7 @@ def make_workload(num_seqs: int, prompt_len: tuple[int, int], output_len: tuple[
 
 def build_model(dir: Path, args: argparse.Namespace) -> Path:
     """Save a random-weight model of the benchmark's shape (and the demo tokenizer) into dir."""
-    from chatd.engine.demo import build_model_dir
+    from chatd.engine.models.demo import build_model_dir
 
     shape = dict(
         vocab_size=args.vocab,

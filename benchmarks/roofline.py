@@ -76,7 +76,7 @@ def build_checkpoint(dir: Path, shape: dict, dtype: torch.dtype, device: torch.d
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from chatd.engine.demo import build_tokenizer
+    from chatd.engine.models.demo import build_tokenizer
 
     build_tokenizer(dir)  # its fixed ids: unk 0, bos 1, eos 2, pad 3
     config = AutoConfig.for_model(

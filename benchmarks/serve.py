@@ -276,7 +276,7 @@ def print_tables(report: dict) -> None:
 
 def build_bench_model(args, model_dir: Path) -> list[int]:
     """The random-weight Llama of the shape in `args`, with byte and special tokens silenced; returns those ids."""
-    from chatd.engine.demo import build_model_dir
+    from chatd.engine.models.demo import build_model_dir
 
     build_model_dir(
         model_dir, "llama", seed=args.seed, hidden_size=args.hidden, num_hidden_layers=args.layers,

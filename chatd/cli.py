@@ -72,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _demo_model(args: argparse.Namespace) -> int:
-    from chatd.engine.demo import DEMO_WARNING, build_demo_model
+    from chatd.engine.models.demo import DEMO_WARNING, build_demo_model
 
     path = build_demo_model(Path(args.dir))
     print(f"built the demo model in {path}\n{DEMO_WARNING}")

@@ -16,10 +16,10 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 from chatd.config import Config, config_from_options
-from chatd.engine.block_manager import BlockManager
+from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.params import CompletionOutput, FinishReason, Logprob, ParamError, RequestOutput, SamplingParams
-from chatd.engine.scheduler import Scheduler
-from chatd.engine.sequence import Sequence, SequenceStatus
+from chatd.engine.core.scheduler import Scheduler
+from chatd.engine.core.sequence import Sequence, SequenceStatus
 from chatd.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("chatd.engine")
@@ -96,7 +96,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: Config) -> LLMEngine:
         """Load the model named in config (the demo model when none is) and build the engine."""
-        from chatd.engine.loading import load_engine_parts
+        from chatd.engine.worker.loading import load_engine_parts
 
         parts = load_engine_parts(config)
         return cls(

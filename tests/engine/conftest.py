@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatd.engine.demo import build_model_dir
+from chatd.engine.models.demo import build_model_dir
 from chatd.engine.engine import LLM
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3"]

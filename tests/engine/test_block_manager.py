@@ -3,9 +3,9 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chatd.engine.block_manager import BlockManager
+from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.params import SamplingParams
-from chatd.engine.sequence import Sequence
+from chatd.engine.core.sequence import Sequence
 
 BS = 4
 

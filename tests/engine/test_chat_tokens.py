@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as RustTokenizer
 
-from chatd.engine.demo import CORPUS_PATH, build_tokenizer
+from chatd.engine.models.demo import CORPUS_PATH, build_tokenizer
 from chatd.engine.tokenizer import Tokenizer
 
 LLAMA3_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

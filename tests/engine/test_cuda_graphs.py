@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatd.engine.cuda_graphs import graph_batch_sizes
+from chatd.engine.worker.cuda_graphs import graph_batch_sizes
 from chatd.engine.params import SamplingParams
 from tests.engine.conftest import make_llm
 from tests.engine.test_engine import prompts, token_ids

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from chatd.engine import demo
+from chatd.engine.models import demo
 from chatd.engine.tokenizer import Tokenizer
 
 

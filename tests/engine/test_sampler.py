@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from chatd.engine.params import SamplingParams
-from chatd.engine.sampler import Sampler, SamplingRow, apply_penalties, sampling_probs
+from chatd.engine.worker.sampler import Sampler, SamplingRow, apply_penalties, sampling_probs
 
 VOCAB = 64
 

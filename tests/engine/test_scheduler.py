@@ -4,10 +4,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chatd.config import SchedulerConfig
-from chatd.engine.block_manager import BlockManager
+from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.params import SamplingParams
-from chatd.engine.scheduler import Scheduler, SchedulerOutput
-from chatd.engine.sequence import Sequence, SequenceStatus
+from chatd.engine.core.scheduler import Scheduler, SchedulerOutput
+from chatd.engine.core.sequence import Sequence, SequenceStatus
 
 BS = 4
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chatd.engine.demo import build_tokenizer
+from chatd.engine.models.demo import build_tokenizer
 from chatd.engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
 from tests.engine.test_chat_tokens import build_llama3_tokenizer
 

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from chatd.engine.triton_attention import paged_attention, store_kv  # noqa: E402
+from chatd.engine.attention.triton_kernels import paged_attention, store_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the interpreter's bfloat16 is unreliable

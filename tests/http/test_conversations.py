@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from chatd.engine.demo import build_demo_model
+from chatd.engine.models.demo import build_demo_model
 from chatd.engine.tokenizer import Tokenizer
 from tests.http.serving import create_key, start_server, stop_server
 

@@ -11,7 +11,7 @@ import sqlite3
 import aiohttp
 import pytest
 
-from chatd.engine.demo import build_demo_model
+from chatd.engine.models.demo import build_demo_model
 from tests.http.serving import start_server, stop_server
 
 FILLER = "x" * 60_000  # a system prompt that takes ~15 pages of the file

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chatd.engine.demo import build_demo_model
+from chatd.engine.models.demo import build_demo_model
 
 from tests.http.fuzzing import (FUZZ_CONFIG, REFUSED_BY_THE_PARSER, Raw, Tally, exchange, field_sweep, first_turn,
                                 raw_requests, send_all, to_json)

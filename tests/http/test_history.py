@@ -8,7 +8,7 @@ import math
 import pytest
 
 from chatd.config import build_config
-from chatd.engine.demo import build_tokenizer
+from chatd.engine.models.demo import build_tokenizer
 from chatd.engine.tokenizer import Tokenizer
 from chatd.http.history import render_turn
 from chatd.http.errors import APIError

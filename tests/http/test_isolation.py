@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from chatd.engine.demo import build_demo_model
+from chatd.engine.models.demo import build_demo_model
 from chatd.engine.tokenizer import Tokenizer
 from tests.http.serving import create_key, start_server, stop_server
 

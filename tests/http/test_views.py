@@ -9,7 +9,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from chatd.config import build_config
-from chatd.engine.demo import build_tokenizer
+from chatd.engine.models.demo import build_tokenizer
 from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput
 from chatd.engine.tokenizer import Tokenizer
 from chatd.http.app import create_app

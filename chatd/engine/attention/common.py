@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from chatd.engine.ragged import pad_ragged
+from chatd.engine.worker.ragged import pad_ragged
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block_size, kv_heads, head_dim]
 
@@ -147,7 +147,7 @@ class AttentionBackend:
         """
         k_cache, v_cache = kv_cache
         if k_cache.is_cuda and triton_available():
-            from chatd.engine.triton_attention import store_kv
+            from chatd.engine.attention.triton_kernels import store_kv
 
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             return

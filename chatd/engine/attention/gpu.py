@@ -1,6 +1,6 @@
 """GPU backends: each attends over the paged cache in one kernel call per layer for a whole mixed batch.
 
-- `triton`: chatd's own kernels (chatd/engine/triton_attention.py): one launch writes K and V,
+- `triton`: chatd's own kernels (chatd/engine/attention/triton_kernels.py): one launch writes K and V,
   one launch attends for decodes and prefill chunks over cached prefixes alike. Runs on CUDA,
   and on CPU under TRITON_INTERPRET=1 (slowly: that is how CI checks the kernels).
 - `torch-varlen`: `torch.nn.attention.varlen.varlen_attn` with a block table: torch's bundled
@@ -56,14 +56,14 @@ class TritonBackend(AttentionBackend):
         return None
 
     def write_kv(self, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        from chatd.engine.triton_attention import store_kv
+        from chatd.engine.attention.triton_kernels import store_kv
 
         store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        from chatd.engine.triton_attention import paged_attention
+        from chatd.engine.attention.triton_kernels import paged_attention
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_attention(

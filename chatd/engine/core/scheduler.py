@@ -13,8 +13,8 @@ import bisect
 from dataclasses import dataclass, field
 
 from chatd.config import SchedulerConfig
-from chatd.engine.block_manager import BlockManager
-from chatd.engine.sequence import Sequence, SequenceStatus
+from chatd.engine.core.block_manager import BlockManager
+from chatd.engine.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

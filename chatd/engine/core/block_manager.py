@@ -15,7 +15,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from chatd.engine.sequence import Sequence
+from chatd.engine.core.sequence import Sequence
 
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from chatd.engine.params import Logprob, SamplingParams
-from chatd.engine.ragged import pad_ragged
+from chatd.engine.worker.ragged import pad_ragged
 
 # Below this, dividing logits by the temperature can overflow float32; the limit T -> 0 is
 # greedy anyway (vLLM draws the same line).

@@ -83,7 +83,7 @@ _DEMO_README = f"""# chatd demo model
 
 {DEMO_WARNING}
 
-This folder was written by `chatd.engine.demo.build_demo_model`. It holds a small Llama-style
+This folder was written by `chatd.engine.models.demo.build_demo_model`. It holds a small Llama-style
 model ({_DEMO_SIZE['num_hidden_layers']} layers, hidden size {_DEMO_SIZE['hidden_size']}) whose
 weights were drawn at random from a fixed seed, and a SentencePiece tokenizer of
 {VOCAB_SIZE} tokens trained on a short English text that ships with chatd.

@@ -14,9 +14,9 @@ from transformers import AutoConfig
 
 from chatd.config import Config
 from chatd.engine.attention import AttentionShape, select_backend
-from chatd.engine.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
+from chatd.engine.models.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
 from chatd.engine.models.loader import load_model, max_model_len, resolve_dtype, resolve_model_path
-from chatd.engine.runner import ModelRunner, kv_block_bytes
+from chatd.engine.worker.runner import ModelRunner, kv_block_bytes
 from chatd.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("chatd.engine")
