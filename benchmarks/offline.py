@@ -198,7 +198,7 @@ class ChatdPeer:
     name = "chatd"
 
     def __init__(self, path: Path, workload: Workload, args: argparse.Namespace) -> None:
-        from chatd.engine.params import SamplingParams
+        from chatd.engine import SamplingParams
 
         self.path, self.workload, self.args = path, workload, args
         self.block_size = 16
@@ -214,7 +214,7 @@ class ChatdPeer:
         )
 
     def run(self) -> tuple[float, Outputs]:
-        from chatd.engine.engine import LLM
+        from chatd import LLM
 
         # Built (and warmed up) untimed each repeat: a reused engine would find the prompts in its prefix cache.
         options = dict(

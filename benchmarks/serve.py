@@ -217,8 +217,7 @@ def run_transformers(args, model_dir: Path, work: Path) -> dict:
 
 def run_offline(args, model_dir: Path, engine_options: dict) -> dict:
     """chatd's LLM on the highest level's workload: the same chat prompts, as token ids."""
-    from chatd.engine.engine import LLM
-    from chatd.engine.params import SamplingParams
+    from chatd import LLM, SamplingParams
 
     concurrency = max(args.concurrency)
     options = bench_options(args, "unused", None, True, args.num_requests)

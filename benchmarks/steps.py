@@ -107,7 +107,7 @@ def check(outputs: list) -> list:
 
 def time_decode(engine, batch: int, args: argparse.Namespace, rng: random.Random) -> dict:
     """Prefill `batch` random prompts, then time pure decode steps; per-step contexts for the rooflines."""
-    from chatd.engine.params import SamplingParams
+    from chatd.engine import SamplingParams
 
     # Early sequences decode while later ones still prefill, so leave room for those tokens too.
     prefill_steps = -(-batch * args.context // max(args.max_num_batched_tokens - batch, 1)) + 2
@@ -160,7 +160,7 @@ def _time_decode(engine, batch: int, ids: list[str], prompts: list[list[int]], p
 
 def first_token(engine, request_id: str, prompt: list[int], device: torch.device):
     """Seconds from add_request to the step that returns the request's first token, and that output."""
-    from chatd.engine.params import SamplingParams
+    from chatd.engine import SamplingParams
 
     sync(device)
     start = time.perf_counter()
@@ -204,8 +204,7 @@ def time_ttft(engine, args: argparse.Namespace, rng: random.Random) -> list[dict
 
 def run(args: argparse.Namespace) -> dict:
     """Measure ceilings, build the model, time decode steps and TTFT, print the tables; return every number."""
-    from chatd.engine.engine import LLM
-    from chatd.engine.params import SamplingParams
+    from chatd import LLM, SamplingParams
 
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     args.shape = "tiny Llama" if args.quick else "Llama-3.1-8B"
@@ -238,7 +237,7 @@ def run(args: argparse.Namespace) -> dict:
         llm = LLM(tmp, **options)
         load_seconds = time.perf_counter() - started
         engine = llm.engine
-        describe = engine.describe()
+        describe = engine.model_info().details()
         print(f"engine built in {load_seconds:.1f} s (weights, KV pool, CUDA graphs): {describe}", flush=True)
         llm.generate([[1, 2, 3, 4], [5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         # A failure is reported in its row and the rest still run: a GPU run is too dear to lose whole.

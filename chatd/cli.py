@@ -25,8 +25,7 @@ T = TypeVar("T")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from chatd.engine.engine import LLMEngine
-    from chatd.engine.params import SamplingParams
+    from chatd.engine import LLMEngine, SamplingParams
 
     overrides = {"model": {"path": args.model}} if args.model else {}
     if args.device:

@@ -8,6 +8,9 @@ being cancelled while reading it aborts the request; its blocks are free once th
 thread has applied the abort, before its next step. Request ids are made here, never taken
 from a client.
 
+The HTTP layer sees an engine only as an `EngineClient` (generate, abort, stats, health, the
+tokenizer) and the `ModelInfo` that `start` returns, never the LLMEngine the thread owns.
+
 Every torch operation of a server happens on the engine thread, loading included: `AsyncEngine`
 takes a function that builds the engine and calls it there. On CPU this matters for speed: each
 thread that runs torch ops gets its own OpenMP team, and once a process has more OpenMP threads
@@ -25,12 +28,43 @@ import queue
 import threading
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
-from chatd.engine.engine import EngineStats, LLMEngine
+from chatd.engine.engine import EngineStats, LLMEngine, ModelInfo
 from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams
+from chatd.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("chatd.engine")
+
+
+class RequestHandle(Protocol):
+    """A running request as a caller holds it: its outputs as an async iterator, and a way to stop it."""
+
+    request_id: str
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self) -> None: ...
+
+
+class EngineClient(Protocol):
+    """What a server needs of an engine (vLLM's `EngineClient`): AsyncEngine, or a scripted fake in tests."""
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        num_shared_prefix_tokens: int = 0,
+    ) -> RequestHandle: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def health(self) -> str | None: ...
 
 
 class RequestStream:
@@ -110,8 +144,21 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def start(self) -> LLMEngine:
-        """Start the engine thread (bound to the running event loop), build the engine in it and return it.
+    def health(self) -> str | None:
+        """None while the engine thread is stepping; otherwise why not."""
+        if self.error is not None:
+            return f"engine stopped: {self.error!r}"
+        if not self.is_running:
+            return "engine stopped"
+        return None
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (safe to use from other threads); set by start()."""
+        return self.engine.tokenizer if self.engine is not None else None
+
+    async def start(self) -> ModelInfo:
+        """Start the engine thread (bound to the running event loop), build the engine in it, and say what it serves.
 
         Raises whatever building raised; the thread has then ended.
         """
@@ -125,7 +172,7 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join)  # it ends right after reporting the error
             raise
         assert self.engine is not None
-        return self.engine
+        return self.engine.model_info()
 
     async def stop(self) -> None:
         """Abort everything in flight and stop the engine thread; every open stream ends with an error."""

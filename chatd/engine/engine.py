@@ -1,45 +1,62 @@
 """LLMEngine: add requests, abort them, and step. Synchronous; it knows nothing of asyncio.
 
-A step asks the scheduler for a plan, runs it on the model, then folds the sampled tokens
-back into the sequences: detokenize, check stops and lengths, fork `n > 1` choices off the
-first one's prompt, free what finished. `LLM` wraps the engine for offline batch use.
+A step reads as four stages: the scheduler plans the batch (`schedule`), the runner executes
+it on the model and samples (`execute`), the scheduler folds the sampled tokens back into the
+sequences (`postprocess`: counters, cached blocks, forks, stop tokens and lengths), and the
+engine detokenizes them (text, stop strings) into each request's delta. The engine talks to
+the scheduler, never to the block manager. The offline `LLM` wrapper is in llm.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
-import time
 import logging
-from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
-from chatd.config import Config, config_from_options
+from chatd.config import CacheConfig, Config, SchedulerConfig
 from chatd.engine.core.block_manager import BlockManager
-from chatd.engine.params import CompletionOutput, FinishReason, Logprob, ParamError, RequestOutput, SamplingParams
-from chatd.engine.core.scheduler import Scheduler
+from chatd.engine.core.scheduler import EngineStats, Scheduler, SchedulerOutput
 from chatd.engine.core.sequence import Sequence, SequenceStatus
+from chatd.engine.params import CompletionOutput, FinishReason, Logprob, ParamError, RequestOutput, SamplingParams
 from chatd.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("chatd.engine")
 
 
-@dataclass
-class EngineStats:
-    """Counters for metrics; totals count since the engine started."""
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a server may know of the loaded model and its cache (`AsyncEngine.start` returns it)."""
 
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of KV blocks held by sequences
-    num_blocks: int
-    num_free_blocks: int
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of those, tokens found
-    num_preemptions: int
-    num_prompt_tokens: int  # tokens computed in prefill (including recompute after preemption)
-    num_generation_tokens: int  # tokens sampled
-    num_request_streams: int = 0  # AsyncEngine only: requests whose output stream is still open
+    path: str
+    max_model_len: int  # the context window, in tokens
+    vocab_size: int
+    dtype: str
+    device: str
+    attention_backend: str
+    cuda_graph_max_batch: int  # decode batches up to this size replay CUDA graphs; 0 = every step runs eagerly
+    num_kv_blocks: int
+    block_size: int
+    is_demo: bool  # the random-weight demo model: its replies are noise
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).name
+
+    def details(self) -> dict:
+        """chatd's own facts about the model, for logs and /v1/models."""
+        return {
+            "dtype": self.dtype,
+            "device": self.device,
+            "attention_backend": self.attention_backend,
+            "cuda_graph_max_batch": self.cuda_graph_max_batch,
+            "num_kv_blocks": self.num_kv_blocks,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "demo_model": self.is_demo,
+        }
 
 
 @dataclass(eq=False)
@@ -49,16 +66,15 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # choices 1..n-1 wait in seqs[0].forks until the first one's prompt is computed
     detokenizers: list[IncrementalDetokenizer | None]
-    waiting_children: list[Sequence] = field(default_factory=list)  # choices 1..n-1 until choice 0 forks them
     num_cached_tokens: int = 0
     queued_at: float = 0.0  # engine clock when added
     queue_time: float | None = None  # seconds from being added to first being scheduled
 
     @property
     def finished(self) -> bool:
-        return not self.waiting_children and all(s.is_finished for s in self.seqs)
+        return all(s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -67,7 +83,8 @@ class LLMEngine:
     def __init__(
         self,
         runner,  # ModelRunner (or a fake with `execute` and `release` in tests)
-        config: Config,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
         vocab_size: int,
@@ -81,17 +98,13 @@ class LLMEngine:
         self.clock = clock
         self.model_path = model_path
         self.is_demo = is_demo
-        self.config = config
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler_config, block_manager, max_model_len, eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
 
     @classmethod
     def from_config(cls, config: Config) -> LLMEngine:
@@ -101,7 +114,8 @@ class LLMEngine:
         parts = load_engine_parts(config)
         return cls(
             parts.runner,
-            config,
+            config.scheduler,
+            config.cache,
             num_blocks=parts.num_blocks,
             max_model_len=parts.max_model_len,
             vocab_size=parts.vocab_size,
@@ -157,12 +171,12 @@ class LLMEngine:
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
                 f"exceeds the context window of {self.max_model_len} tokens",
             )
-        blocks = self.block_manager.blocks_needed(num_prompt + max_tokens)
-        if blocks > self.block_manager.num_blocks:
+        blocks = self.scheduler.kv_blocks_needed(num_prompt + max_tokens)
+        if blocks > self.scheduler.num_kv_blocks:
             raise ParamError(
                 "max_tokens",
                 f"prompt + max_tokens = {num_prompt + max_tokens} tokens need {blocks} KV blocks, "
-                f"but the KV cache holds only {self.block_manager.num_blocks} blocks",
+                f"but the KV cache holds only {self.scheduler.num_kv_blocks} blocks",
             )
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=max_tokens)
@@ -172,8 +186,9 @@ class LLMEngine:
                      cache_salt=cache_salt, num_shared_prefix_tokens=num_shared_prefix_tokens)
             for i in range(params.n)
         ]
+        seqs[0].forks = seqs[1:]
         detokenizers = [self._detokenizer(prompt_token_ids, params) for _ in seqs]
-        return Request(request_id, prompt_token_ids, params, seqs, detokenizers, waiting_children=seqs[1:])
+        return Request(request_id, prompt_token_ids, params, seqs, detokenizers)
 
     def add_prepared(self, request: Request) -> None:
         """Queue a request built by `prepare_request`."""
@@ -200,11 +215,11 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        request.seqs[0].forks = []  # choices not forked yet never start
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = FinishReason.ABORT
                 self._finish(seq)
-        request.waiting_children.clear()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -217,35 +232,32 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        now = self.clock()
-        for scheduled in plan.scheduled:
-            request = self.requests[scheduled.seq.request_id]
-            if request.queue_time is None:
-                request.queue_time = now - request.queued_at
+        self._note_queue_times(plan)
         try:
             sampled = self.runner.execute(plan.scheduled)
         except Exception as exc:  # the model failed: fail this batch's requests, keep serving the rest
             log.exception("step failed; failing %d sequences", len(plan.scheduled))
             failed = {s.seq.request_id for s in plan.scheduled}
             return [self._fail(self.requests[rid], f"engine step failed: {exc}") for rid in failed if rid in self.requests]
+        seqs = self.scheduler.postprocess(plan, sampled.token_ids)
+        return self._detokenize(seqs, sampled.token_ids, sampled.logprobs)
 
-        deltas: dict[str, RequestOutput] = {}
-        sampled_tokens = iter(zip(sampled.token_ids, sampled.logprobs))
+    def _note_queue_times(self, plan: SchedulerOutput) -> None:
+        now = self.clock()
         for scheduled in plan.scheduled:
-            seq = scheduled.seq
-            samples = scheduled.samples  # read it before the counters move
-            if seq.is_prefilling:
-                self.num_prompt_tokens += scheduled.num_new_tokens
-            seq.num_computed_tokens += scheduled.num_new_tokens
-            self.block_manager.cache_blocks(seq)
-            if not samples:
-                continue
-            token_id, logprob = next(sampled_tokens)
+            request = self.requests[scheduled.seq.request_id]
+            if request.queue_time is None:
+                request.queue_time = now - request.queued_at
+
+    def _detokenize(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[Logprob | None]) -> list[RequestOutput]:
+        """Each request's delta from its sequences' new tokens; requests that ended leave the engine."""
+        deltas: dict[str, RequestOutput] = {}
+        for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
             request = self.requests.get(seq.request_id)
             if request is None:  # failed earlier in this loop
                 continue
             try:
-                delta = self._append(request, seq, token_id, logprob)
+                delta = self._delta(request, seq, token_id, logprob)
             except Exception as exc:  # a bug in output handling fails this request only
                 log.exception("request %s failed while handling its output", seq.request_id)
                 deltas[seq.request_id] = self._fail(request, f"output processing failed: {exc}")
@@ -266,42 +278,25 @@ class LLMEngine:
                 del self.requests[request_id]
         return list(deltas.values())
 
-    def _append(self, request: Request, seq: Sequence, token_id: int, logprob: Logprob | None) -> CompletionOutput:
-        """Add a sampled token to a sequence; detokenize, check stops and length; return the delta."""
-        self.num_generation_tokens += 1
-        seq.append_token(token_id)
-        params = seq.params
+    def _delta(self, request: Request, seq: Sequence, token_id: int, logprob: Logprob | None) -> CompletionOutput:
+        """A sampled token's delta: its text (held back while a stop string may be starting), and the end."""
         if seq.index == 0 and seq.num_output_tokens == 1:
             request.num_cached_tokens = seq.num_cached_tokens
-            self._fork_children(request, seq)
         delta = CompletionOutput(seq.index, token_ids=[token_id], logprobs=None if logprob is None else [logprob])
-        enough = seq.num_output_tokens >= params.min_tokens
-        if enough and token_id in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token_id
-        elif enough and not params.ignore_eos and token_id in self.eos_token_ids:
-            seq.finish_reason = FinishReason.STOP
         detokenizer = request.detokenizers[seq.index]
-        if detokenizer is not None:
-            if seq.finish_reason is None:  # a stop token's own text is not part of the answer
-                delta.text, stop_string = detokenizer.step([token_id])
-                if stop_string is not None:
-                    seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_string
-        if seq.finish_reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
-            seq.finish_reason = FinishReason.LENGTH
+        stopped_by_token = seq.finish_reason == FinishReason.STOP  # a stop token's own text is not part of the answer
+        if detokenizer is not None and not stopped_by_token:
+            delta.text, stop_string = detokenizer.step([token_id])
+            if stop_string is not None:  # wins over a length limit reached by the same token
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_string
+                if not seq.is_finished:
+                    self.scheduler.finish(seq)
         if seq.finish_reason is not None:
             if detokenizer is not None and not isinstance(seq.stop_reason, str):
                 delta.text += detokenizer.flush()  # release text held back in case a stop string began
             delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
-            self._finish(seq)
+            self.runner.release(seq)
         return delta
-
-    def _fork_children(self, request: Request, parent: Sequence) -> None:
-        """Start choices 1..n-1 sharing the full blocks of choice 0's prompt; each computes only the tail."""
-        shared_blocks = (parent.num_prompt_tokens - 1) // self.block_manager.block_size
-        for child in request.waiting_children:
-            self.block_manager.fork(parent, child, shared_blocks)
-            self.scheduler.add(child)
-        request.waiting_children = []
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
@@ -322,75 +317,25 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot of the counters metrics are made of."""
-        bm = self.block_manager
-        return EngineStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=bm.usage,
-            num_blocks=bm.num_blocks,
-            num_free_blocks=bm.num_free_blocks,
-            prefix_cache_queries=bm.num_prefix_queries,
-            prefix_cache_hits=bm.num_prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
-        )
+        return self.scheduler.stats()
 
-    def describe(self) -> dict:
+    def model_info(self) -> ModelInfo:
         """Facts about the loaded model and cache, for logs and /v1/models."""
         runner = self.runner
-        return {
-            "dtype": str(getattr(runner, "dtype", "")).removeprefix("torch."),
-            "device": str(getattr(runner, "device", "")),
-            "attention_backend": getattr(getattr(runner, "backend", None), "name", ""),
-            # Decode batches up to this size replay CUDA graphs; 0 = every step runs eagerly.
-            "cuda_graph_max_batch": graphs.max_batch if (graphs := getattr(runner, "graphs", None)) else 0,
-            "num_kv_blocks": self.block_manager.num_blocks,
-            "block_size": self.block_manager.block_size,
-            "max_model_len": self.max_model_len,
-            "demo_model": self.is_demo,
-        }
+        graphs = getattr(runner, "graphs", None)
+        return ModelInfo(
+            path=self.model_path,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            dtype=str(getattr(runner, "dtype", "")).removeprefix("torch."),
+            device=str(getattr(runner, "device", "")),
+            attention_backend=getattr(getattr(runner, "backend", None), "name", ""),
+            cuda_graph_max_batch=graphs.max_batch if graphs else 0,
+            num_kv_blocks=self.scheduler.num_kv_blocks,
+            block_size=self.scheduler.block_size,
+            is_demo=self.is_demo,
+        )
 
     def live_sequences(self) -> list[Sequence]:
         """Every sequence that may hold blocks (for invariant checks)."""
         return [s for r in self.requests.values() for s in r.seqs if s.status != SequenceStatus.FINISHED]
-
-
-class LLM:
-    """Offline batch generation: `LLM(model, **engine_options).generate(prompts, sampling_params)`."""
-
-    def __init__(self, model: str | os.PathLike | None = None, **engine_options) -> None:
-        if model is not None:
-            engine_options["path"] = str(model)
-        self.engine = LLMEngine.from_config(config_from_options(**engine_options))
-        self._ids = itertools.count()
-
-    @property
-    def tokenizer(self) -> Tokenizer | None:
-        return self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts: str | list[int] | SequenceOf[str] | SequenceOf[list[int]],
-        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
-        request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        prepared = [self.engine.prepare_request(rid, p, sp) for rid, p, sp in zip(request_ids, prompts, sampling_params)]
-        for request in prepared:
-            self.engine.add_prepared(request)
-        results: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.request_id in results:
-                    results[out.request_id].merge(out)
-                else:
-                    results[out.request_id] = out
-        return [results[rid] for rid in request_ids]

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from chatd.engine.params import FinishReason, RequestOutput
+from chatd.engine import FinishReason, RequestOutput
 from chatd.http.auth import TENANT
 from chatd.http.errors import APIError, error_body
 from chatd.http.history import render_turn

@@ -11,7 +11,7 @@ import logging
 import orjson
 from aiohttp import web
 
-from chatd.engine.params import ParamError
+from chatd.engine import ParamError
 
 log = logging.getLogger("chatd.http")
 

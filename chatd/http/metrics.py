@@ -16,10 +16,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
 
-from chatd.engine.params import FinishReason
+from chatd.engine import FinishReason
 
 if TYPE_CHECKING:
-    from chatd.engine.engine import EngineStats
+    from chatd.engine import EngineStats
 
 # From a cached one-token reply (~1 ms) to a long generation on a busy server (minutes).
 LATENCY_BUCKETS = (

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from chatd.config import ConversationsConfig
-from chatd.engine.params import MAX_LOGPROBS, SamplingParams
+from chatd.engine import MAX_LOGPROBS, SamplingParams
 from chatd.http.errors import APIError
 
 # Fields that change what the model must do; accepting and ignoring them would give wrong answers.

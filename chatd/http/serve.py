@@ -18,16 +18,12 @@ import logging
 import signal
 import socket
 import time
-from pathlib import Path
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from chatd.config import Config, StoreConfig, store_path
-from chatd.engine.async_engine import AsyncEngine
-from chatd.engine.engine import LLMEngine
-from chatd.engine.params import SamplingParams
-from chatd.engine.tokenizer import Tokenizer
+from chatd.engine import AsyncEngine, LLMEngine, SamplingParams, Tokenizer
 from chatd.http.app import create_app
 from chatd.http.state import ServerState
 from chatd.store.db import SCHEMA_VERSION, Store
@@ -79,23 +75,22 @@ def reserve_port(host: str, port: int) -> socket.socket:
 async def _serve(config: Config, store: Store, ledger: Ledger, sock: socket.socket, stop: asyncio.Event | None) -> None:
     # Loaded on the engine thread, where all of the server's torch work runs (see async_engine.py).
     async_engine = AsyncEngine(functools.partial(LLMEngine.from_config, config))
-    engine = await async_engine.start()
-    if engine.tokenizer is None:
+    model = await async_engine.start()
+    tokenizer = async_engine.tokenizer
+    if tokenizer is None:
         await async_engine.stop()
         raise ValueError("chatd serve needs a model with a tokenizer")
-    model_path = Path(engine.model_path)
     state = ServerState(
         engine=async_engine,
-        tokenizer=engine.tokenizer,
-        model_name=config.server.model_name or model_path.name,
-        max_model_len=engine.max_model_len,
-        details=engine.describe(),
+        tokenizer=tokenizer,
+        model=model,
+        model_name=config.server.model_name or model.name,
         store=store,
         local_tenant=await store.local_tenant(config.auth.local_tier),
         ledger=ledger,
         config=config,
     )
-    state.shared_prefixes = await state.off_loop(_shared_prefixes, engine.tokenizer, config.cache.shared_system_prompts)
+    state.shared_prefixes = await state.off_loop(_shared_prefixes, tokenizer, config.cache.shared_system_prompts)
     app = create_app(state, config.server.max_body_bytes)
     # handler_cancellation: a client that goes away cancels its handler, which aborts its request.
     # shutdown_timeout: after the grace period and the engine's stop, handlers only write their
@@ -121,10 +116,9 @@ async def _serve(config: Config, store: Store, ledger: Ledger, sock: socket.sock
     try:
         await _warm_up(async_engine, state)
         state.ready = True
-        d = state.details
         log.info(
             "ready: model %s, dtype %s, device %s, attention %s, %d KV blocks, http://%s:%d",
-            state.model_name, d["dtype"], d["device"], d["attention_backend"], d["num_kv_blocks"],
+            state.model_name, model.dtype, model.device, model.attention_backend, model.num_kv_blocks,
             config.server.host, sock.getsockname()[1],
         )
         await stop.wait()

@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 from aiohttp import web
 
 from chatd.config import Config
-from chatd.engine.async_engine import AsyncEngine
-from chatd.engine.tokenizer import Tokenizer
+from chatd.engine import EngineClient, ModelInfo, Tokenizer
 from chatd.http.errors import APIError
 from chatd.http.metrics import ServerMetrics
 from chatd.store.db import Store, Tenant
@@ -32,11 +31,10 @@ T = TypeVar("T")
 class ServerState:
     """The server's shared state, stored on the app under STATE."""
 
-    engine: AsyncEngine
+    engine: EngineClient
     tokenizer: Tokenizer
-    model_name: str
-    max_model_len: int
-    details: dict  # chatd's own model details for /v1/models (dtype, attention backend, ...)
+    model: ModelInfo  # what the engine loaded
+    model_name: str  # the name it is served under ([server] model_name, or the model folder's name)
     store: Store
     local_tenant: Tenant  # who every request is while auth is off
     ledger: Ledger  # usage and finished replies, written in order even when the store must wait
@@ -57,6 +55,10 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
 
     # -- prompts: sized before tokenizing, tokenized off the event loop ------------------------
 
@@ -165,7 +167,7 @@ class ServerState:
             "created": 0,
             "owned_by": "chatd",
             "context_length": self.max_model_len,
-            "chatd": self.details,
+            "chatd": self.model.details(),
         }
 
     def token_text(self, token_id: int) -> str:

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta, timezone
 import orjson
 from aiohttp import web
 
-from chatd.engine.params import FinishReason, ParamError, RequestOutput
+from chatd.engine import FinishReason, ParamError, RequestOutput
 from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, APIError, error_body
 from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion
@@ -110,8 +110,9 @@ def _timestamp(value: str | None, name: str, default: float) -> float:
 async def health(request: web.Request) -> web.Response:
     """Whether the process can serve: 503 once the engine died. A store that cannot write is reported, not fatal."""
     state = request.app[STATE]
-    if state.engine.error is not None or not state.engine.is_running:
-        return web.json_response({"status": "engine stopped", "error": repr(state.engine.error)}, status=503)
+    problem = state.engine.health()
+    if problem is not None:
+        return web.json_response({"status": "engine stopped", "error": problem}, status=503)
     return web.json_response({"status": "ok", "store": _store_status(state)})
 
 

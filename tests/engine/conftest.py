@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chatd.engine.models.demo import build_model_dir
-from chatd.engine.engine import LLM
+from chatd.engine import LLM
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
 

@@ -8,8 +8,7 @@ import threading
 
 import pytest
 
-from chatd.engine.async_engine import AsyncEngine
-from chatd.engine.params import FinishReason, ParamError, SamplingParams
+from chatd.engine import AsyncEngine, FinishReason, ParamError, SamplingParams
 from tests.engine.conftest import make_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -120,9 +119,9 @@ async def test_the_engine_is_built_on_the_engine_thread_and_build_errors_reach_s
         return make_llm(model_dirs["llama"]).engine
 
     async_engine = AsyncEngine(build)
-    engine = await async_engine.start()
+    model = await async_engine.start()
     try:
-        assert built_on == ["chatd-engine"] and async_engine.engine is engine
+        assert built_on == ["chatd-engine"] and async_engine.engine.model_info() == model
         out = await collect(async_engine, [3, 4, 5])
         assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
     finally:

@@ -4,7 +4,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chatd.engine.core.block_manager import BlockManager
-from chatd.engine.params import SamplingParams
+from chatd.engine import SamplingParams
 from chatd.engine.core.sequence import Sequence
 
 BS = 4

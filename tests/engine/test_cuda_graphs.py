@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from chatd.engine.worker.cuda_graphs import graph_batch_sizes
-from chatd.engine.params import SamplingParams
+from chatd.engine import SamplingParams
 from tests.engine.conftest import make_llm
 from tests.engine.test_engine import prompts, token_ids
 
@@ -32,7 +32,7 @@ def test_padded_decode_path_gives_the_sdpa_engines_tokens(model_dirs):
     llm = make_llm(path, attention_backend="triton")
     llm.engine.runner.enable_decode_graphs(max_batch=8, capture=False)
     assert token_ids(llm.generate(batch, params)) == want
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
 
 
 @pytest.mark.gpu

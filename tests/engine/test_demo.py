@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from chatd.engine.models import demo
-from chatd.engine.tokenizer import Tokenizer
+from chatd.engine import Tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from chatd.engine.params import FinishReason, ParamError, SamplingParams
+from chatd.engine import FinishReason, ParamError, SamplingParams
 from tests.engine.conftest import FAMILIES, hf_greedy, make_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -67,7 +67,7 @@ def test_forced_preemption_recomputes_to_the_same_tokens(model_dirs):
     got = token_ids(llm.generate(batch, params))
     assert llm.engine.stats().num_preemptions > 0
     assert got == [hf_greedy(path, p, params.max_tokens) for p in batch]
-    assert llm.engine.block_manager.num_free_blocks == 14
+    assert llm.engine.stats().num_free_blocks == 14
 
 
 def test_batch_of_32_mixed_requests_equals_each_alone(model_dirs):
@@ -171,7 +171,7 @@ def test_bad_requests_are_refused_with_nothing_allocated(model_dirs, prompt, par
     assert err.value.param == field
     assert field.split("_")[0] in str(err.value)
     assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
 def test_request_that_can_never_fit_the_pool_is_refused(model_dirs):
@@ -199,7 +199,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(model_dirs, 
     failed = [o for o in outs if o.error]
     assert failed and failed[0].request_id == "doomed" and failed[0].finished
     assert failed[0].outputs[0].finish_reason == FinishReason.ERROR
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
     ok = llm.generate([5, 6, 7], GREEDY)[0]
     assert ok.outputs[0].token_ids == hf_greedy(path, [5, 6, 7], GREEDY.max_tokens)
 
@@ -209,9 +209,9 @@ def test_abort_frees_blocks_at_once(model_dirs):
     engine = llm.engine
     engine.add_request("a", list(range(3, 40)), GREEDY)
     engine.step()
-    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    assert engine.stats().num_free_blocks < engine.stats().num_blocks
     assert engine.abort("a")
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
     assert not engine.has_unfinished_requests() and engine.step() == []
 
 

@@ -25,5 +25,5 @@ def test_profiling_step_runs_and_leaves_the_engine_correct(model_dirs, max_model
     runner = llm.engine.runner
     runner.profile_step(2048, 300)
     assert runner.num_blocks >= 2048 // runner.block_size
-    runner.allocate_kv(llm.engine.block_manager.num_blocks)
+    runner.allocate_kv(llm.engine.stats().num_blocks)
     assert token_ids(llm.generate(batch, GREEDY)) == want

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from chatd.engine.params import SamplingParams
+from chatd.engine import SamplingParams
 from chatd.engine.worker.sampler import Sampler, SamplingRow, apply_penalties, sampling_probs
 
 VOCAB = 64

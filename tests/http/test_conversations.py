@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from chatd.engine.models.demo import build_demo_model
-from chatd.engine.tokenizer import Tokenizer
+from chatd.engine import Tokenizer
 from tests.http.serving import create_key, start_server, stop_server
 
 BLOCK = 16

@@ -9,12 +9,13 @@ import pytest
 
 from chatd.config import build_config
 from chatd.engine.models.demo import build_tokenizer
-from chatd.engine.tokenizer import Tokenizer
+from chatd.engine import Tokenizer
 from chatd.http.history import render_turn
 from chatd.http.errors import APIError
 from chatd.http.protocol import parse_turn
 from chatd.http.state import ServerState
 from chatd.store.records import Conversation, Message
+from tests.factories import make_model_info
 
 
 class CountingTokenizer(Tokenizer):
@@ -36,7 +37,7 @@ def tokenizer(tmp_path_factory) -> CountingTokenizer:
 
 def make_state(tokenizer: Tokenizer, window: int, max_messages: int = 2048) -> ServerState:
     """Only what `_render` reads: the tokenizer, the window and the limits (no engine, no store)."""
-    return ServerState(engine=None, tokenizer=tokenizer, model_name="m", max_model_len=window, details={}, store=None,
+    return ServerState(engine=None, tokenizer=tokenizer, model=make_model_info(window), model_name="m", store=None,
                        local_tenant=None, ledger=None, config=build_config({"server": {"max_messages": max_messages}}))
 
 

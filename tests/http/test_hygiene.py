@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from chatd.engine.models.demo import build_demo_model
-from chatd.engine.tokenizer import Tokenizer
+from chatd.engine import Tokenizer
 from tests.http.serving import start_server, stop_server
 from tests.http.test_isolation import engine_is_empty, metric
 

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatd.engine.models.demo import build_demo_model
-from chatd.engine.tokenizer import Tokenizer
+from chatd.engine import Tokenizer
 from tests.http.serving import create_key, start_server, stop_server
 
 SHARED_SYSTEM = "You are the shared assistant of this service. Answer briefly and politely, in plain words."

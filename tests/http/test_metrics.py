@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from chatd.engine.engine import EngineStats
-from chatd.engine.params import FinishReason
+from chatd.engine import EngineStats, FinishReason
 from chatd.http.metrics import LATENCY_BUCKETS, ServerMetrics
 
 MODEL = "tiny-llama"

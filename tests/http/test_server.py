@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatd.engine.models.demo import build_demo_model
-from chatd.engine.tokenizer import Tokenizer
+from chatd.engine import Tokenizer
 from tests.http.serving import start_server, stop_server
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about paged attention."}]

@@ -10,12 +10,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from chatd.config import build_config
 from chatd.engine.models.demo import build_tokenizer
-from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput
-from chatd.engine.tokenizer import Tokenizer
+from chatd.engine import CompletionOutput, FinishReason, RequestOutput, Tokenizer
 from chatd.http.app import create_app
 from chatd.http.state import STATE, ServerState
 from chatd.store.db import Store
 from chatd.store.ledger import Ledger
+from tests.factories import make_model_info
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -39,6 +39,9 @@ class ScriptedEngine:
 
     def stats(self):
         raise AssertionError("not used here")
+
+    def health(self) -> str | None:
+        return None if self.error is None and self.is_running else f"engine stopped: {self.error!r}"
 
 
 class ScriptedStream:
@@ -87,7 +90,7 @@ async def client_for(engine: ScriptedEngine, tokenizer: Tokenizer, store: Store,
     config = build_config({"server": {"heartbeat_seconds": heartbeat}})
     ledger = Ledger(store, retry_seconds=1.0)
     ledger.start()
-    state = ServerState(engine=engine, tokenizer=tokenizer, model_name="m", max_model_len=64, details={}, store=store,
+    state = ServerState(engine=engine, tokenizer=tokenizer, model=make_model_info(64), model_name="m", store=store,
                         local_tenant=await store.local_tenant("paid"), ledger=ledger, config=config)
     client = TestClient(TestServer(create_app(state)))
     await client.start_server()

@@ -4,7 +4,13 @@ Each step has a token budget. Running decodes are served first (one token each),
 running prefills continue, then waiting sequences are admitted, with long prompts cut into
 chunks that fit what is left of the budget. When the KV pool runs dry, the running sequence
 with the lowest priority (highest `priority` value, latest arrival) is preempted: its blocks
-are freed and it is recomputed later, which the prefix cache makes cheap. Plain Python.
+are freed and it is recomputed later, which the prefix cache makes cheap.
+
+The scheduler is the only user of the block manager, and it does the bookkeeping after a
+step too (`schedule` / `postprocess`, as nano-vllm pairs them): counters, naming blocks that
+became full, appending sampled tokens, forking `n > 1` choices, finishing sequences that hit a
+stop token or a length limit. Stop strings need text, so the engine checks those after it
+detokenizes. Plain Python, no torch: tested without a model.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass, field
 from chatd.config import SchedulerConfig
 from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.core.sequence import Sequence, SequenceStatus
+from chatd.engine.params import FinishReason
 
 
 @dataclass
@@ -46,6 +53,23 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class EngineStats:
+    """Counters for metrics; totals count since the engine started."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks held by sequences
+    num_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int
+    num_prompt_tokens: int  # tokens computed in prefill (including recompute after preemption)
+    num_generation_tokens: int  # tokens sampled
+    num_request_streams: int = 0  # AsyncEngine only: requests whose output stream is still open
+
+
 def _rank(seq: Sequence) -> tuple[int, int]:
     return (seq.priority, seq.arrival)
 
@@ -53,12 +77,22 @@ def _rank(seq: Sequence) -> tuple[int, int]:
 class Scheduler:
     """Decides each step's batch under the token budget and the KV pool."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.max_model_len = max_model_len  # None: only max_tokens ends a sequence by length
+        self.eos_token_ids = eos_token_ids
         self.waiting: list[Sequence] = []  # kept sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # tokens computed in prefill (including recompute after preemption)
+        self.num_generation_tokens = 0  # tokens sampled
 
     @property
     def num_waiting(self) -> int:
@@ -70,6 +104,33 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def kv_blocks_needed(self, num_tokens: int) -> int:
+        return self.block_manager.blocks_needed(num_tokens)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the queues, the KV pool and the counters."""
+        blocks = self.block_manager
+        return EngineStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_cache_usage=blocks.usage,
+            num_blocks=blocks.num_blocks,
+            num_free_blocks=blocks.num_free_blocks,
+            prefix_cache_queries=blocks.num_prefix_queries,
+            prefix_cache_hits=blocks.num_prefix_hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (new, preempted, or a freshly forked sibling holding shared blocks)."""
@@ -128,6 +189,49 @@ class Scheduler:
         # The runner wants one-token rows (decodes) first: attention batches them in one call.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
+
+    def postprocess(self, plan: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
+        """Fold a step's results back: `token_ids` has one sampled token per sequence whose chunk
+        reached its end, in plan order. Returns those sequences; the ones that ended are finished."""
+        sampled = []
+        tokens = iter(token_ids)
+        for scheduled in plan.scheduled:
+            seq = scheduled.seq
+            samples = scheduled.samples  # read it before the counters move
+            if seq.is_prefilling:
+                self.num_prompt_tokens += scheduled.num_new_tokens
+            seq.num_computed_tokens += scheduled.num_new_tokens
+            self.block_manager.cache_blocks(seq)
+            if samples:
+                self._append(seq, next(tokens))
+                sampled.append(seq)
+        return sampled
+
+    def _append(self, seq: Sequence, token_id: int) -> None:
+        """Add a sampled token; end the sequence on a stop token, EOS, max_tokens or the context window."""
+        self.num_generation_tokens += 1
+        seq.append_token(token_id)
+        if seq.forks:  # its first token: the prompt is computed, the siblings can share it
+            self._fork(seq)
+        params = seq.params
+        enough = seq.num_output_tokens >= params.min_tokens
+        if enough and token_id in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, token_id
+        elif enough and not params.ignore_eos and token_id in self.eos_token_ids:
+            seq.finish_reason = FinishReason.STOP
+        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
+                self.max_model_len is not None and seq.num_tokens >= self.max_model_len):
+            seq.finish_reason = FinishReason.LENGTH
+        if seq.finish_reason is not None:
+            self.finish(seq)
+
+    def _fork(self, parent: Sequence) -> None:
+        """Start choices 1..n-1 sharing the full blocks of the first one's prompt; each computes only the tail."""
+        shared_blocks = (parent.num_prompt_tokens - 1) // self.block_manager.block_size
+        for child in parent.forks:
+            self.block_manager.fork(parent, child, shared_blocks)
+            self.add(child)
+        parent.forks = []
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -1,7 +1,8 @@
 """A Sequence: one choice of one request, with its tokens, status, block table and counters.
 
 Plain Python (no torch), so the block manager and the scheduler are tested without a model.
-The block manager changes a sequence only through `allocate`, `allocate_slots`, `fork`, `free`.
+The block manager changes a sequence only through `allocate`, `allocate_slots`, `fork`, `free`,
+`cache_blocks`; the scheduler moves its status and counters.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_preemptions: int = 0
+    forks: list[Sequence] = field(default_factory=list)  # choices 1..n-1: forked off this one at its first token
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 

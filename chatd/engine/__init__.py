@@ -1,0 +1,56 @@
+"""chatd's engine: continuous batching over a paged KV cache. It knows nothing of HTTP or SQLite.
+
+Public names (the rest is internal; `chatd.http` imports only these):
+
+    LLM              offline batch generation                                 llm.py
+    AsyncEngine      the engine on its own thread, streamed to coroutines     async_engine.py
+    EngineClient     what a server needs of an engine (generate, abort, ...)  async_engine.py
+    LLMEngine        the synchronous engine: add_request, abort, step          engine.py
+    ModelInfo        what the loaded model is (name, context, dtype, ...)      engine.py
+    SamplingParams, RequestOutput, CompletionOutput, FinishReason, ParamError  params.py
+    MAX_LOGPROBS     the most top_logprobs a request may ask for                params.py
+    EngineStats      counters for metrics                                      core/scheduler.py
+    Tokenizer        chat template, tokens, incremental detokenizer            tokenizer.py
+
+Reading order, following one request in:
+
+    params.py          what a request asks for and what comes back               (no torch)
+    tokenizer.py       chat template -> token ids; token ids -> text and stop strings
+                       (chat_tokens.py: control tokens typed inside messages stay text)
+    async_engine.py    AsyncEngine.generate queues it; the engine thread steps
+    engine.py          LLMEngine.step: schedule -> execute -> postprocess -> detokenize
+    core/              no torch: sequence.py (one choice), block_manager.py (the paged KV pool
+                       and prefix cache), scheduler.py (the step's batch, preemption, postprocess)
+    worker/            torch: runner.py (one forward over a flat batch), sampler.py,
+                       cuda_graphs.py, loading.py (config -> model, tokenizer, KV pool, runner)
+    attention/         backends over the paged KV cache: sdpa, torch-varlen, triton, flash-attn
+    models/            llama.py (the Llama family), loader.py (checkpoints), demo.py
+    llm.py             LLM: the same engine, stepped by the caller for offline use
+
+Importing this package loads no torch: the worker is loaded when an engine is built.
+"""
+
+from chatd.engine.async_engine import AsyncEngine, EngineClient, RequestHandle, RequestStream
+from chatd.engine.core.scheduler import EngineStats
+from chatd.engine.engine import LLMEngine, ModelInfo
+from chatd.engine.llm import LLM
+from chatd.engine.params import MAX_LOGPROBS, CompletionOutput, FinishReason, ParamError, RequestOutput, SamplingParams
+from chatd.engine.tokenizer import Tokenizer
+
+__all__ = [
+    "LLM",
+    "MAX_LOGPROBS",
+    "AsyncEngine",
+    "CompletionOutput",
+    "EngineClient",
+    "EngineStats",
+    "FinishReason",
+    "LLMEngine",
+    "ModelInfo",
+    "ParamError",
+    "RequestHandle",
+    "RequestOutput",
+    "RequestStream",
+    "SamplingParams",
+    "Tokenizer",
+]

@@ -1,0 +1,57 @@
+"""LLM: offline batch generation, as vLLM's `LLM` does it: build an engine, add every prompt, step to the end.
+
+`LLM(model, **engine_options).generate(prompts, sampling_params)`; the options are config keys
+by name (`device="cpu"`, `block_size=8`, ...). No threads, no asyncio: the caller's thread steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence as SequenceOf
+
+from chatd.config import config_from_options
+from chatd.engine.engine import LLMEngine
+from chatd.engine.params import RequestOutput, SamplingParams
+from chatd.engine.tokenizer import Tokenizer
+
+
+class LLM:
+    """Offline batch generation: `LLM(model, **engine_options).generate(prompts, sampling_params)`."""
+
+    def __init__(self, model: str | os.PathLike | None = None, **engine_options) -> None:
+        if model is not None:
+            engine_options["path"] = str(model)
+        self.engine = LLMEngine.from_config(config_from_options(**engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | SequenceOf[str] | SequenceOf[list[int]],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        # All validated before any is queued: a bad prompt leaves the engine as it was.
+        prepared = [self.engine.prepare_request(rid, p, sp) for rid, p, sp in zip(request_ids, prompts, sampling_params)]
+        for request in prepared:
+            self.engine.add_prepared(request)
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.request_id in results:
+                    results[out.request_id].merge(out)
+                else:
+                    results[out.request_id] = out
+        return [results[rid] for rid in request_ids]
