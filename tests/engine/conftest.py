@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatd.engine.models.demo import build_model_dir
 from chatd.engine import LLM
+from chatd.engine.models.demo import build_model_dir
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
 

@@ -3,8 +3,8 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chatd.engine.core.block_manager import BlockManager
 from chatd.engine import SamplingParams
+from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.core.sequence import Sequence
 
 BS = 4

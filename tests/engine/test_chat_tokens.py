@@ -12,8 +12,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as RustTokenizer
 
-from chatd.engine.models.demo import CORPUS_PATH, build_tokenizer
 from chatd.engine import Tokenizer
+from chatd.engine.models.demo import CORPUS_PATH, build_tokenizer
 
 LLAMA3_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 # Llama 3's own pre-tokenizer split and chat template.

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from chatd.engine.models import demo
 from chatd.engine import Tokenizer
+from chatd.engine.models import demo
 
 
 @pytest.fixture(scope="session")

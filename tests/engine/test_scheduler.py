@@ -4,8 +4,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chatd.config import SchedulerConfig
-from chatd.engine.core.block_manager import BlockManager
 from chatd.engine import SamplingParams
+from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.core.scheduler import Scheduler, SchedulerOutput
 from chatd.engine.core.sequence import Sequence, SequenceStatus
 

@@ -5,19 +5,21 @@ Kept apart from `engine.py` so the engine itself can be built around a fake runn
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
-from chatd.config import Config
+from chatd.config import Config, ModelConfig
 from chatd.engine.attention import AttentionShape, select_backend
 from chatd.engine.models.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
 from chatd.engine.models.loader import load_model, max_model_len, resolve_dtype, resolve_model_path
-from chatd.engine.worker.runner import ModelRunner, kv_block_bytes
 from chatd.engine.tokenizer import Tokenizer
+from chatd.engine.worker.runner import ModelRunner, kv_block_bytes
 
 log = logging.getLogger("chatd.engine")
 
@@ -78,68 +80,98 @@ def profile_kv_blocks(runner: ModelRunner, config: Config, block_bytes: int) -> 
 
 
 def load_engine_parts(config: Config) -> EngineParts:
-    """Load the model (or build the demo model), size the KV pool and build the runner."""
-    path = config.model.path
-    model_path = ensure_demo_model() if not path else resolve_model_path(path)
+    """Load the model (or build the demo model), size the KV pool and build the runner, in the steps below."""
+    model_path, demo = locate_model(config.model)
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device, AutoConfig.from_pretrained(model_path).dtype)
+    model, hf_config = load_model(model_path, dtype, device)
+    context = context_length(hf_config, config.model)
+    tokenizer, eos = load_tokenizer(model_path, hf_config, config.model)
+
+    block_size = config.cache.block_size
+    shape = AttentionShape(hf_config.num_attention_heads, model.num_kv_heads, model.head_dim, block_size, dtype)
+    backend = select_backend(config.model.attention_backend, device, shape)
+    make_runner = functools.partial(ModelRunner, model, backend, block_size=block_size, device=device, dtype=dtype,
+                                    eos_token_ids=eos, seed=config.model.seed, max_model_len=context)
+    block_bytes = kv_block_bytes(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype)
+    num_blocks = size_kv_pool(config, device, block_bytes, context, make_runner)
+    runner = make_runner(num_blocks=num_blocks)
+    log.info(
+        "loaded %s: dtype %s, device %s, attention %s, %d KV blocks of %d tokens (%.2f GiB), context %d",
+        model_path, str(dtype).removeprefix("torch."), device, backend.name, num_blocks, block_size,
+        num_blocks * block_bytes / 2**30, context,
+    )
+    if device.type == "cuda":
+        capture_cuda_graphs(runner, config)
+    return EngineParts(runner, tokenizer, num_blocks, context, model.vocab_size, eos, model_path, demo)
+
+
+def locate_model(config: ModelConfig) -> tuple[Path, bool]:
+    """The model's folder (built on first use for the demo model when none is named) and whether it is the demo."""
+    model_path = ensure_demo_model() if not config.path else resolve_model_path(config.path)
     demo = is_demo_model(model_path)
     if demo:
         log.warning(DEMO_WARNING)
-    device = resolve_device(config.model.device)
-    checkpoint_dtype = AutoConfig.from_pretrained(model_path).dtype
-    dtype = resolve_dtype(config.model.dtype, device, checkpoint_dtype)
-    model, hf_config = load_model(model_path, dtype, device)
+    return model_path, demo
 
+
+def context_length(hf_config, config: ModelConfig) -> int:
+    """The model's context window, or the configured max_model_len when that is shorter."""
     context = max_model_len(hf_config)
-    if config.model.max_model_len:
-        if config.model.max_model_len > context:
-            raise ValueError(f"max_model_len {config.model.max_model_len} exceeds the model's context length {context}")
-        context = config.model.max_model_len
+    if config.max_model_len:
+        if config.max_model_len > context:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
+        context = config.max_model_len
+    return context
 
+
+def load_tokenizer(model_path: Path, hf_config, config: ModelConfig) -> tuple[Tokenizer | None, frozenset[int]]:
+    """The model's tokenizer (None for a weights-only folder) and its end-of-sequence ids."""
     tokenizer = None
     try:
-        tokenizer = Tokenizer.from_pretrained(model_path, config.model.special_tokens_in_messages)
+        tokenizer = Tokenizer.from_pretrained(model_path, config.special_tokens_in_messages)
     except Exception as exc:  # a weights-only folder still serves token-id prompts
         log.warning("no usable tokenizer in %s (%s); only token-id prompts will work", model_path, exc)
     eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
     if not eos:
         config_eos = hf_config.eos_token_id
         eos = frozenset(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
+    return tokenizer, eos
 
-    block_size = config.cache.block_size
-    blocks_per_seq = -(-context // block_size)
-    block_bytes = kv_block_bytes(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype)
-    shape = AttentionShape(hf_config.num_attention_heads, model.num_kv_heads, model.head_dim, block_size, dtype)
-    backend = select_backend(config.model.attention_backend, device, shape)
-    max_useful = config.scheduler.max_num_seqs * blocks_per_seq  # more blocks than this could never be used
+
+def size_kv_pool(config: Config, device: torch.device, block_bytes: int, context: int,
+                 make_runner: Callable[..., ModelRunner]) -> int:
+    """How many KV blocks: as configured, else what the memory budget holds (measured on CUDA),
+    never more than max_num_seqs full-length sequences could use; fewer than one such sequence is an error."""
     if config.cache.num_blocks:
-        num_blocks = config.cache.num_blocks
-    elif device.type == "cuda":
-        runner = ModelRunner(model, backend, 0, block_size, device, dtype, eos, config.model.seed, context)
-        num_blocks = min(profile_kv_blocks(runner, config, block_bytes), max_useful)
+        return config.cache.num_blocks
+    blocks_per_seq = -(-context // config.cache.block_size)
+    max_useful = config.scheduler.max_num_seqs * blocks_per_seq
+    if device.type == "cuda":
+        num_blocks = min(profile_kv_blocks(make_runner(num_blocks=0), config, block_bytes), max_useful)
     else:
         num_blocks = min(int(config.cache.cpu_kv_cache_gb * 2**30 // block_bytes), max_useful)
-    if num_blocks < blocks_per_seq and not config.cache.num_blocks:
+    if num_blocks < blocks_per_seq:
         raise ValueError(
-            f"the KV cache budget gives {num_blocks} blocks of {block_size} tokens, fewer than one sequence of "
+            f"the KV cache budget gives {num_blocks} blocks of {config.cache.block_size} tokens, fewer than one sequence of "
             f"max_model_len {context} needs ({blocks_per_seq}); raise the KV memory budget "
             f"({'gpu_memory_utilization' if device.type == 'cuda' else 'cpu_kv_cache_gb'}) or lower max_model_len"
         )
-    runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, eos, config.model.seed, context)
-    log.info(
-        "loaded %s: dtype %s, device %s, attention %s, %d KV blocks of %d tokens (%.2f GiB), context %d",
-        model_path, str(dtype).removeprefix("torch."), device, backend.name, num_blocks, block_size,
-        num_blocks * block_bytes / 2**30, context,
-    )
-    if device.type == "cuda" and config.model.cuda_graphs and config.model.cuda_graph_max_batch > 0:
-        if backend.capturable():
-            max_batch = min(config.model.cuda_graph_max_batch, config.scheduler.max_num_seqs)
-            try:
-                seconds = runner.enable_decode_graphs(max_batch)
-            except Exception as exc:  # serve eagerly rather than not at all; the log says why
-                runner.graphs = None
-                log.warning("CUDA graph capture failed (%s: %s); every step runs eagerly", type(exc).__name__, exc)
-            else:
-                log.info("captured CUDA graphs for decode batches up to %d in %.1f s", max_batch, seconds)
-        else:
-            log.info("CUDA graphs off: attention backend %s cannot be captured", backend.name)
-    return EngineParts(runner, tokenizer, num_blocks, context, model.vocab_size, eos, model_path, demo)
+    return num_blocks
+
+
+def capture_cuda_graphs(runner: ModelRunner, config: Config) -> None:
+    """Capture decode graphs when configured and the backend allows it; a failed capture serves eagerly."""
+    if not (config.model.cuda_graphs and config.model.cuda_graph_max_batch > 0):
+        return
+    if not runner.backend.capturable():
+        log.info("CUDA graphs off: attention backend %s cannot be captured", runner.backend.name)
+        return
+    max_batch = min(config.model.cuda_graph_max_batch, config.scheduler.max_num_seqs)
+    try:
+        seconds = runner.enable_decode_graphs(max_batch)
+    except Exception as exc:  # serve eagerly rather than not at all; the log says why
+        runner.graphs = None
+        log.warning("CUDA graph capture failed (%s: %s); every step runs eagerly", type(exc).__name__, exc)
+    else:
+        log.info("captured CUDA graphs for decode batches up to %d in %.1f s", max_batch, seconds)

@@ -16,11 +16,11 @@ import logging
 import torch
 
 from chatd.engine.attention import AttentionBackend, KVCache, build_step
-from chatd.engine.worker.cuda_graphs import DecodeGraphs
-from chatd.engine.params import SamplingParams
-from chatd.engine.worker.sampler import Sampler, SamplerOutput, SamplingRow
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.core.sequence import Sequence
+from chatd.engine.params import SamplingParams
+from chatd.engine.worker.cuda_graphs import DecodeGraphs
+from chatd.engine.worker.sampler import Sampler, SamplerOutput, SamplingRow
 
 log = logging.getLogger("chatd.engine")
 
