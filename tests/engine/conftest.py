@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from chatd.engine import LLM
-from chatd.engine.models.demo import build_model_dir
+from chatd.engine.models.demo import FAMILIES, build_model_dir
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
 
 
 @pytest.fixture(scope="session")

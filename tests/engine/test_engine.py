@@ -13,6 +13,7 @@ import torch
 
 from chatd.engine import FinishReason, ParamError, SamplingParams
 from tests.engine.conftest import FAMILIES, hf_greedy, make_llm
+from tests.factories import make_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -174,10 +175,10 @@ def test_bad_requests_are_refused_with_nothing_allocated(model_dirs, prompt, par
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
-def test_request_that_can_never_fit_the_pool_is_refused(model_dirs):
-    llm = make_llm(model_dirs["llama"], num_blocks=4)  # 32 tokens of KV
+def test_request_that_can_never_fit_the_pool_is_refused():
+    engine = make_engine(num_blocks=4, block_size=8)  # 32 tokens of KV
     with pytest.raises(ParamError, match="KV cache holds only 4 blocks"):
-        llm.engine.add_request("big", [1] * 20, SamplingParams(max_tokens=20))
+        engine.add_request("big", [1] * 20, SamplingParams(max_tokens=20))
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(model_dirs, monkeypatch):
@@ -204,9 +205,8 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(model_dirs, 
     assert ok.outputs[0].token_ids == hf_greedy(path, [5, 6, 7], GREEDY.max_tokens)
 
 
-def test_abort_frees_blocks_at_once(model_dirs):
-    llm = make_llm(model_dirs["llama"])
-    engine = llm.engine
+def test_abort_frees_blocks_at_once():
+    engine = make_engine()
     engine.add_request("a", list(range(3, 40)), GREEDY)
     engine.step()
     assert engine.stats().num_free_blocks < engine.stats().num_blocks
@@ -248,9 +248,8 @@ def test_evicted_prefix_is_recomputed_not_served_stale(model_dirs):
     assert out.outputs[0].token_ids == hf_greedy(path, again, GREEDY.max_tokens)
 
 
-def test_queue_time_is_measured_on_the_engine_clock(model_dirs):
-    llm = make_llm(model_dirs["llama"])
-    engine = llm.engine
+def test_queue_time_is_measured_on_the_engine_clock():
+    engine = make_engine()
     now = [100.0]
     engine.clock = lambda: now[0]
     engine.add_request("q", [5, 6, 7], GREEDY)

@@ -36,7 +36,8 @@ SMALL = dict(
     initializer_range=0.3,  # large weights make logits decisive, so a wrong op shows up clearly
 )
 
-FAMILIES = {
+# The supported families (chatd.engine.models.demo.FAMILIES) and rope variants of them, as transformers configs.
+CONFIG_VARIANTS = {
     "llama": lambda: LlamaConfig(**SMALL, tie_word_embeddings=False),
     "llama3-tied": lambda: LlamaConfig(
         **SMALL,
@@ -76,7 +77,7 @@ HF_CLASSES = {
 
 def make_hf_model(family: str, path: Path, **save_kwargs) -> transformers.PreTrainedModel:
     """A tiny random transformers model of `family`, saved as safetensors to `path`."""
-    config = FAMILIES[family]()
+    config = CONFIG_VARIANTS[family]()
     torch.manual_seed(0)
     model = HF_CLASSES[config.model_type](config).eval()
     with torch.no_grad():
@@ -143,7 +144,7 @@ def load_tiny(family: str, path: Path) -> tuple[transformers.PreTrainedModel, Ll
     return hf_model, model
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CONFIG_VARIANTS)
 def test_full_prompt_logits_match_transformers(family, tmp_path):
     hf_model, model = load_tiny(family, tmp_path)
     ids = prompt(seed=1)
@@ -151,7 +152,7 @@ def test_full_prompt_logits_match_transformers(family, tmp_path):
     torch.testing.assert_close(logits, hf_logits(hf_model, ids), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CONFIG_VARIANTS)
 def test_prefill_then_decodes_match_transformers(family, tmp_path):
     hf_model, model = load_tiny(family, tmp_path)
     ids, table = prompt(seed=2), [3, 6, 1]
@@ -270,7 +271,7 @@ def test_fused_projections_hold_the_checkpoint_tensors_in_order(family, tmp_path
 
 
 def test_max_model_len_is_capped_by_an_active_sliding_window():
-    assert max_model_len(FAMILIES["llama"]()) == 256
+    assert max_model_len(CONFIG_VARIANTS["llama"]()) == 256
     assert max_model_len(MistralConfig(**SMALL, sliding_window=32)) == 32
     # Qwen2's sliding_window is inert unless use_sliding_window is set.
     assert max_model_len(Qwen2Config(**SMALL, sliding_window=32, use_sliding_window=False)) == 256

@@ -3,41 +3,18 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chatd.config import SchedulerConfig
-from chatd.engine import SamplingParams
-from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.core.scheduler import Scheduler, SchedulerOutput
 from chatd.engine.core.sequence import Sequence, SequenceStatus
+from tests.factories import make_scheduler, make_seq
 
-BS = 4
-
-
-def make_scheduler(num_blocks=64, budget=32, max_seqs=8, prefix_caching=True) -> Scheduler:
-    bm = BlockManager(num_blocks, BS, prefix_caching)
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs), bm)
-
-
-_arrivals = iter(range(10**9))
-
-
-def make_seq(prompt_len=6, max_tokens=3, priority=0, first_token=0) -> Sequence:
-    tokens = list(range(first_token, first_token + prompt_len))
-    return Sequence(f"r{first_token}", tokens, SamplingParams(max_tokens=max_tokens), priority=priority, arrival=next(_arrivals))
+BS = 4  # the factories' block size
 
 
 def complete(sched: Scheduler, plan: SchedulerOutput, next_token: int = 1) -> list[Sequence]:
-    """Do what the engine does after the model ran: advance counters, sample, finish."""
-    finished = []
-    for s in plan.scheduled:
-        samples = s.samples
-        s.seq.num_computed_tokens += s.num_new_tokens
-        sched.block_manager.cache_blocks(s.seq)
-        if samples:
-            s.seq.append_token(next_token)
-            if s.seq.num_output_tokens >= s.seq.params.max_tokens:
-                sched.finish(s.seq)
-                finished.append(s.seq)
-    return finished
+    """Do what the engine does after the model ran: each sequence that reached its end samples
+    `next_token`, and the scheduler's postprocess folds it in. Returns the sequences that finished."""
+    sampled = sched.postprocess(plan, [next_token] * sum(s.samples for s in plan.scheduled))
+    return [s for s in sampled if s.is_finished]
 
 
 def test_decodes_go_first_and_prefill_fills_the_rest_of_the_budget():
