@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from chatd.engine import FinishReason, ParamError, SamplingParams
+from chatd.engine import FinishReason, ParamError, SamplingParams, Tokenizer
 from tests.engine.conftest import FAMILIES, hf_greedy, make_llm
-from tests.factories import make_engine
+from tests.factories import FakeRunner, make_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -256,3 +256,28 @@ def test_queue_time_is_measured_on_the_engine_clock():
     now[0] = 102.5
     out = engine.step()[0]
     assert out.queue_time == pytest.approx(2.5)
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_ends_as_stop(model_dirs):
+    """Token limits are checked before text is (postprocess, then detokenize); a stop string the
+    last allowed token completes still wins, as a user reading the text expects."""
+    tokenizer = Tokenizer.from_pretrained(model_dirs["llama"])
+    reply = tokenizer.encode("the weather is fine today", add_special_tokens=False)
+    text = tokenizer.decode(reply)
+    stop = text[-3:]
+    assert stop not in text[:-1]
+
+    def run(params: SamplingParams):
+        script = iter(reply)
+        engine = make_engine(FakeRunner(next_token=lambda seq: next(script)), vocab_size=tokenizer.vocab_size,
+                             tokenizer=tokenizer)
+        engine.add_request("r", [5, 6, 7], params)
+        outputs = [out for _ in range(len(reply) + 1) for out in engine.step()]
+        assert outputs[-1].finished and not engine.has_unfinished_requests()
+        assert engine.stats().num_free_blocks == engine.stats().num_blocks
+        return "".join(o.outputs[0].text for o in outputs), outputs[-1].outputs[0]
+
+    whole, last = run(SamplingParams(max_tokens=len(reply), ignore_eos=True))
+    assert whole.endswith(stop) and last.finish_reason == FinishReason.LENGTH
+    got, last = run(SamplingParams(max_tokens=len(reply), stop=[stop], ignore_eos=True))
+    assert got == whole[:-3] and last.finish_reason == FinishReason.STOP and last.stop_reason == stop
