@@ -38,7 +38,9 @@ sys.path.insert(0, str(BENCHMARKS))  # serve.py's helpers
 
 from serve import HOST, Server, add_common_arguments, build_bench_model, free_port, http_json  # noqa: E402
 
-from chatd.bench import BenchOptions, format_level, run_bench  # noqa: E402
+from chatd.bench.load import run_bench  # noqa: E402
+from chatd.bench.options import BenchOptions  # noqa: E402
+from chatd.bench.report import format_level  # noqa: E402
 
 # name -> (prefix caching on the server, conversations API in the client). The first two are
 # the comparison; the others (only with --modes) tell the API's share from the cache's.

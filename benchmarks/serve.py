@@ -3,7 +3,7 @@
 One run builds one random-weight model folder (the demo tokenizer, a Llama of the offline
 benchmark's shape), then, one server at a time (never both at once: the CPU machine has two
 cores), starts the server as a subprocess on a free 127.0.0.1 port, drives it with chatd's load
-generator (`chatd.bench.run_bench`: streamed chat completions at each concurrency level) and
+generator (`chatd.bench.load.run_bench`: streamed chat completions at each concurrency level) and
 stops it (SIGTERM, then SIGKILL after a timeout, also on errors). Then chatd's offline engine
 (`LLM.generate`) runs the highest level's workload, the same chat prompts as token ids through
 the same chat template, the same output lengths, EOS ignored, at most that level's number of sequences at once, so the server's tok/s can be read
@@ -41,7 +41,9 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout, installed or not
 
-from chatd.bench import BenchOptions, LevelResult, make_sessions, run_bench  # noqa: E402
+from chatd.bench.load import make_sessions, run_bench  # noqa: E402
+from chatd.bench.options import BenchOptions  # noqa: E402
+from chatd.bench.report import LevelResult  # noqa: E402
 
 HOST = "127.0.0.1"
 

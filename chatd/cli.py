@@ -1,8 +1,9 @@
 """The `chatd` command: the composition root, the one module that sees every part.
 
-Subcommands: `serve` (the OpenAI-compatible server), `generate` (stream one completion to the
-terminal), `demo-model DIR` (build the random-weight demo model), `keys create|list|revoke`
-(API keys in the store).
+Subcommands: `serve` (the OpenAI-compatible server), `bench` (load-test a server), `generate`
+(stream one completion to the terminal), `demo-model DIR` (build the random-weight demo model),
+`keys create|list|revoke` (API keys in the store). Each subcommand imports what it runs only
+when it runs: `chatd keys list` loads neither the engine, the HTTP server nor the load generator.
 """
 
 from __future__ import annotations

@@ -13,7 +13,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from chatd.bench import BenchOptions, add_parser, format_level, make_sessions, parse_event, percentiles, run_bench
+from chatd.bench import add_parser
+from chatd.bench.load import make_sessions, parse_event, run_bench
+from chatd.bench.options import BenchOptions
+from chatd.bench.report import format_level, percentiles
 
 BODIES = web.AppKey("bodies", list)
 CONVERSATIONS = web.AppKey("conversations", dict)  # id -> {"title", "messages", "busy", "deleted"}

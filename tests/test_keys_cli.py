@@ -1,9 +1,13 @@
-"""`chatd keys create|list|revoke`: the key is printed once, works, and never shows up again."""
+"""`chatd keys create|list|revoke`: the key is printed once, works, and never shows up again;
+the command starts without loading the engine, the HTTP server or the load generator."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +89,22 @@ def test_an_unknown_tier_is_refused_before_anything_is_written(home, capsys):
     assert exit_info.value.code == 2
     assert "invalid choice: 'gold'" in capsys.readouterr().err
     assert not (home / "chatd.db").exists()
+
+
+def test_keys_list_loads_neither_the_load_generator_nor_the_engine(home):
+    # A fresh interpreter: this test process has long since imported everything.
+    script = (
+        "import json, sys\n"
+        "from chatd.cli import main\n"
+        "code = main(['keys', 'list'])\n"
+        "print(json.dumps({'code': code, 'modules': sorted(sys.modules)}))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "no API keys yet" in run.stdout
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["code"] == 0
+    loaded = set(result["modules"])
+    assert "chatd.bench" in loaded  # `chatd bench` is declared: its flags are there for --help
+    for heavy in ("chatd.bench.load", "aiohttp.client", "chatd.engine", "chatd.http"):
+        assert heavy not in loaded, f"`chatd keys list` imported {heavy}"
