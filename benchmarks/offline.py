@@ -48,6 +48,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, installed or not
 
+from benchmarks.roofline import DTYPES, matmul_rate, sync  # noqa: E402
+
 # Model shape and workload per preset; any flag given on the command line overrides its preset.
 PRESETS = {
     "cpu": dict(
@@ -62,7 +64,7 @@ PRESETS = {
 }
 QUICK = dict(num_seqs=8, prompt_len=(16, 48), output_len=(8, 24))
 PEERS = ("chatd", "hf-cb", "hf-static")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MATMUL_REPEATS = 7  # timed matmuls per peak measurement (after one untimed warm-up); the median is the peak
 
 
 @dataclass
@@ -123,7 +125,8 @@ def build_model(dir: Path, args: argparse.Namespace) -> Path:
     return build_model_dir(dir, family=args.family, seed=0, **shape)
 
 
-# -- model FLOPs and the machine's peak -------------------------------------------------------
+# -- model FLOPs --------------------------------------------------------------------------------
+# The machine's peak they are set against is roofline.py's matmul_rate, as in benchmarks/steps.py.
 
 FLOP_FORMULA = (
     "FLOPs = 2 * non_embedding_params * tokens_through_model"
@@ -163,26 +166,6 @@ def non_embedding_params(model: torch.nn.Module) -> int:
     if head is not None and head.weight is not embedding:  # a tied head is the embedding itself
         total -= head.weight.numel()
     return total
-
-
-def matmul_peak(device: torch.device, dtype: torch.dtype, size: int, repeats: int = 7) -> float:
-    """Median FLOP/s of a size^3 matrix multiply on device in dtype (one untimed warm-up)."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    times = []
-    for i in range(repeats + 1):
-        sync(device)
-        start = time.perf_counter()
-        torch.mm(a, b)
-        sync(device)
-        if i:
-            times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # -- the peers ----------------------------------------------------------------------------------
@@ -489,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
 
     gemm_size = args.gemm_size or (8192 if device.type == "cuda" else 2048)
     gemm_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    peak = matmul_peak(device, gemm_dtype, gemm_size)
-    print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s ({str(gemm_dtype).removeprefix('torch.')} {gemm_size}^3, median of 7)")
+    peak = matmul_rate(device, gemm_dtype, gemm_size, MATMUL_REPEATS)
+    print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s ({str(gemm_dtype).removeprefix('torch.')} {gemm_size}^3, median of {MATMUL_REPEATS})")
 
     with tempfile.TemporaryDirectory(prefix="chatd-bench-") as tmp:
         path = build_model(Path(tmp) / "model", args)
@@ -520,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         # shared machine falls on every engine alike; the matmul peak is measured in each round too.
         peaks = []
         for repeat in range(args.repeats):
-            peaks.append(matmul_peak(device, gemm_dtype, gemm_size))
+            peaks.append(matmul_rate(device, gemm_dtype, gemm_size, MATMUL_REPEATS))
             names = list(peers)
             for name in names[repeat % max(len(names), 1) :] + names[: repeat % max(len(names), 1)]:
                 result = results[name]
