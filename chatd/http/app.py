@@ -12,7 +12,7 @@ import uuid
 
 from aiohttp import web
 
-from chatd.http import conversations, views
+from chatd.http import completions, conversations, status
 from chatd.http.auth import auth_middleware
 from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware, error_response
 from chatd.http.state import STATE, ServerState
@@ -59,19 +59,19 @@ def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Appli
     # answered a value that is not UTF-8 with a 500.
     router = app.router
     post, get = functools.partial(router.add_post, expect_handler=expect), functools.partial(router.add_get, expect_handler=expect)
-    post("/v1/chat/completions", views.chat_completions)
-    post("/v1/completions", views.completions)
-    get("/v1/models", views.models)
-    get("/v1/usage", views.usage)
+    post("/v1/chat/completions", completions.chat_completions)
+    post("/v1/completions", completions.completions)
+    get("/v1/models", status.models)
+    get("/v1/usage", status.usage)
     post("/v1/conversations", conversations.create_conversation)
     get("/v1/conversations", conversations.list_conversations)
     get("/v1/conversations/{conversation_id}", conversations.get_conversation)
     router.add_delete("/v1/conversations/{conversation_id}", conversations.delete_conversation, expect_handler=expect)
     post("/v1/conversations/{conversation_id}/messages", conversations.post_message)
     get("/v1/conversations/{conversation_id}/messages/{message_id}/stream", conversations.stream_message)
-    get("/health", views.health)
-    get("/ready", views.ready)
-    get("/metrics", views.metrics)
+    get("/health", status.health)
+    get("/ready", status.ready)
+    get("/metrics", status.metrics)
     # Last, every other path and method: aiohttp's own 404 and 405 would use its Expect handler.
     router.add_route("*", "/{path:.*}", no_route, expect_handler=expect)
     return app

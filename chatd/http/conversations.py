@@ -35,8 +35,8 @@ from chatd.http.errors import APIError, error_body
 from chatd.http.history import render_turn
 from chatd.http.protocol import TurnRequest, parse_new_conversation, parse_turn, shown
 from chatd.http.state import STATE, ServerState
-from chatd.http.views import ChunkFormat, _dumps, _finish_reason, _merge
-from chatd.http.wire import DONE, SlowClient, drop_slow_client, read_json, send, sse_event
+from chatd.http.openai_format import ChunkFormat, finish_reason, merged_with, token_usage
+from chatd.http.wire import DONE, SlowClient, drop_slow_client, json_response, read_json, send, sse_event
 from chatd.store.db import Conversation, Message, Tenant
 
 log = logging.getLogger("chatd.http")
@@ -96,7 +96,7 @@ async def create_conversation(request: web.Request) -> web.Response:
     fields = parse_new_conversation(await read_json(request) if request.can_read_body else None, state.config.conversations)
     state.check_model(fields.pop("model"))
     conversation = await state.store.create_conversation(tenant.id, model=state.model_name, **fields)
-    return web.json_response(_conversation_json(conversation), dumps=_dumps)
+    return json_response(_conversation_json(conversation))
 
 
 async def list_conversations(request: web.Request) -> web.Response:
@@ -113,18 +113,17 @@ async def list_conversations(request: web.Request) -> web.Response:
     except LookupError:
         raise APIError(400, f"after names no conversation of yours: {after!r}", "after") from None
     data = [_conversation_json(c) for c in conversations]
-    return web.json_response({
+    return json_response({
         "object": "list", "data": data, "has_more": has_more,
         "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
-    }, dumps=_dumps)
+    })
 
 
 async def get_conversation(request: web.Request) -> web.Response:
     state, tenant = request.app[STATE], request[TENANT]
     conversation = await _own_conversation(state, tenant, request.match_info["conversation_id"])
     messages = await state.store.list_messages(conversation.id)
-    return web.json_response({**_conversation_json(conversation), "messages": [_message_json(m) for m in messages]},
-                             dumps=_dumps)
+    return json_response({**_conversation_json(conversation), "messages": [_message_json(m) for m in messages]})
 
 
 async def delete_conversation(request: web.Request) -> web.Response:
@@ -236,7 +235,7 @@ async def _generate(state: ServerState, tenant: Tenant, conversation: Conversati
     saved_at = time.monotonic()
     try:
         async for out in results:
-            merged = out if merged is None else _merge(merged, out)
+            merged = merged_with(merged, out)
             if out.error:
                 error = out.error
                 break
@@ -268,7 +267,7 @@ async def _finish(state: ServerState, tenant: Tenant, turn: TurnRequest, prompt:
     completion = len(output.token_ids) if output is not None else 0
     fields = dict(
         content=output.text if output is not None else "", status=status,
-        finish_reason=_finish_reason(output.finish_reason) if status == "complete" else None,
+        finish_reason=finish_reason(output.finish_reason) if status == "complete" else None,
         prompt_tokens=len(prompt), cached_tokens=cached, completion_tokens=completion,
         cost=state.cost(len(prompt), cached, completion),
     )
@@ -362,7 +361,7 @@ def _whole_reply(state: ServerState, reply: ReplyStream, omitted: int, headers: 
         "usage": _message_usage(message),
         "chatd": {"messages_omitted": omitted},
     }
-    return web.json_response(body, headers=headers, dumps=_dumps)
+    return json_response(body, headers=headers)
 
 
 # -- shapes and lookups -------------------------------------------------------------------------
@@ -398,8 +397,4 @@ def _message_json(m: Message) -> dict:
 
 
 def _message_usage(m: Message) -> dict:
-    return {
-        "prompt_tokens": m.prompt_tokens, "completion_tokens": m.completion_tokens,
-        "total_tokens": m.prompt_tokens + m.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
-    }
+    return token_usage(m.prompt_tokens, m.completion_tokens, m.cached_tokens)

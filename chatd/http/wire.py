@@ -1,9 +1,8 @@
 """The bytes of a request and of a stream: reading a body within the server's limits (time,
-size once decoded, Content-Encoding, JSON) and writing Server-Sent Events within the limits on
-output held for a client that does not read.
+size once decoded, Content-Encoding, JSON), JSON bodies, and writing Server-Sent Events within
+the limits on output held for a client that does not read.
 
-It knows nothing of OpenAI's shapes or the engine; handlers in views.py and conversations.py
-use it.
+It knows nothing of OpenAI's shapes (openai_format.py) or the engine; every route module uses it.
 """
 
 from __future__ import annotations
@@ -67,6 +66,15 @@ def _decoded(request: web.Request, raw: bytes) -> bytes:
     if not decoder.eof:
         raise APIError(400, f"the request body ends in the middle of its {encoding} data", "Content-Encoding")
     return body
+
+
+def json_response(body, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON response encoded with orjson (fast for long histories and logprobs)."""
+    return web.json_response(body, headers=headers, dumps=_json_text)
+
+
+def _json_text(value) -> str:
+    return orjson.dumps(value).decode()
 
 
 def sse_event(payload: dict | bytes, event_id: int | None = None) -> bytes:

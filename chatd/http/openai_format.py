@@ -1,0 +1,128 @@
+"""OpenAI's response shapes, built from the engine's outputs: streamed chunks, whole responses,
+usage, logprobs and finish reasons.
+
+Pure shaping of dicts: it knows nothing of HTTP, SSE framing (wire.py) or the store. The served
+model's name and token texts come from ServerState.
+"""
+
+from __future__ import annotations
+
+from chatd.engine import FinishReason, RequestOutput
+from chatd.http.state import ServerState
+
+
+def merged_with(merged: RequestOutput | None, out: RequestOutput) -> RequestOutput:
+    """The deltas so far with `out` folded in; the first delta starts them."""
+    if merged is None:
+        return out
+    merged.merge(out)
+    return merged
+
+
+class ChunkFormat:
+    """Builds one response's OpenAI chunks (`chat.completion.chunk` or `text_completion`) from deltas."""
+
+    def __init__(self, state: ServerState, response_id: str, created: int, chat: bool, include_usage: bool,
+                 extra: dict | None = None) -> None:
+        self.state, self.response_id, self.created, self.chat = state, response_id, created, chat
+        self.include_usage, self.extra = include_usage, extra or {}
+
+    def role_chunks(self, n: int) -> list[dict]:
+        """Chat streams open each choice with a chunk that carries the role."""
+        if not self.chat:
+            return []
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+                for i in range(n)]
+
+    def delta_chunk(self, out: RequestOutput) -> dict | None:
+        """The chunk for one (merged) delta; None when it carries nothing to send."""
+        # A token with no text yet (half a UTF-8 character) still sends its logprobs.
+        choices = [self._choice(c) for c in out.outputs if c.text or c.finish_reason or c.logprobs]
+        return self.chunk(choices) if choices else None
+
+    def usage_chunk(self, merged: RequestOutput) -> dict:
+        """The last chunk of a stream that asked for `include_usage`: no choices, the whole usage."""
+        return {**self._envelope([]), "usage": output_usage(merged)}
+
+    def chunk(self, choices: list[dict]) -> dict:
+        """A chunk around the given choices (with `usage: null` when the stream asked for usage)."""
+        return {**self._envelope(choices), "usage": None} if self.include_usage else self._envelope(choices)
+
+    def _choice(self, c) -> dict:
+        finish = finish_reason(c.finish_reason)
+        logprobs = _logprobs(self.state, c.logprobs, self.chat) if c.logprobs else None
+        if self.chat:
+            delta = {"content": c.text} if c.text else {}
+            return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": finish}
+
+    def _envelope(self, choices: list[dict]) -> dict:
+        return {
+            "id": self.response_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            **self.extra,
+            "choices": choices,
+        }
+
+
+def whole_response(state: ServerState, out: RequestOutput, response_id: str, created: int, chat: bool) -> dict:
+    """A finished request as one `chat.completion` or `text_completion`."""
+    choices = []
+    for c in out.outputs:
+        logprobs = _logprobs(state, c.logprobs, chat) if c.logprobs else None
+        finish = finish_reason(c.finish_reason)
+        if chat:
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs, "finish_reason": finish})
+        else:
+            choices.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": finish})
+    return {
+        "id": response_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": state.model_name,
+        "choices": choices,
+        "usage": output_usage(out),
+    }
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    """The engine's finish reason as OpenAI names it: "length", "stop", or None while unfinished."""
+    if reason is None:
+        return None
+    return "length" if reason == FinishReason.LENGTH else "stop"
+
+
+def token_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's `usage` object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def output_usage(out: RequestOutput) -> dict:
+    """The `usage` of a request's (merged) output, every choice's tokens counted."""
+    return token_usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
+
+
+def _logprobs(state: ServerState, logprobs, chat: bool) -> dict:
+    token = state.token_text
+    if chat:
+        return {"content": [
+            {
+                "token": token(lp.token_id),
+                "logprob": lp.logprob,
+                "bytes": list(token(lp.token_id).encode()),
+                "top_logprobs": [{"token": token(t), "logprob": v, "bytes": list(token(t).encode())} for t, v in lp.top.items()],
+            }
+            for lp in logprobs
+        ]}
+    return {
+        "tokens": [token(lp.token_id) for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{token(t): v for t, v in lp.top.items()} for lp in logprobs],
+    }

@@ -1,0 +1,121 @@
+"""The small routes that report and change nothing: the model served (`/v1/models`), a caller's
+usage (`/v1/usage`), health, readiness and metrics.
+
+They read the engine's health and stats and the store's totals; they never generate. The
+generating routes are completions.py and conversations.py.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import datetime, timedelta, timezone
+
+from aiohttp import web
+
+from chatd.http.auth import TENANT
+from chatd.http.errors import APIError
+from chatd.http.state import STATE, ServerState
+from chatd.http.wire import json_response
+
+
+async def models(request: web.Request) -> web.Response:
+    """The one model this server serves, as OpenAI lists models."""
+    state = request.app[STATE]
+    return json_response({"object": "list", "data": [state.model_card()]})
+
+
+async def usage(request: web.Request) -> web.Response:
+    """The caller's token and cost totals over `?start=&end=` (unix seconds or ISO 8601, UTC) or `?period=day|month`."""
+    state, tenant = request.app[STATE], request[TENANT]
+    start, end = _usage_window(request.query)
+    totals = await state.store.usage(tenant.id, start, end)
+    return json_response({
+        "object": "usage",
+        "tenant": tenant.name,
+        "tier": tenant.tier,
+        "start": start,
+        "end": end,
+        "requests": totals.requests,
+        "input_tokens": totals.input_tokens,
+        "cached_tokens": totals.cached_tokens,
+        "output_tokens": totals.output_tokens,
+        "cost": round(totals.cost, 10),
+        "currency": "USD",
+    })
+
+
+def _usage_window(query) -> tuple[float, float]:
+    period = query.get("period")
+    if period is not None and ("start" in query or "end" in query):
+        raise APIError(400, "give either period or start/end, not both", "period")
+    if "start" in query or "end" in query:
+        start = _timestamp(query.get("start"), "start", 0.0)
+        end = _timestamp(query.get("end"), "end", time.time() + 1)
+        if end <= start:
+            raise APIError(400, f"end ({end}) must be after start ({start})", "end")
+        return start, end
+    now = datetime.now(timezone.utc)
+    if period in (None, "month"):
+        first = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        following = first.replace(year=first.year + 1, month=1) if first.month == 12 else first.replace(month=first.month + 1)
+    elif period == "day":
+        first = now.replace(hour=0, minute=0, second=0, microsecond=0)
+        following = first + timedelta(days=1)
+    else:
+        raise APIError(400, f"period must be 'day' or 'month', got {period!r}", "period")
+    return first.timestamp(), following.timestamp()
+
+
+def _timestamp(value: str | None, name: str, default: float) -> float:
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(seconds):
+            raise APIError(400, f"{name} must be a finite number of unix seconds or an ISO 8601 date, got {value!r}", name)
+        return seconds
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise APIError(400, f"{name} must be unix seconds or an ISO 8601 date, got {value!r}", name) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+async def health(request: web.Request) -> web.Response:
+    """Whether the process can serve: 503 once the engine died. A store that cannot write is reported, not fatal."""
+    state = request.app[STATE]
+    problem = state.engine.health()
+    if problem is not None:
+        return web.json_response({"status": "engine stopped", "error": problem}, status=503)
+    return web.json_response({"status": "ok", "store": _store_status(state)})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Whether to send it traffic: not while warming up, nor while its store cannot record usage."""
+    state = request.app[STATE]
+    if not state.ready:
+        return web.json_response({"status": "warming up"}, status=503)
+    if not state.ledger.healthy:
+        return web.json_response({"status": "store cannot write", "store": _store_status(state)}, status=503,
+                                 headers={"Retry-After": str(state.ledger.retry_after)})
+    return web.json_response({"status": "ready"})
+
+
+def _store_status(state: ServerState) -> dict:
+    ledger = state.ledger
+    return {"writable": ledger.healthy, "pending_writes": ledger.num_pending,
+            "error": None if ledger.healthy else ledger.last_error}
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text: the server's request metrics and the engine's latest stats."""
+    state = request.app[STATE]
+    state.metrics.update_engine(state.engine.stats())
+    body, content_type = state.metrics.render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
