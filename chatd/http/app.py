@@ -1,7 +1,8 @@
 """The aiohttp application factory: middleware (request id, errors, auth) and routes.
 
-The app knows the engine only through ServerState; starting and stopping the engine and the
-listening socket is the job of `serve.py`.
+The app holds ServerState (STATE) and the conversation turns under way (TURNS); it knows the
+engine only through ServerState. Starting and stopping the engine and the listening socket is
+the job of `serve.py`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from chatd.http import completions, conversations, status
 from chatd.http.auth import auth_middleware
 from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware, error_response
 from chatd.http.state import STATE, ServerState
+from chatd.http.turns import TURNS, Turns
 
 
 # What a client's X-Request-Id may look like to be logged and echoed: visible ASCII, short.
@@ -53,6 +55,7 @@ def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Appli
     middlewares = [request_id_middleware, error_middleware, store_middleware, auth_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[STATE] = state
+    app[TURNS] = Turns(state)
     app[MAX_BODY_BYTES] = max_body_bytes
     app.on_response_prepare.append(_echo_request_id)
     # Every route gets chatd's Expect handler: aiohttp runs it before any middleware, and its own

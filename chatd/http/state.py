@@ -8,7 +8,7 @@ import logging
 import sqlite3
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -18,9 +18,6 @@ from chatd.http.errors import APIError
 from chatd.http.metrics import ServerMetrics
 from chatd.store.db import Store, Tenant
 from chatd.store.ledger import Ledger, cannot_write_now
-
-if TYPE_CHECKING:
-    from chatd.http.conversations import ReplyStream
 
 log = logging.getLogger("chatd.http")
 
@@ -42,8 +39,6 @@ class ServerState:
     ready: bool = False
     stopping: bool = False  # set at shutdown: replies cut short now are partial, not failed
     metrics: ServerMetrics = field(init=False)
-    replies: dict[str, ReplyStream] = field(default_factory=dict)  # assistant message id -> its reply's events
-    busy: set[str] = field(default_factory=set)  # conversations with a reply being generated
     # Token ids of the chat template's rendering of each [cache] shared_system_prompts entry.
     shared_prefixes: list[list[int]] = field(default_factory=list)
     # Rendering and tokenizing run here, off the event loop. Two threads: a huge prompt does not
