@@ -51,20 +51,18 @@ class RequestHandle(Protocol):
 class EngineClient(Protocol):
     """What a server needs of an engine (vLLM's `EngineClient`): AsyncEngine, or a scripted fake in tests."""
 
-    def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        num_shared_prefix_tokens: int = 0,
-    ) -> RequestHandle: ...
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
+                 cache_salt: str | None = None, num_shared_prefix_tokens: int = 0) -> RequestHandle:
+        """Queue a request (as AsyncEngine.generate); iterate the handle for its merged deltas."""
 
-    def abort(self, request_id: str) -> None: ...
+    def abort(self, request_id: str) -> None:
+        """End another reader's request; its reader gets a finished output."""
 
-    def stats(self) -> EngineStats: ...
+    def stats(self) -> EngineStats:
+        """The engine's counters now."""
 
-    def health(self) -> str | None: ...
+    def health(self) -> str | None:
+        """None while the engine serves; otherwise why it cannot."""
 
 
 class RequestStream:

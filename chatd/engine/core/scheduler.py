@@ -120,16 +120,10 @@ class Scheduler:
         """A snapshot of the queues, the KV pool and the counters."""
         blocks = self.block_manager
         return EngineStats(
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            kv_cache_usage=blocks.usage,
-            num_blocks=blocks.num_blocks,
-            num_free_blocks=blocks.num_free_blocks,
-            prefix_cache_queries=blocks.num_prefix_queries,
-            prefix_cache_hits=blocks.num_prefix_hits,
-            num_preemptions=self.num_preemptions,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
+            num_running=self.num_running, num_waiting=self.num_waiting, num_preemptions=self.num_preemptions,
+            kv_cache_usage=blocks.usage, num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
+            prefix_cache_queries=blocks.num_prefix_queries, prefix_cache_hits=blocks.num_prefix_hits,
+            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
         )
 
     def add(self, seq: Sequence) -> None:
