@@ -1,0 +1,1 @@
+"""The engine's plain-Python core, no torch: sequence.py -> block_manager.py -> scheduler.py (read in that order)."""
