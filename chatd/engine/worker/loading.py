@@ -12,16 +12,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
-from chatd.config import Config, ModelConfig
+from chatd.config import Config, ModelConfig, chatd_home
 from chatd.engine.attention import AttentionShape, select_backend
 from chatd.engine.models.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
-from chatd.engine.models.loader import load_model, max_model_len, resolve_dtype, resolve_model_path
+from chatd.engine.models.loader import (
+    DEFAULT_MODEL_INSTALL,
+    default_model_path,
+    load_model,
+    max_model_len,
+    open_checkpoint,
+    resolve_dtype,
+    resolve_model_path,
+)
 from chatd.engine.tokenizer import Tokenizer
 from chatd.engine.worker.runner import ModelRunner, kv_block_bytes
 
 log = logging.getLogger("chatd.engine")
+
+# A folder holds a tokenizer when it has one of these (fast tokenizer, SentencePiece, BPE vocab).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 @dataclass
@@ -82,11 +92,12 @@ def profile_kv_blocks(runner: ModelRunner, config: Config, block_bytes: int) -> 
 def load_engine_parts(config: Config) -> EngineParts:
     """Load the model (or build the demo model), size the KV pool and build the runner, in the steps below."""
     model_path, demo = locate_model(config.model)
+    checkpoint = open_checkpoint(model_path, chatd_home() / "gguf")
     device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device, AutoConfig.from_pretrained(model_path).dtype)
-    model, hf_config = load_model(model_path, dtype, device)
+    dtype = resolve_dtype(config.model.dtype, device, checkpoint.hf_config.dtype)
+    model, hf_config = load_model(checkpoint, dtype, device)
     context = context_length(hf_config, config.model)
-    tokenizer, eos = load_tokenizer(model_path, hf_config, config.model)
+    tokenizer, eos = load_tokenizer(checkpoint.config_dir, hf_config, config.model)
 
     block_size = config.cache.block_size
     shape = AttentionShape(hf_config.num_attention_heads, model.num_kv_heads, model.head_dim, block_size, dtype)
@@ -107,8 +118,21 @@ def load_engine_parts(config: Config) -> EngineParts:
 
 
 def locate_model(config: ModelConfig) -> tuple[Path, bool]:
-    """The model's folder (built on first use for the demo model when none is named) and whether it is the demo."""
-    model_path = ensure_demo_model() if not config.path else resolve_model_path(config.path)
+    """The model's folder or GGUF file, and whether it is the random demo model.
+
+    No path: the default model where its package is installed, else (with the command that adds
+    it) the demo model. `demo`: the demo model, built on first use.
+    """
+    if config.path == "demo":
+        model_path = ensure_demo_model()
+    elif config.path:
+        model_path = resolve_model_path(config.path)
+    elif (default := default_model_path()) is not None:
+        model_path = default
+    else:
+        log.warning("the default model (SmolLM2-135M-Instruct) is not installed; `%s` adds it (98 MB). "
+                    "Serving the random demo model meanwhile.", DEFAULT_MODEL_INSTALL)
+        model_path = ensure_demo_model()
     demo = is_demo_model(model_path)
     if demo:
         log.warning(DEMO_WARNING)
@@ -128,10 +152,15 @@ def context_length(hf_config, config: ModelConfig) -> int:
 def load_tokenizer(model_path: Path, hf_config, config: ModelConfig) -> tuple[Tokenizer | None, frozenset[int]]:
     """The model's tokenizer (None for a weights-only folder) and its end-of-sequence ids."""
     tokenizer = None
-    try:
-        tokenizer = Tokenizer.from_pretrained(model_path, config.special_tokens_in_messages)
-    except Exception as exc:  # a weights-only folder still serves token-id prompts
-        log.warning("no usable tokenizer in %s (%s); only token-id prompts will work", model_path, exc)
+    if not any((model_path / name).exists() for name in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer from config.json's model type alone (Qwen2's
+        # encodes every text to no tokens): a folder without tokenizer files has none.
+        log.warning("no tokenizer files in %s; only token-id prompts will work", model_path)
+    else:
+        try:
+            tokenizer = Tokenizer.from_pretrained(model_path, config.special_tokens_in_messages)
+        except Exception as exc:  # a weights-only folder still serves token-id prompts
+            log.warning("no usable tokenizer in %s (%s); only token-id prompts will work", model_path, exc)
     eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
     if not eos:
         config_eos = hf_config.eos_token_id

