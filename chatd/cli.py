@@ -1,9 +1,10 @@
 """The `chatd` command: the composition root, the one module that sees every part.
 
 Subcommands: `serve` (the OpenAI-compatible server), `bench` (load-test a server), `generate`
-(stream one completion to the terminal), `demo-model DIR` (build the random-weight demo model),
-`keys create|list|revoke` (API keys in the store). Each subcommand imports what it runs only
-when it runs: `chatd keys list` loads neither the engine, the HTTP server nor the load generator.
+(stream one completion to the terminal), `chat` (chat in the terminal, in-process or with a
+server), `demo-model DIR` (build the random-weight demo model), `keys create|list|revoke` (API
+keys in the store). Each subcommand imports what it runs only when it runs: `chatd keys list`
+loads neither the engine, the HTTP server nor the load generator.
 """
 
 from __future__ import annotations
@@ -15,23 +16,33 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from chatd.bench import add_parser as add_bench_parser
 from chatd.config import load_config, store_path
 from chatd.logs import setup_logging
 from chatd.store.db import TIERS, Store
 
+if TYPE_CHECKING:
+    from chatd.engine import LLMEngine
+
 T = TypeVar("T")
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from chatd.engine import LLMEngine, SamplingParams
+def _load_engine(args: argparse.Namespace) -> LLMEngine:
+    """The LLMEngine for `generate` and `chat`: the config file, with --model and --device over it."""
+    from chatd.engine import LLMEngine
 
     overrides = {"model": {"path": args.model}} if args.model else {}
     if args.device:
         overrides.setdefault("model", {})["device"] = args.device
-    engine = LLMEngine.from_config(load_config(args.config, overrides))
+    return LLMEngine.from_config(load_config(args.config, overrides))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from chatd.engine import SamplingParams
+
+    engine = _load_engine(args)
     prompt: str | list[int] = args.prompt
     tokenizer = engine.tokenizer
     if tokenizer is not None and not args.raw and tokenizer.hf.chat_template:
@@ -47,6 +58,17 @@ def _generate(args: argparse.Namespace) -> int:
                 return 1
     sys.stdout.write("\n")
     return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from chatd.chat import Chat, EngineBackend, HTTPBackend
+
+    if args.url:
+        backend = HTTPBackend(args.url, args.api_key, args.model, args.max_tokens, args.temperature,
+                              with_usage=args.verbose)
+    else:
+        backend = EngineBackend(_load_engine(args), args.max_tokens, args.temperature)
+    return Chat(backend, sys.stdin, sys.stdout, system=args.system, verbose=args.verbose).run()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -65,6 +87,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["model"]["attention_backend"] = args.attention_backend
     if args.no_cuda_graphs:
         overrides["model"]["cuda_graphs"] = False
+    if args.allowed_origins is not None:
+        overrides["server"]["allowed_origins"] = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     config = load_config(args.config, overrides)
     setup_logging(config.server.log_json)
     asyncio.run(serve(config))
@@ -128,11 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
-    serve.add_argument("--model", help="model folder or Hugging Face hub id (default: the demo model)")
-    serve.add_argument("--config", help="path to a config.toml")
+    _add_model_flags(serve)
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
-    serve.add_argument("--device", help="auto | cpu | cuda[:N]")
+    serve.add_argument("--allowed-origins", metavar="ORIGINS",
+                       help="comma-separated browser origins allowed to call the API (CORS), e.g. https://a.example")
     serve.add_argument("--attention-backend", help="auto | flash-attn | torch-varlen | triton | sdpa")
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graphs)")
     serve.set_defaults(func=_serve)
@@ -141,14 +165,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate one reply and stream it to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--model", help="model folder or Hugging Face hub id (default: the demo model)")
-    gen.add_argument("--config", help="path to a config.toml")
-    gen.add_argument("--device", help="auto | cpu | cuda[:N]")
+    _add_model_flags(gen)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.7)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.set_defaults(func=_generate)
+
+    chat = sub.add_parser("chat", help="chat in the terminal with the model, loaded here or served at --url")
+    _add_model_flags(chat, model_help="model folder or Hugging Face hub id to load (default: the demo model); "
+                                      "with --url, the model name sent to the server (default: none)")
+    chat.add_argument("--url", help="an OpenAI-compatible server to chat with, e.g. http://127.0.0.1:8000 "
+                                    "(default: load the model in this process)")
+    chat.add_argument("--api-key", help="the server's API key (with --url)")
+    chat.add_argument("--system", help="a system prompt, kept across /reset")
+    chat.add_argument("--max-tokens", type=int,
+                      help="the most tokens a reply may have (default: what the context window leaves)")
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--verbose", action="store_true",
+                      help="after each reply, print its prompt and reply token counts")
+    chat.set_defaults(func=_chat)
 
     demo = sub.add_parser("demo-model", help="build the tiny random-weight demo model in DIR")
     demo.add_argument("dir")
@@ -168,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (create, list_, revoke):
         command.add_argument("--config", help="path to a config.toml (its [store] db_path says where the keys live)")
     return parser
+
+
+def _add_model_flags(parser: argparse.ArgumentParser,
+                     model_help: str = "model folder or Hugging Face hub id (default: the demo model)") -> None:
+    parser.add_argument("--model", help=model_help)
+    parser.add_argument("--config", help="path to a config.toml")
+    parser.add_argument("--device", help="auto | cpu | cuda[:N]")
 
 
 def main(argv: list[str] | None = None) -> int:
