@@ -53,3 +53,69 @@ def test_steps_quick_on_cpu_reports_step_times_rooflines_and_a_prefix_cache_hit(
 )
 def test_offline_runs_the_steps_section_on_cuda_unless_skipped_and_on_cpu_when_asked(flags, runs_steps):
     assert load_offline().parse_args(flags).run_steps is runs_steps
+
+
+def load_llamacpp():
+    spec = importlib.util.spec_from_file_location("llamacpp_benchmark", ROOT / "benchmarks" / "llamacpp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llamacpp_f32_copy_keeps_every_metadata_value_and_dequantizes_every_tensor(tmp_path):
+    import gguf
+    import numpy as np
+
+    source, dest = tmp_path / "tiny.Q8_0.gguf", tmp_path / "tiny.F32.gguf"
+    writer = gguf.GGUFWriter(source, arch="llama")
+    writer.add_string("general.name", "tiny")
+    writer.add_uint32("general.file_type", int(gguf.LlamaFileType.MOSTLY_Q8_0))
+    writer.add_uint32("llama.block_count", 1)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_bool("tokenizer.ggml.add_bos_token", False)
+    writer.add_array("tokenizer.ggml.tokens", ["<s>", "hello", " world"])
+    writer.add_array("tokenizer.ggml.token_type", [3, 1, 1])
+    writer.add_string("tokenizer.chat_template", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((3, 64)).astype(np.float32)  # [rows, columns]: rows of two 32-value blocks
+    norm = rng.standard_normal(64).astype(np.float32)
+    writer.add_tensor("token_embd.weight", gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", norm)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    load_llamacpp().write_f32_gguf(source, dest)
+
+    before, after = gguf.GGUFReader(source), gguf.GGUFReader(dest)
+    keys = [name for name in before.fields if not name.startswith("GGUF.")]
+    assert keys == [name for name in after.fields if not name.startswith("GGUF.")]
+    for name in keys:
+        expected = before.fields[name].contents()
+        if name == "general.file_type":
+            expected = int(gguf.LlamaFileType.ALL_F32)
+        assert after.fields[name].contents() == expected, name
+        assert after.fields[name].types == before.fields[name].types, name
+    assert [t.name for t in after.tensors] == ["token_embd.weight", "output_norm.weight"]
+    embd, out_norm = after.tensors
+    assert embd.tensor_type == out_norm.tensor_type == gguf.GGMLQuantizationType.F32
+    assert embd.shape.tolist() == [64, 3]  # GGUF order, as in the source
+    np.testing.assert_array_equal(embd.data, gguf.quants.dequantize(before.tensors[0].data, gguf.GGMLQuantizationType.Q8_0))
+    np.testing.assert_allclose(embd.data, weight, atol=0.05)  # Q8_0's rounding, no transposed or permuted rows
+    np.testing.assert_array_equal(out_norm.data, norm)
+    assert not list(tmp_path.glob("*.partial-*"))
+
+
+def test_llamacpp_reports_a_crash_by_signal_name_and_ratios_per_shared_level():
+    module = load_llamacpp()
+    assert module.exit_reason(-4) == "killed by SIGILL (Illegal instruction)"
+    assert module.exit_reason(1) == "exit 1"
+    level = lambda c, tok_s, ttft, itl: {"concurrency": c, "output_tokens_per_s": tok_s,  # noqa: E731
+                                         "ttft": {"p50": ttft}, "itl_per_chunk": {"p50": itl}}
+    chatd = {"levels": [level(1, 30.0, 0.2, 0.03), level(16, 100.0, 1.0, 0.1)]}
+    peer = {"levels": [level(1, 40.0, 0.4, 0.02)]}  # died before level 16
+    assert module.ratios(chatd, peer) == [{"concurrency": 1, "output_tokens_per_s": 0.75, "ttft_p50": 0.5, "itl_p50": 1.5}]
+    args = module.parse_args(["--concurrency", "1,16", "--num-requests", "8"])
+    assert args.num_requests == (8, 8) and args.runs == ("chatd", "llama-f32", "llama-q4_1")
