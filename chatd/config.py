@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +65,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # sequences running at once
 
 
+# An origin as browsers send it in `Origin`: scheme://host[:port], nothing after.
+ORIGIN = re.compile(r"\*|[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP front end."""
@@ -80,6 +85,14 @@ class ServerConfig:
     body_timeout_seconds: float = 60.0  # the body must arrive this soon after the head (else 408, closed)
     send_timeout_seconds: float = 60.0  # a response write the client does not take this soon drops it
     stream_buffer_bytes: int = 8 * 2**20  # output held for a stream's client beyond this drops it
+    # Web pages on these origins may call the API from a browser (CORS); "*" is any origin. Empty: none.
+    allowed_origins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for origin in self.allowed_origins:
+            if not ORIGIN.fullmatch(origin):
+                raise ValueError(f"setting server.allowed_origins takes origins like \"https://chat.example.com\" "
+                                 f"(scheme://host[:port], no path or trailing slash) or \"*\", got {origin!r}")
 
 
 @dataclass(frozen=True)

@@ -76,3 +76,82 @@ def make_model_info(max_model_len: int = 64, **fields) -> ModelInfo:
     defaults = dict(path="/models/m", max_model_len=max_model_len, vocab_size=1000, dtype="float32", device="cpu",
                     attention_backend="sdpa", cuda_graph_max_batch=0, num_kv_blocks=64, block_size=8, is_demo=True)
     return ModelInfo(**{**defaults, **fields})
+
+
+# -- a chat server without a model (tests/http/test_page.py, test_cors.py) -----------------------
+
+
+class ScriptedChatEngine:
+    """Stands in for AsyncEngine behind a chat server: each reply is the next text of `replies`
+    (else `default`), sent a word per delta with `pause` seconds before each; an abort ends it
+    as the real engine does (a last output with finish_reason abort)."""
+
+    def __init__(self, pause: float = 0.02, default: str = "Hello from the scripted engine.") -> None:
+        self.pause, self.default = pause, default
+        self.replies: list[str] = []
+        self.aborted: set[str] = set()
+        self.num_requests = 0
+        self.error = None
+        self.is_running = True
+
+    def generate(self, prompt, params, priority=0, cache_salt=None, num_shared_prefix_tokens=0) -> ScriptedReply:
+        self.num_requests += 1
+        text = self.replies.pop(0) if self.replies else self.default
+        return ScriptedReply(self, f"scripted-{self.num_requests}", prompt, text)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    def health(self) -> str | None:
+        return None
+
+
+class ScriptedReply:
+    """What ScriptedChatEngine.generate returns: AsyncEngine's RequestStream interface over one text."""
+
+    def __init__(self, engine: ScriptedChatEngine, request_id: str, prompt: list[int], text: str) -> None:
+        self.engine, self.request_id, self.prompt, self.text = engine, request_id, prompt, text
+
+    async def __aiter__(self):
+        import asyncio
+        import re
+
+        from chatd.engine import CompletionOutput, FinishReason, RequestOutput
+
+        words = re.split(r"(?<=\s)(?=\S)", self.text)  # each word with the spaces after it
+        for i, word in enumerate(words):
+            await asyncio.sleep(self.engine.pause)
+            if self.request_id in self.engine.aborted:
+                yield RequestOutput(self.request_id, self.prompt, [CompletionOutput(0, finish_reason=FinishReason.ABORT)],
+                                    finished=True)
+                return
+            last = i == len(words) - 1
+            out = CompletionOutput(0, text=word, token_ids=[7], finish_reason=FinishReason.STOP if last else None)
+            yield RequestOutput(self.request_id, self.prompt, [out], finished=last)
+
+    def abort(self) -> None:
+        self.engine.abort(self.request_id)
+
+
+async def make_server_state(engine, root, config=None, model_name: str = "scripted"):
+    """A ServerState around `engine`, with the demo tokenizer and a real SQLite store made in the
+    folder `root`; `close_server_state` ends it."""
+    from chatd.engine.models.demo import build_tokenizer
+    from chatd.http.state import ServerState
+    from chatd.store.db import Store
+    from chatd.store.ledger import Ledger
+
+    build_tokenizer(root / "tokenizer")
+    store = await Store.open(root / "chatd.db")
+    ledger = Ledger(store, retry_seconds=1.0)
+    ledger.start()
+    fields = {"config": config} if config is not None else {}
+    return ServerState(engine=engine, tokenizer=Tokenizer.from_pretrained(root / "tokenizer"), model=make_model_info(4096),
+                       model_name=model_name, store=store, local_tenant=await store.local_tenant("paid"), ledger=ledger, **fields)
+
+
+async def close_server_state(state) -> None:
+    """Let the turns under way finish (cancelled after a few seconds), write what is left, close the store."""
+    await state.wait_background(5.0)
+    await state.ledger.stop(timeout=5.0)
+    await state.store.close()

@@ -62,3 +62,14 @@ def test_prices_are_per_model_and_cached_tokens_may_have_their_own(tmp_path):
         build_config({"prices": {"demo": {"inptu": 1.0}}})
     with pytest.raises(ValueError, match="prices.demo.output must be a number"):
         build_config({"prices": {"demo": {"output": "cheap"}}})
+
+
+def test_allowed_origins_are_origins_or_a_star():
+    config = build_config({"server": {"allowed_origins": ["https://chat.example.com", "http://localhost:5173", "*"]}})
+    assert config.server.allowed_origins == ("https://chat.example.com", "http://localhost:5173", "*")
+    assert Config().server.allowed_origins == ()  # off by default
+    for bad in ("https://chat.example.com/", "chat.example.com", "https://chat.example.com/app", "", "null"):
+        with pytest.raises(ValueError, match="server.allowed_origins takes origins like"):
+            build_config({"server": {"allowed_origins": [bad]}})
+    with pytest.raises(ValueError, match="server.allowed_origins must be a list of strings"):
+        build_config({"server": {"allowed_origins": "https://chat.example.com"}})

@@ -1,4 +1,4 @@
-"""The aiohttp application factory: middleware (request id, errors, auth) and routes.
+"""The aiohttp application factory: middleware (request id, errors, CORS, auth) and routes.
 
 The app holds ServerState (STATE) and the conversation turns under way (TURNS); it knows the
 engine only through ServerState. Starting and stopping the engine and the listening socket is
@@ -13,8 +13,9 @@ import uuid
 
 from aiohttp import web
 
-from chatd.http import completions, conversations, status
+from chatd.http import completions, conversations, page, status
 from chatd.http.auth import auth_middleware
+from chatd.http.cors import Cors
 from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware, error_response
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import TURNS, Turns
@@ -52,12 +53,16 @@ async def store_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Application:
     """Build the app around a started engine."""
-    middlewares = [request_id_middleware, error_middleware, store_middleware, auth_middleware]
+    cors = Cors(state.config.server.allowed_origins)
+    middlewares = [request_id_middleware, error_middleware, *cors.middlewares, store_middleware, auth_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[STATE] = state
     app[TURNS] = Turns(state)
     app[MAX_BODY_BYTES] = max_body_bytes
+    app[page.STATIC] = page.load_static()
     app.on_response_prepare.append(_echo_request_id)
+    if cors.enabled:  # off by default, and then nothing of it runs
+        app.on_response_prepare.append(cors.add_headers)
     # Every route gets chatd's Expect handler: aiohttp runs it before any middleware, and its own
     # answered a value that is not UTF-8 with a 500.
     router = app.router
@@ -72,6 +77,9 @@ def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Appli
     router.add_delete("/v1/conversations/{conversation_id}", conversations.delete_conversation, expect_handler=expect)
     post("/v1/conversations/{conversation_id}/messages", conversations.post_message)
     get("/v1/conversations/{conversation_id}/messages/{message_id}/stream", conversations.stream_message)
+    post("/v1/conversations/{conversation_id}/messages/{message_id}/cancel", conversations.cancel_message)
+    get("/", page.chat_page)
+    get("/static/{name:.+}", page.static_file)
     get("/health", status.health)
     get("/ready", status.ready)
     get("/metrics", status.metrics)

@@ -44,7 +44,7 @@ class ReplyStream:
     def __init__(self, conversation_id: str, message_id: str, engine_request_id: str | None = None) -> None:
         self.conversation_id, self.message_id = conversation_id, message_id
         self.engine_request_id = engine_request_id  # None for a reply rebuilt from its row
-        self.deleted = False  # its conversation was deleted while it was being generated
+        self.stopped_by: str | None = None  # "delete" (of its conversation) or "cancel": a client stopped it
         self.events: list[bytes] = []
         self.message: Message | None = None  # the reply as saved, once it has ended
         self._changed = asyncio.Event()
@@ -81,10 +81,13 @@ class ReplyStream:
                 yield b": keep-alive\n\n"
 
     def interruption(self) -> APIError:
-        """Why this reply was cut short: the client's own delete (409) or the server stopping (503)."""
-        if self.deleted:
+        """Why this reply was cut short: a client's delete or cancel (409) or the server stopping (503)."""
+        if self.stopped_by == "delete":
             return APIError(409, "the conversation was deleted while this reply was being generated; what was generated "
                                  "is saved as a partial message", None, "conversation_deleted")
+        if self.stopped_by == "cancel":
+            return APIError(409, "the reply was cancelled; what was generated is saved as a partial message", None,
+                            "reply_cancelled")
         return APIError(503, "the reply was cut short (the server is stopping); what was generated is saved as a "
                              "partial message", None, "reply_interrupted")
 
@@ -119,10 +122,22 @@ class Turns:
 
     def abort_conversation(self, conversation_id: str) -> None:
         """Stop the reply being generated in a deleted conversation; its turn saves what it has as partial."""
-        for reply in self._replies.values():  # nobody wants the rest of a reply in a deleted conversation
-            if reply.conversation_id == conversation_id and not reply.done and reply.engine_request_id:
-                reply.deleted = True
-                self.state.engine.abort(reply.engine_request_id)  # its turn task wakes with the abort and saves it as partial
+        for reply in list(self._replies.values()):  # nobody wants the rest of a reply in a deleted conversation
+            if reply.conversation_id == conversation_id:
+                self._stop(reply, "delete")
+
+    def cancel_reply(self, message_id: str) -> ReplyStream | None:
+        """Stop one reply being generated (a client's Stop); its turn saves what it has as partial.
+        The reply, while it is in memory (None once only its row is left)."""
+        reply = self._replies.get(message_id)
+        if reply is not None:
+            self._stop(reply, "cancel")
+        return reply
+
+    def _stop(self, reply: ReplyStream, why: str) -> None:
+        if not reply.done and reply.engine_request_id and reply.stopped_by is None:
+            reply.stopped_by = why
+            self.state.engine.abort(reply.engine_request_id)  # its turn task wakes with the abort and saves it as partial
 
     # -- the turn task ----------------------------------------------------------------------------
 
@@ -191,7 +206,7 @@ class Turns:
         if merged is not None and merged.finished and error is None and not aborted:
             status = "complete"
         elif error is None or state.stopping:
-            status = "partial"  # aborted (conversation deleted) or the server is stopping
+            status = "partial"  # aborted (cancelled, conversation deleted) or the server is stopping
         else:
             status = "error"
         output = merged.outputs[0] if merged is not None and merged.outputs else None

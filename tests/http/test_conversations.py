@@ -392,3 +392,39 @@ async def test_a_stop_mid_reply_saves_what_was_generated_as_partial(tmp_path, se
         conversation["id"])
     assert status == "partial" and content and 0 < completion < 450
     assert db_rows(db, "SELECT completion_tokens FROM usage_events WHERE conversation_id = ?", conversation["id"]) == [(completion,)]
+
+
+async def test_a_reply_is_cancelled_by_its_own_tenant_only_and_saved_as_partial(server):
+    url = server["url"]
+    async with aiohttp.ClientSession() as session:
+        messages = f"{url}/v1/conversations/{(await new_conversation(session, server))['id']}/messages"
+        response = await session.post(messages, headers=headers(server),
+                                      json={"content": "talk", "max_tokens": 400, "ignore_eos": True, "stream": True})
+        raw = b""
+        while raw.count(b"\n\n") < 6:  # the reply is under way
+            raw += await response.content.readany()
+        message_id = json.loads(parse_events(raw.decode())[0][1])["id"]
+        cancel = f"{messages}/{message_id}/cancel"
+
+        # Another tenant can neither stop it nor learn that it exists; the reply goes on.
+        status, error = await call(session, "POST", cancel, headers=headers(server, "bob"))
+        assert status == 404 and error["error"]["code"] == "not_found"
+        more = raw.count(b"\n\n") + 2
+        while raw.count(b"\n\n") < more:
+            raw += await response.content.readany()
+        # Nor is anything but a reply cancelled: a user message id is a 404.
+        _, got = await call(session, "GET", messages.removesuffix("/messages"), headers=headers(server))
+        status, _ = await call(session, "POST", cancel.replace(message_id, got["messages"][0]["id"]), headers=headers(server))
+        assert status == 404
+
+        status, saved = await call(session, "POST", cancel, headers=headers(server))
+        assert status == 200 and saved["id"] == message_id and saved["status"] == "partial"
+        assert 0 < saved["usage"]["completion_tokens"] < 400 and saved["finish_reason"] is None
+        events = parse_events((raw + await response.read()).decode())
+        assert json.loads(events[-1][1])["error"]["code"] == "reply_cancelled"
+        assert text_of(events) == saved["content"]
+        # Cancelling it again (a reply that has ended) leaves it as it is.
+        assert await call(session, "POST", cancel, headers=headers(server)) == (200, saved)
+        # The conversation is free for the next message.
+        status, _ = await post(session, server, got["id"], "next", max_tokens=3)
+        assert status == 200

@@ -1,0 +1,240 @@
+"""The chat page at `/` in a real headless browser: Debian's chromium, driven by Playwright, against
+a real aiohttp server on 127.0.0.1 whose engine is scripted (a word per delta, with pauses, so a
+test can stop or reload mid-reply) and whose store is a real SQLite file.
+
+`CHATD_SCREENSHOT=docs/chat-page.png pytest tests/http/test_page.py -k markdown` also saves the
+screenshot the README shows.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestServer
+
+from chatd.config import build_config
+from chatd.http.app import create_app
+from tests.factories import ScriptedChatEngine, close_server_state, make_server_state
+
+playwright_api = pytest.importorskip("playwright.async_api")
+expect = playwright_api.expect
+
+CHROMIUM = Path("/usr/bin/chromium")
+# Headless Debian chromium with no background traffic (without the last four it floods a closed network with refused connects).
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run"]
+DESKTOP, PHONE = {"width": 1280, "height": 800}, {"width": 390, "height": 844}
+WAIT_MS = 5_000  # the longest a step waits for the page (as long as Playwright's expect waits)
+
+# One browser for the module (starting chromium is most of a test's time), so one event loop too.
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"),
+              pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no browser at {CHROMIUM} (apt-get install chromium)")]
+
+LONG_REPLY = " ".join(f"word{i}" for i in range(150))  # 150 deltas: seconds to stream, time to stop or reload
+
+
+class Chat:
+    """The server and one browser tab on its page; `engine.replies` scripts what the model says."""
+
+    def __init__(self, state, server: TestServer, page) -> None:
+        self.state, self.server, self.page = state, server, page
+        self.engine: ScriptedChatEngine = state.engine
+        self.url = str(server.make_url("/"))
+        self.errors: list[str] = []  # uncaught exceptions and CSP refusals seen by the page
+        page.on("pageerror", lambda error: self.errors.append(str(error)))
+        page.on("console", lambda message: self.errors.append(message.text) if "Content Security Policy" in message.text else None)
+
+    async def send(self, text: str) -> None:
+        await self.page.fill("#input", text)
+        await self.page.press("#input", "Enter")
+
+    async def reply_done(self, count: int = 1):
+        """The last reply on screen, once `count` replies have ended and none is streaming."""
+        # Waits go through locators: the page's CSP refuses the eval that wait_for_function needs.
+        await expect(self.page.locator(".message.assistant:not(.waiting)")).to_have_count(count)
+        await expect(self.page.locator(".message.assistant.waiting")).to_have_count(0)
+        return self.page.locator(".message.assistant").last
+
+    async def reply_started(self) -> None:
+        """Some of the reply being generated is on screen (it has not ended)."""
+        await expect(self.page.locator(".message.assistant.waiting .content")).to_have_text(re.compile(r".{20}", re.DOTALL))
+
+    async def user_messages(self) -> list[str]:
+        return await self.page.locator(".message.user .content").all_inner_texts()
+
+    async def api(self, path: str, key: str | None = None) -> dict:
+        """What the API says, for checking what the page did."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with aiohttp.ClientSession() as session, session.get(self.server.make_url(path), headers=headers) as response:
+            return await response.json()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def browser():
+    async with playwright_api.async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_FLAGS)
+        yield browser
+        await browser.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def open_chat(browser, tmp_path):
+    """open_chat(viewport, auth) -> a Chat: a server of its own and a fresh browser context on it.
+    Afterwards the page must have thrown nothing and the CSP refused nothing."""
+    opened: list[tuple[Chat, object]] = []
+
+    async def open_chat(viewport: dict = DESKTOP, auth: bool = False) -> Chat:
+        config = build_config({"auth": {"enabled": auth}})
+        state = await make_server_state(ScriptedChatEngine(pause=0.02), tmp_path / f"server{len(opened)}", config)
+        server = TestServer(create_app(state), host="127.0.0.1")
+        await server.start_server()
+        context = await browser.new_context(viewport=viewport)
+        page = await context.new_page()
+        page.set_default_timeout(WAIT_MS)
+        opened.append((Chat(state, server, page), context))
+        return opened[-1][0]
+
+    yield open_chat
+    for chat, context in opened:
+        await context.close()
+        await chat.server.close()
+        await close_server_state(chat.state)
+        assert chat.errors == []
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def chat(open_chat) -> Chat:
+    chat = await open_chat()
+    await chat.page.goto(chat.url)
+    return chat
+
+
+async def test_a_reply_streams_in_as_markdown_with_its_speed_under_it(chat):
+    chat.engine.pause = 0.04
+    chat.engine.replies.append("Paged attention keeps the **KV cache** in blocks:\n\n- no fragmentation\n- prefixes are shared\n\n"
+                               "```python\nblocks = cache.allocate(seq)\n```\n\nSo a turn costs only its *new* tokens.")
+    await chat.send("How does chatd keep the KV cache?")
+    await chat.reply_started()  # on screen while it is still being generated
+    reply = await chat.reply_done()
+    assert await reply.locator("strong").inner_text() == "KV cache"
+    assert await reply.locator("li").all_inner_texts() == ["no fragmentation", "prefixes are shared"]
+    assert "cache.allocate(seq)" in await reply.locator("pre code").inner_text()
+    stats = await reply.locator(".stats").inner_text()
+    assert "first token" in stats and "tokens/s" in stats and "tokens ·" in stats, stats
+    # The conversation was made for it, titled by the message, and the sidebar lists it.
+    assert await chat.page.locator("#conversations li").all_inner_texts() == ["How does chatd keep the KV cache?\n✕"]
+    if os.environ.get("CHATD_SCREENSHOT"):
+        await chat.page.screenshot(path=os.environ["CHATD_SCREENSHOT"])
+
+
+async def test_stop_ends_the_reply_and_keeps_what_was_generated(chat):
+    chat.engine.replies.append(LONG_REPLY)
+    await chat.send("Count for me")
+    await chat.reply_started()
+    await chat.page.click("#stop")
+    reply = await chat.reply_done()
+    assert "stopped" in await reply.locator(".stats .ended").inner_text()
+    shown = await reply.locator(".content").inner_text()
+    assert 20 < len(shown) < len(LONG_REPLY)
+    assert chat.engine.aborted == {"scripted-1"}
+    conversation = await chat.api(f"/v1/conversations/{chat.page.url.split('#')[1]}")
+    saved = conversation["messages"][-1]
+    assert saved["status"] == "partial" and saved["content"].strip() == shown.strip()
+    # The conversation is free again: the next message gets its reply.
+    assert await chat.page.locator("#send").is_visible() and not await chat.page.locator("#stop").is_visible()
+    await chat.send("Now say hello")
+    assert await (await chat.reply_done(2)).locator(".content").inner_text() == chat.engine.default
+
+
+async def test_a_reload_mid_reply_picks_it_up_again(chat):
+    chat.engine.pause = 0.015
+    chat.engine.replies.append(LONG_REPLY)
+    await chat.send("Count for me")
+    await chat.reply_started()
+    await chat.page.reload()
+    await expect(chat.page.locator(".message.assistant.waiting")).to_have_count(1)  # followed again while it goes on
+    reply = await chat.reply_done()
+    assert await reply.locator(".content").inner_text() == LONG_REPLY
+    assert await chat.user_messages() == ["Count for me"]
+    assert chat.engine.num_requests == 1 and chat.engine.aborted == set()  # the same reply, not a new one
+
+
+async def test_html_in_a_reply_or_a_message_never_runs(chat):
+    chat.engine.replies.append('Look: <script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2"> '
+                               '<b onmouseover="window.__pwned = 3">hover me</b> [click me](javascript:window.__pwned=4) '
+                               '<iframe srcdoc="<script>parent.__pwned = 5</script>"></iframe> end')
+    await chat.send('<img src=y onerror="window.__pwned = 6">')
+    reply = await chat.reply_done()
+    content = reply.locator(".content")
+    await content.locator("b").hover()
+    await content.locator("a").click()
+    assert await chat.page.evaluate("window.__pwned") is None
+    assert await content.locator("script, iframe, [onerror], [onmouseover]").count() == 0
+    assert await content.locator("a").get_attribute("href") is None
+    assert "hover me" in await content.inner_text() and "end" in await content.inner_text()
+    # The user's own message is shown as the text it is.
+    assert await chat.user_messages() == ['<img src=y onerror="window.__pwned = 6">']
+
+
+async def test_conversations_are_listed_newest_first_opened_and_deleted(chat):
+    page = chat.page
+    await page.fill("#system-prompt", "Answer like a pirate.")
+    await chat.send("first chat")
+    await chat.reply_done()
+    await page.click("#new-chat")
+    await chat.send("second chat")
+    await chat.reply_done()
+    titles = page.locator("#conversations .open")
+    assert await titles.all_inner_texts() == ["second chat", "first chat"]
+    listed = (await chat.api("/v1/conversations"))["data"]
+    assert [(c["title"], c["system_prompt"], c["model"]) for c in listed] == [
+        ("second chat", None, "scripted"), ("first chat", "Answer like a pirate.", "scripted")]
+
+    await titles.nth(1).click()  # opening one shows its messages and its system prompt
+    await expect(page.locator("#title")).to_have_text("first chat")
+    assert await chat.user_messages() == ["first chat"]
+    assert await page.locator("#about-system").text_content() == "Answer like a pirate."
+
+    page.on("dialog", lambda dialog: dialog.accept())
+    second = page.locator("#conversations li", has_text="second chat")
+    await second.hover()
+    await second.locator(".delete").click()
+    await expect(page.locator("#conversations li")).to_have_count(1)
+    await page.locator("#conversations li", has_text="first chat").locator(".delete").click()  # the open one
+    await expect(page.locator("#title")).to_have_text("New chat")
+    assert await page.locator("#conversations li").count() == 0 and await page.locator("#setup").is_visible()
+    assert (await chat.api("/v1/conversations"))["data"] == []
+
+
+async def test_with_auth_on_the_page_asks_for_a_key_and_keeps_it_in_the_browser(open_chat):
+    chat = await open_chat(auth=True)
+    key, _ = await chat.state.store.create_key("alice", "paid")
+    await chat.page.goto(chat.url)
+    await expect(chat.page.locator("#key-form")).to_be_visible()
+    assert "needs an API key" in await chat.page.locator("#error").inner_text()
+    await chat.page.fill("#api-key", key)
+    await chat.page.click("#key-form button[type=submit]")
+    await expect(chat.page.locator("#error")).to_be_hidden()
+    await chat.send("hello with a key")
+    await chat.reply_done()
+    assert await chat.page.evaluate("localStorage.getItem('chatd.apiKey')") == key
+    assert [c["title"] for c in (await chat.api("/v1/conversations", key))["data"]] == ["hello with a key"]
+
+
+async def test_on_a_phone_the_sidebar_slides_in(open_chat):
+    chat = await open_chat(viewport=PHONE)
+    await chat.page.goto(chat.url)
+    await chat.send("hello from a phone")
+    await chat.reply_done()
+    sidebar = chat.page.locator("#sidebar")
+    await expect(sidebar).not_to_be_in_viewport()
+    assert (await chat.page.locator("#composer").bounding_box())["width"] <= PHONE["width"]
+    await chat.page.click("#menu")
+    await expect(sidebar).to_be_in_viewport(ratio=1)
+    await chat.page.click("#new-chat")  # and it slides away again
+    await expect(sidebar).not_to_be_in_viewport()
