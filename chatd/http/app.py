@@ -74,6 +74,7 @@ def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Appli
     post("/v1/conversations", conversations.create_conversation)
     get("/v1/conversations", conversations.list_conversations)
     get("/v1/conversations/{conversation_id}", conversations.get_conversation)
+    post("/v1/conversations/{conversation_id}", conversations.update_conversation)
     router.add_delete("/v1/conversations/{conversation_id}", conversations.delete_conversation, expect_handler=expect)
     post("/v1/conversations/{conversation_id}/messages", conversations.post_message)
     get("/v1/conversations/{conversation_id}/messages/{message_id}/stream", conversations.stream_message)

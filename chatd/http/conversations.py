@@ -17,7 +17,7 @@ from aiohttp import web
 from chatd.http.auth import TENANT
 from chatd.http.errors import APIError
 from chatd.http.openai_format import token_usage
-from chatd.http.protocol import parse_new_conversation, parse_turn, shown
+from chatd.http.protocol import parse_conversation_update, parse_new_conversation, parse_turn, shown
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import TURNS, ReplyStream, conversation_not_found, stored_reply
 from chatd.http.wire import SlowClient, drop_slow_client, json_response, read_json, send
@@ -66,6 +66,18 @@ async def get_conversation(request: web.Request) -> web.Response:
     conversation = await _own_conversation(state, tenant, request.match_info["conversation_id"])
     messages = await state.store.list_messages(conversation.id)
     return json_response({**_conversation_json(conversation), "messages": [_message_json(m) for m in messages]})
+
+
+async def update_conversation(request: web.Request) -> web.Response:
+    """Rename a conversation or replace its metadata (POST, as OpenAI's conversation update)."""
+    state, tenant = request.app[STATE], request[TENANT]
+    state.check_store_writable()
+    fields = parse_conversation_update(await read_json(request), state.config.conversations)
+    conversation_id = request.match_info["conversation_id"]
+    conversation = await state.store.update_conversation(tenant.id, conversation_id, **fields)
+    if conversation is None:
+        raise conversation_not_found(conversation_id)
+    return json_response(_conversation_json(conversation))
 
 
 async def delete_conversation(request: web.Request) -> web.Response:

@@ -113,13 +113,36 @@ def parse_new_conversation(body: Any, limits: ConversationsConfig) -> dict:
     """Validate a POST /v1/conversations body; returns model, title, system_prompt and metadata."""
     body = {} if body is None else _object(body)
     _check_fields(body, {"model", "title", "system_prompt", "metadata"})
-    title = _get(body, "title", str, None)
-    if title is not None and len(title) > limits.max_title_chars:
-        raise APIError(400, f"title has {len(title)} characters; the limit is {limits.max_title_chars}", "title")
     system_prompt = _get(body, "system_prompt", str, None)
     if system_prompt is not None and len(system_prompt) > limits.max_message_chars:
         raise APIError(400, f"system_prompt has {len(system_prompt)} characters; the limit is {limits.max_message_chars}",
                        "system_prompt")
+    return {"model": _get(body, "model", str, None), "title": _title(body, limits), "system_prompt": system_prompt,
+            "metadata": _metadata(body, limits)}
+
+
+def parse_conversation_update(body: Any, limits: ConversationsConfig) -> dict:
+    """Validate a POST /v1/conversations/{id} body: the fields given of `title` (null clears it) and `metadata`."""
+    body = _object(body)
+    _check_fields(body, {"title", "metadata"})
+    fields = {}
+    if "title" in body:
+        fields["title"] = _title(body, limits)
+    if "metadata" in body:
+        fields["metadata"] = _metadata(body, limits)
+    if not fields:
+        raise APIError(400, "give title or metadata to change", None)
+    return fields
+
+
+def _title(body: dict, limits: ConversationsConfig) -> str | None:
+    title = _get(body, "title", str, None)
+    if title is not None and len(title) > limits.max_title_chars:
+        raise APIError(400, f"title has {len(title)} characters; the limit is {limits.max_title_chars}", "title")
+    return title
+
+
+def _metadata(body: dict, limits: ConversationsConfig) -> dict:
     metadata = _get(body, "metadata", dict, {})
     try:
         size = len(orjson.dumps(metadata))
@@ -131,7 +154,7 @@ def parse_new_conversation(body: Any, limits: ConversationsConfig) -> dict:
     depth = _depth(metadata)  # after the size check: walking a few KB in Python is cheap, a 4 MB body is not
     if depth > MAX_METADATA_DEPTH:
         raise APIError(400, f"metadata nests {depth} levels deep; the limit is {MAX_METADATA_DEPTH}", "metadata")
-    return {"model": _get(body, "model", str, None), "title": title, "system_prompt": system_prompt, "metadata": metadata}
+    return metadata
 
 
 def _max_tokens_field(body: dict) -> str:

@@ -219,6 +219,20 @@ class Store:
                                      (tenant_id, *cursor[0], limit + 1))
         return [_conversation(row) for row in rows[:limit]], len(rows) > limit
 
+    async def update_conversation(self, tenant_id: str, conversation_id: str, **fields: Any) -> Conversation | None:
+        """Change a live conversation's `title` and/or `metadata` (replaced whole, as OpenAI's update does);
+        None if it is missing, deleted or someone else's."""
+        unknown = set(fields) - {"title", "metadata"}
+        if unknown:
+            raise ValueError(f"cannot update {sorted(unknown)} of a conversation")
+        if "metadata" in fields:
+            fields["metadata"] = orjson.dumps(dict(fields["metadata"])).decode()
+        assignments = "".join(f"{name} = ?, " for name in fields)
+        changed = await self._write(f"UPDATE conversations SET {assignments}updated_at = ? "
+                                    "WHERE id = ? AND tenant_id = ? AND deleted_at IS NULL",
+                                    (*fields.values(), self._clock(), conversation_id, tenant_id))
+        return await self.get_conversation(tenant_id, conversation_id) if changed == 1 else None
+
     async def delete_conversation(self, tenant_id: str, conversation_id: str) -> bool:
         """Soft delete: hidden at once, purged later. False if missing, deleted or someone else's."""
         deleted = await self._write("UPDATE conversations SET deleted_at = ? "

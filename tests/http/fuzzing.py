@@ -119,6 +119,7 @@ BODIES = {  # route kind -> (required fields, optional fields), all valid before
               "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)}),
     "new_conversation": ({}, {"title": st.text(max_size=20), "system_prompt": st.text(max_size=20), "model": st.just("demo"),
                               "metadata": st.dictionaries(st.text(max_size=4), scalars, max_size=3)}),
+    "rename": ({"title": st.text(max_size=20)}, {"metadata": st.dictionaries(st.text(max_size=4), scalars, max_size=3)}),
 }
 EXTRA_FIELDS = ["tools", "functions", "suffix", "unknown_field", "", "MESSAGES", "messages\x00"]
 
@@ -178,9 +179,11 @@ ROUTES = [
     Route(b"POST", b"/v1/conversations", "new_conversation"),
     Route(b"GET", b"/v1/conversations", query={"limit": COUNTS, "after": ["{{conversation}}", "conv_0", "", "%FF", "'--"]}),
     Route(b"GET", b"/v1/conversations/{id}"),
+    Route(b"POST", b"/v1/conversations/{id}", "rename"),
     Route(b"DELETE", b"/v1/conversations/{id}"),
     Route(b"POST", b"/v1/conversations/{id}/messages", "turn"),
     Route(b"GET", b"/v1/conversations/{id}/messages/{message}/stream", query={"after": COUNTS}),
+    Route(b"POST", b"/v1/conversations/{id}/messages/{message}/cancel"),
     Route(b"GET", b"/health"), Route(b"GET", b"/ready"), Route(b"GET", b"/metrics"),
 ]
 # Routes that read a body or a query come up more often: that is where the validation is.

@@ -159,6 +159,25 @@ async def test_a_conversation_from_creation_to_deletion(server):
         assert db_rows(server["db"], "SELECT COUNT(*) FROM usage_events WHERE message_id = ?", reply["id"]) == [(1,)]
 
 
+async def test_a_conversation_is_renamed_by_its_own_tenant_only(server):
+    url = server["url"]
+    async with aiohttp.ClientSession() as session:
+        created = await new_conversation(session, server, title="Old", metadata={"n": 1})
+        path = f"{url}/v1/conversations/{created['id']}"
+        status, error = await call(session, "POST", path, json={"title": "Stolen"}, headers=headers(server, "bob"))
+        assert status == 404 and error["error"]["code"] == "not_found"
+        status, renamed = await call(session, "POST", path, json={"title": "New"}, headers=headers(server))
+        assert status == 200 and renamed["title"] == "New" and renamed["metadata"] == {"n": 1}
+        assert renamed["updated_at"] >= created["updated_at"]
+        status, renamed = await call(session, "POST", path, json={"metadata": {"n": 2}, "title": None}, headers=headers(server))
+        assert status == 200 and renamed["title"] is None and renamed["metadata"] == {"n": 2}
+        for body, param in (({"title": "x" * 1000}, "title"), ({"model": "m"}, "model"), ({}, None)):
+            status, error = await call(session, "POST", path, json=body, headers=headers(server))
+            assert status == 400 and error["error"]["param"] == param, error
+        status, got = await call(session, "GET", path, headers=headers(server))
+        assert got["title"] is None and got["metadata"] == {"n": 2}
+
+
 async def test_listing_is_newest_first_with_a_cursor(server):
     url = server["url"]
     async with aiohttp.ClientSession() as session:

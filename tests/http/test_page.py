@@ -127,7 +127,7 @@ async def test_a_reply_streams_in_as_markdown_with_its_speed_under_it(chat):
     stats = await reply.locator(".stats").inner_text()
     assert "first token" in stats and "tokens/s" in stats and "tokens ·" in stats, stats
     # The conversation was made for it, titled by the message, and the sidebar lists it.
-    assert await chat.page.locator("#conversations li").all_inner_texts() == ["How does chatd keep the KV cache?\n✕"]
+    assert await chat.page.locator("#conversations .open").all_inner_texts() == ["How does chatd keep the KV cache?"]
     if os.environ.get("CHATD_SCREENSHOT"):
         await chat.page.screenshot(path=os.environ["CHATD_SCREENSHOT"])
 
@@ -181,7 +181,7 @@ async def test_html_in_a_reply_or_a_message_never_runs(chat):
     assert await chat.user_messages() == ['<img src=y onerror="window.__pwned = 6">']
 
 
-async def test_conversations_are_listed_newest_first_opened_and_deleted(chat):
+async def test_conversations_are_listed_newest_first_opened_renamed_and_deleted(chat):
     page = chat.page
     await page.fill("#system-prompt", "Answer like a pirate.")
     await chat.send("first chat")
@@ -200,12 +200,19 @@ async def test_conversations_are_listed_newest_first_opened_and_deleted(chat):
     assert await chat.user_messages() == ["first chat"]
     assert await page.locator("#about-system").text_content() == "Answer like a pirate."
 
+    # Renaming asks for the new title (a prompt dialog); the sidebar, the header and the API agree.
+    page.once("dialog", lambda dialog: dialog.accept("Pirate talk"))
+    await page.locator("#conversations li", has_text="first chat").locator(".rename").click()
+    await expect(page.locator("#title")).to_have_text("Pirate talk")
+    assert await titles.all_inner_texts() == ["second chat", "Pirate talk"]
+    assert [c["title"] for c in (await chat.api("/v1/conversations"))["data"]] == ["second chat", "Pirate talk"]
+
     page.on("dialog", lambda dialog: dialog.accept())
     second = page.locator("#conversations li", has_text="second chat")
     await second.hover()
     await second.locator(".delete").click()
     await expect(page.locator("#conversations li")).to_have_count(1)
-    await page.locator("#conversations li", has_text="first chat").locator(".delete").click()  # the open one
+    await page.locator("#conversations li", has_text="Pirate talk").locator(".delete").click()  # the open one
     await expect(page.locator("#title")).to_have_text("New chat")
     assert await page.locator("#conversations li").count() == 0 and await page.locator("#setup").is_visible()
     assert (await chat.api("/v1/conversations"))["data"] == []

@@ -260,6 +260,21 @@ async def test_conversations_are_invisible_to_other_tenants(store):
     assert await store.get_conversation(alice, conversation.id) == conversation
 
 
+async def test_a_conversation_is_renamed_only_by_its_tenant_and_only_while_live(store, clock):
+    alice, bob = await make_tenant(store, "alice"), await make_tenant(store, "bob")
+    conversation = await store.create_conversation(alice, model="m", title="old", metadata={"k": "v"})
+    assert await store.update_conversation(bob, conversation.id, title="stolen") is None
+    clock.advance(5)
+    renamed = await store.update_conversation(alice, conversation.id, title="new")
+    assert (renamed.title, renamed.metadata, renamed.updated_at) == ("new", {"k": "v"}, conversation.created_at + 5)
+    replaced = await store.update_conversation(alice, conversation.id, metadata={"n": 1})
+    assert (replaced.title, replaced.metadata) == ("new", {"n": 1})
+    with pytest.raises(ValueError, match="model"):
+        await store.update_conversation(alice, conversation.id, model="other")
+    assert await store.delete_conversation(alice, conversation.id)
+    assert await store.update_conversation(alice, conversation.id, title="again") is None
+
+
 async def test_pages_return_every_conversation_once_newest_first(store, clock):
     alice = await make_tenant(store)
     created = []

@@ -51,6 +51,7 @@ export const api = {
   conversations: (after) => call("GET", "/v1/conversations?limit=50" + (after ? `&after=${encodeURIComponent(after)}` : "")),
   conversation: (id) => call("GET", path(id)),
   createConversation: (fields) => call("POST", "/v1/conversations", fields),
+  renameConversation: (id, title) => call("POST", path(id), {title}),
   deleteConversation: (id) => call("DELETE", path(id)),
   /** Stop a reply being generated; resolves to the message as saved (its usage included). */
   cancelReply: (conversationId, messageId) => call("POST", path(conversationId, "messages", messageId, "cancel")),

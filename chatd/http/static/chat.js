@@ -64,9 +64,11 @@ function renderSidebar() {
     item.classList.toggle("current", conversation.id === page.current?.id);
     const open = button("open", titleOf(conversation), () => openConversation(conversation.id));
     open.title = titleOf(conversation);
+    const rename = button("rename", "✎", () => renameConversation(conversation));
+    rename.setAttribute("aria-label", `Rename “${titleOf(conversation)}”`);
     const remove = button("delete", "✕", () => deleteConversation(conversation));
     remove.setAttribute("aria-label", `Delete “${titleOf(conversation)}”`);
-    item.append(open, remove);
+    item.append(open, rename, remove);
     return item;
   });
   $("conversations").replaceChildren(...items);
@@ -127,6 +129,19 @@ function showConversation(conversation) {
   }
   renderSidebar();
   scrollToEnd(true);
+}
+
+async function renameConversation(conversation) {
+  const title = prompt("Rename the conversation", conversation.title || "");
+  if (title === null || !title.trim()) return;
+  try {
+    const renamed = await api.renameConversation(conversation.id, title.trim());
+    page.conversations = page.conversations.map((c) => (c.id === renamed.id ? renamed : c));
+    if (page.current?.id === renamed.id) $("title").textContent = titleOf(renamed);
+  } catch (error) {
+    return showError(error.message);
+  }
+  renderSidebar();
 }
 
 async function deleteConversation(conversation) {
