@@ -7,7 +7,6 @@ the job of `serve.py`.
 
 from __future__ import annotations
 
-import functools
 import re
 import uuid
 
@@ -51,6 +50,31 @@ async def store_middleware(request: web.Request, handler) -> web.StreamResponse:
         raise
 
 
+CONVERSATION = "/v1/conversations/{conversation_id}"
+REPLY = CONVERSATION + "/messages/{message_id}"
+
+# The route table: (method, path, handler).
+ROUTES = [
+    ("POST", "/v1/chat/completions", completions.chat_completions),
+    ("POST", "/v1/completions", completions.completions),
+    ("GET", "/v1/models", status.models),
+    ("GET", "/v1/usage", status.usage),
+    ("POST", "/v1/conversations", conversations.create_conversation),
+    ("GET", "/v1/conversations", conversations.list_conversations),
+    ("GET", CONVERSATION, conversations.get_conversation),
+    ("POST", CONVERSATION, conversations.update_conversation),
+    ("DELETE", CONVERSATION, conversations.delete_conversation),
+    ("POST", CONVERSATION + "/messages", conversations.post_message),
+    ("GET", REPLY + "/stream", conversations.stream_message),
+    ("POST", REPLY + "/cancel", conversations.cancel_message),
+    ("GET", "/", page.chat_page),
+    ("GET", "/static/{name:.+}", page.static_file),
+    ("GET", "/health", status.health),
+    ("GET", "/ready", status.ready),
+    ("GET", "/metrics", status.metrics),
+]
+
+
 def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Application:
     """Build the app around a started engine."""
     cors = Cors(state.config.server.allowed_origins)
@@ -65,27 +89,11 @@ def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Appli
         app.on_response_prepare.append(cors.add_headers)
     # Every route gets chatd's Expect handler: aiohttp runs it before any middleware, and its own
     # answered a value that is not UTF-8 with a 500.
-    router = app.router
-    post, get = functools.partial(router.add_post, expect_handler=expect), functools.partial(router.add_get, expect_handler=expect)
-    post("/v1/chat/completions", completions.chat_completions)
-    post("/v1/completions", completions.completions)
-    get("/v1/models", status.models)
-    get("/v1/usage", status.usage)
-    post("/v1/conversations", conversations.create_conversation)
-    get("/v1/conversations", conversations.list_conversations)
-    get("/v1/conversations/{conversation_id}", conversations.get_conversation)
-    post("/v1/conversations/{conversation_id}", conversations.update_conversation)
-    router.add_delete("/v1/conversations/{conversation_id}", conversations.delete_conversation, expect_handler=expect)
-    post("/v1/conversations/{conversation_id}/messages", conversations.post_message)
-    get("/v1/conversations/{conversation_id}/messages/{message_id}/stream", conversations.stream_message)
-    post("/v1/conversations/{conversation_id}/messages/{message_id}/cancel", conversations.cancel_message)
-    get("/", page.chat_page)
-    get("/static/{name:.+}", page.static_file)
-    get("/health", status.health)
-    get("/ready", status.ready)
-    get("/metrics", status.metrics)
+    for method, path, handler in ROUTES:
+        for each in ("HEAD", "GET") if method == "GET" else (method,):  # as aiohttp's add_get: HEAD too
+            app.router.add_route(each, path, handler, expect_handler=expect)
     # Last, every other path and method: aiohttp's own 404 and 405 would use its Expect handler.
-    router.add_route("*", "/{path:.*}", no_route, expect_handler=expect)
+    app.router.add_route("*", "/{path:.*}", no_route, expect_handler=expect)
     return app
 
 
