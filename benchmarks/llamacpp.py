@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -168,6 +170,23 @@ def exit_reason(returncode: int | None) -> str:
     return f"exit {returncode}"
 
 
+@contextlib.contextmanager
+def fresh_connections(enabled: bool):
+    """While enabled, every request of the load generator opens its own TCP connection (aiohttp's
+    force_close). llama-server announces `Keep-Alive` yet closes the connection after a streamed
+    reply, so a client that reuses it fails with "Can not write request body"; curl and the OpenAI
+    SDK retry on a fresh connection, chatd's load generator does not. run_bench builds its own
+    connector, hence the patch."""
+    if not enabled:
+        yield
+        return
+    import aiohttp
+    from unittest import mock
+
+    with mock.patch.object(aiohttp, "TCPConnector", functools.partial(aiohttp.TCPConnector, force_close=True)):
+        yield
+
+
 def bench_server(name: str, command: list[str], port: int, ready, args, work: Path) -> dict:
     """Start one server (listening on `port`), warm it up, run every level with its own number of requests, stop it.
 
@@ -194,7 +213,8 @@ def bench_server(name: str, command: list[str], port: int, ready, args, work: Pa
         for concurrency, num_requests in zip(args.concurrency, args.num_requests):
             options = bench_options(args, url, None, True, num_requests)
             options = dataclasses.replace(options, concurrency=(concurrency,))
-            result = asyncio.run(run_bench(options, on_level=lambda level: print_level(name, level)))
+            with fresh_connections(args.fresh_connections):
+                result = asyncio.run(run_bench(options, on_level=lambda level: print_level(name, level)))
             levels.append(result.levels[0].summary())
             if server.process.poll() is not None:
                 raise RuntimeError(f"{name} died during concurrency {concurrency}: "
@@ -341,6 +361,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="llama-server -t and -tb (default 2)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024,
                         help="chatd's step budget (default 1024, as serve.py)")
+    parser.add_argument("--fresh-connections", action="store_true",
+                        help="a new TCP connection per request for every server (default: kept alive, as chatd bench "
+                             "does; llama-server closes kept-alive connections after a streamed reply)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds for a server to come up")
