@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import platform
 import shutil
@@ -43,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout, installed or not
 
-from benchmarks.serve import HOST, Server, bench_options, free_port, http_json, print_level  # noqa: E402
+from benchmarks.serve import HOST, Server, bench_options, free_port, http_json, print_level, write_report  # noqa: E402
 from chatd.bench.load import run_bench  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is built
@@ -438,9 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     print_tables(report)
     print(f"\nruns took {report['run_seconds'] / 60:.1f} min ({report['started_utc']} to {report['finished_utc']}); "
           f"load average before {report['load_before'][0]:.2f}, after {report['load_after'][0]:.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
-        print(f"wrote {args.json}")
+    write_report(report, args.json)
     return 0
 
 

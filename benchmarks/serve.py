@@ -353,10 +353,15 @@ def main(argv: list[str] | None = None) -> int:
     report["load_after"] = os.getloadavg()
     print_tables(report)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
-        print(f"wrote {args.json}")
+    write_report(report, args.json)
     return 0
+
+
+def write_report(report: dict, path: str | None) -> None:
+    """Write the run's figures as JSON where --json asked (nothing when it did not)."""
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2, default=str))
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
