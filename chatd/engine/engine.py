@@ -13,7 +13,8 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from chatd.config import CacheConfig, Config, SchedulerConfig
@@ -40,6 +41,9 @@ class ModelInfo:
     num_kv_blocks: int
     block_size: int
     is_demo: bool  # the random-weight demo model: its replies are noise
+    # What a request that leaves a sampling field out gets: the model's recommendation
+    # (temperature, top_p, top_k, min_p, repetition_penalty), from its generation config.
+    sampling_defaults: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -58,6 +62,7 @@ class ModelInfo:
             "block_size": self.block_size,
             "max_model_len": self.max_model_len,
             "demo_model": self.is_demo,
+            "sampling_defaults": dict(self.sampling_defaults),
         }
 
 
@@ -94,12 +99,14 @@ class LLMEngine:
         eos_token_ids: frozenset[int] = frozenset(),
         model_path: str = "",
         is_demo: bool = False,
+        sampling_defaults: Mapping[str, float] | None = None,
         clock=time.monotonic,
     ) -> None:
         self.runner = runner
         self.clock = clock
         self.model_path = model_path
         self.is_demo = is_demo
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
@@ -125,6 +132,7 @@ class LLMEngine:
             eos_token_ids=parts.eos_token_ids,
             model_path=str(parts.model_path),
             is_demo=parts.is_demo,
+            sampling_defaults=parts.sampling_defaults,
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -336,6 +344,7 @@ class LLMEngine:
             num_kv_blocks=self.scheduler.num_kv_blocks,
             block_size=self.scheduler.block_size,
             is_demo=self.is_demo,
+            sampling_defaults=dict(self.sampling_defaults),
         )
 
     def live_sequences(self) -> list[Sequence]:

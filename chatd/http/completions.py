@@ -32,14 +32,14 @@ log = logging.getLogger("chatd.http")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's chat completions: the messages rendered with the chat template."""
     state = request.app[STATE]
-    gen = parse_chat(await read_json(request), state.config.server.max_messages)
+    gen = parse_chat(await read_json(request), state.config.server.max_messages, state.model.sampling_defaults)
     return await _complete(request, state, gen, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's (legacy) text completions: a prompt of text or token ids, continued as is."""
     state = request.app[STATE]
-    gen = parse_completion(await read_json(request), state.max_model_len)
+    gen = parse_completion(await read_json(request), state.max_model_len, state.model.sampling_defaults)
     return await _complete(request, state, gen, chat=False)
 
 

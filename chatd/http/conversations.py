@@ -94,7 +94,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     """The next user message: starts a turn and answers with its reply, whole or streamed."""
     state, tenant = request.app[STATE], request[TENANT]
     conversation = await _own_conversation(state, tenant, request.match_info["conversation_id"])
-    turn = parse_turn(await read_json(request), state.config.conversations.max_message_chars)
+    turn = parse_turn(await read_json(request), state.config.conversations.max_message_chars, state.model.sampling_defaults)
     state.check_model(turn.gen.model)
     state.check_store_writable()
     reply, omitted = await request.app[TURNS].start(tenant, conversation, turn)

@@ -7,7 +7,9 @@ and OpenAI-specific rules (stop lists, logprobs pairing, stream_options).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import orjson
@@ -71,7 +73,7 @@ class TurnRequest:
     gen: GenerationRequest
 
 
-def parse_chat(body: Any, max_messages: int) -> GenerationRequest:
+def parse_chat(body: Any, max_messages: int, defaults: Mapping[str, float] = MappingProxyType({})) -> GenerationRequest:
     """Validate a /v1/chat/completions body; its messages are rendered later, off the event loop."""
     body = _object(body)
     _check_fields(body, CHAT_FIELDS)
@@ -84,13 +86,13 @@ def parse_chat(body: Any, max_messages: int) -> GenerationRequest:
         raise APIError(400, "messages must be a non-empty list", "messages")
     if len(messages) > max_messages:
         raise APIError(400, f"messages has {len(messages)} entries; the limit is {max_messages}", "messages")
-    gen = _request(body, None, _chat_max_tokens(body), _chat_logprobs(body))
+    gen = _request(body, None, _chat_max_tokens(body), _chat_logprobs(body), defaults)
     gen.messages = [_message(m, i) for i, m in enumerate(messages)]
     gen.max_tokens_field = _max_tokens_field(body)
     return gen
 
 
-def parse_turn(body: Any, max_chars: int) -> TurnRequest:
+def parse_turn(body: Any, max_chars: int, defaults: Mapping[str, float] = MappingProxyType({})) -> TurnRequest:
     """Validate a POST /v1/conversations/{id}/messages body: one user message and sampling fields."""
     body = _object(body)
     _check_fields(body, TURN_FIELDS)
@@ -102,7 +104,7 @@ def parse_turn(body: Any, max_chars: int) -> TurnRequest:
         raise APIError(400, "content must be a non-empty string", "content")
     if len(content) > max_chars:
         raise APIError(400, f"content has {len(content)} characters; the limit is {max_chars}", "content")
-    gen = _request(body, [], _chat_max_tokens(body), _chat_logprobs(body))
+    gen = _request(body, [], _chat_max_tokens(body), _chat_logprobs(body), defaults)
     gen.max_tokens_field = _max_tokens_field(body)
     if gen.params.n != 1:
         raise APIError(400, f"a conversation takes one reply per message: n must be 1, got {gen.params.n}", "n")
@@ -182,7 +184,8 @@ def _chat_logprobs(body: dict) -> int | None:
     return (top_logprobs or 0) if logprobs else None
 
 
-def parse_completion(body: Any, max_model_len: int) -> GenerationRequest:
+def parse_completion(body: Any, max_model_len: int,
+                     defaults: Mapping[str, float] = MappingProxyType({})) -> GenerationRequest:
     """Validate a /v1/completions body (prompt: a string or a list of token ids)."""
     body = _object(body)
     _check_fields(body, COMPLETION_FIELDS)
@@ -199,10 +202,13 @@ def parse_completion(body: Any, max_model_len: int) -> GenerationRequest:
     logprobs = _get(body, "logprobs", int, None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
-    return _request(body, prompt, _get(body, "max_tokens", int, 16), logprobs)
+    return _request(body, prompt, _get(body, "max_tokens", int, 16), logprobs, defaults)
 
 
-def _request(body: dict, prompt: str | list[int], max_tokens: int | None, logprobs: int | None) -> GenerationRequest:
+def _request(body: dict, prompt: str | list[int], max_tokens: int | None, logprobs: int | None,
+             defaults: Mapping[str, float]) -> GenerationRequest:
+    """The request's generation fields. A sampling field left out takes the model's recommended
+    value where it has one (`defaults`, from its generation config), else OpenAI's default."""
     stream = _get(body, "stream", bool, False)
     stream_options = _get(body, "stream_options", dict, None)
     if stream_options is not None and not stream:
@@ -227,13 +233,13 @@ def _request(body: dict, prompt: str | list[int], max_tokens: int | None, logpro
         n=_get(body, "n", int, 1),
         max_tokens=max_tokens,
         min_tokens=_get(body, "min_tokens", int, 0),
-        temperature=float(_get(body, "temperature", number, 1.0)),
-        top_p=float(_get(body, "top_p", number, 1.0)),
-        top_k=_get(body, "top_k", int, 0),
-        min_p=float(_get(body, "min_p", number, 0.0)),
+        temperature=float(_get(body, "temperature", number, defaults.get("temperature", 1.0))),
+        top_p=float(_get(body, "top_p", number, defaults.get("top_p", 1.0))),
+        top_k=_get(body, "top_k", int, int(defaults.get("top_k", 0))),
+        min_p=float(_get(body, "min_p", number, defaults.get("min_p", 0.0))),
         presence_penalty=float(_get(body, "presence_penalty", number, 0.0)),
         frequency_penalty=float(_get(body, "frequency_penalty", number, 0.0)),
-        repetition_penalty=float(_get(body, "repetition_penalty", number, 1.0)),
+        repetition_penalty=float(_get(body, "repetition_penalty", number, defaults.get("repetition_penalty", 1.0))),
         seed=_get(body, "seed", int, None),
         stop=tuple(stop),
         ignore_eos=_get(body, "ignore_eos", bool, False),

@@ -47,8 +47,9 @@ def permute_rope_rows(values: np.ndarray, num_heads: int) -> np.ndarray:
     return values.reshape(num_heads, 2, head_dim // 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
 
 
-def write_gguf(folder: Path, out: Path) -> Path:
-    """Write a Hugging Face folder's model as an F32 GGUF file with no tokenizer metadata."""
+def write_gguf(folder: Path, out: Path, sampling: dict | None = None) -> Path:
+    """Write a Hugging Face folder's model as an F32 GGUF file with no tokenizer metadata
+    (and `general.sampling.<key>` values, when given)."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     config = model.config
     arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -64,6 +65,8 @@ def write_gguf(folder: Path, out: Path) -> Path:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
+    for key, value in (sampling or {}).items():
+        (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(f"general.sampling.{key}", value)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -104,6 +107,12 @@ def test_a_gguf_file_serves_the_same_tokens_as_its_folder(family, model_dirs, tm
     batch = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 17, 40)]
     got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)]
     assert got == [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in batch]
+
+
+def test_a_gguf_files_recommended_sampling_becomes_the_defaults(model_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("CHATD_HOME", str(tmp_path / "home"))
+    path = write_gguf(model_dirs["qwen3"], tmp_path / "q.gguf", sampling={"temp": 0.7, "top_k": 20, "top_p": 0.8})
+    assert make_llm(path).engine.model_info().sampling_defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
 
 
 # -- quantization types ----------------------------------------------------------------------------
@@ -176,6 +185,7 @@ def test_the_default_model_is_smollm2_and_answers_in_english(smollm2):
     llm, _ = smollm2
     info = llm.engine.model_info()
     assert Path(info.path).name == DEFAULT_MODEL_FILE and not info.is_demo and info.name == "SmolLM2-135M-Instruct.Q4_1"
+    assert info.sampling_defaults == {"temperature": 0.2, "top_p": 0.9}  # its model card's; the file has none
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": CHAT[0]}])
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20))[0].outputs[0]
     assert "Paris" in out.text

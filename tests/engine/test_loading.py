@@ -47,3 +47,17 @@ def test_model_demo_names_the_random_demo_model(monkeypatch, tmp_path):
 
     monkeypatch.setenv("CHATD_HOME", str(tmp_path))
     assert loading.locate_model(ModelConfig(path="demo")) == (tmp_path / "demo-model", True)
+
+
+def test_the_models_generation_config_gives_the_sampling_defaults(model_dirs, tmp_path):
+    import json
+    import shutil
+
+    assert make_llm(model_dirs["llama"]).engine.model_info().sampling_defaults == {}  # none recommended
+    folder = shutil.copytree(model_dirs["llama"], tmp_path / "tuned")
+    generation = json.loads((folder / "generation_config.json").read_text())
+    generation.update(do_sample=True, temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=100)
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    info = make_llm(folder).engine.model_info()
+    assert info.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert info.details()["sampling_defaults"] == info.sampling_defaults

@@ -29,9 +29,11 @@ class ScriptedEngine:
         self.is_running = True
         self.aborted: list[str] = []
         self.prompts: list = []
+        self.params: list = []
 
     def generate(self, prompt, params, priority=0, cache_salt=None, num_shared_prefix_tokens=0):
         self.prompts.append(prompt)
+        self.params.append(params)
         return ScriptedStream(self, f"scripted-{len(self.prompts)}")
 
     def abort(self, request_id: str) -> None:
@@ -86,11 +88,13 @@ async def store(tmp_path):
     await store.close()
 
 
-async def client_for(engine: ScriptedEngine, tokenizer: Tokenizer, store: Store, heartbeat: float = 15.0) -> TestClient:
+async def client_for(engine: ScriptedEngine, tokenizer: Tokenizer, store: Store, heartbeat: float = 15.0,
+                     sampling_defaults: dict | None = None) -> TestClient:
     config = build_config({"server": {"heartbeat_seconds": heartbeat}})
     ledger = Ledger(store, retry_seconds=1.0)
     ledger.start()
-    state = ServerState(engine=engine, tokenizer=tokenizer, model=make_model_info(64), model_name="m", store=store,
+    model = make_model_info(64, sampling_defaults=sampling_defaults or {})
+    state = ServerState(engine=engine, tokenizer=tokenizer, model=model, model_name="m", store=store,
                         local_tenant=await store.local_tenant("paid"), ledger=ledger, config=config)
     client = TestClient(TestServer(create_app(state)))
     await client.start_server()
@@ -149,6 +153,25 @@ async def test_health_is_503_once_the_engine_died(tokenizer, store):
         engine.error, engine.is_running = RuntimeError("CUDA error"), False
         response = await client.get("/health")
         assert response.status == 503 and "CUDA error" in (await response.json())["error"]
+    finally:
+        await client.close()
+
+
+async def test_a_request_that_leaves_sampling_out_gets_the_models_recommendation(tokenizer, store):
+    engine = ScriptedEngine([delta("Hi", FinishReason.STOP)])
+    client = await client_for(engine, tokenizer, store, sampling_defaults={"temperature": 0.2, "top_p": 0.9, "top_k": 40})
+    try:
+        chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        for body in (chat, {**chat, "temperature": 0.7, "top_k": 0}):
+            assert (await client.post("/v1/chat/completions", json=body)).status == 200
+        assert (await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})).status == 200
+        conversation = (await (await client.post("/v1/conversations", json={})).json())["id"]
+        turn = await client.post(f"/v1/conversations/{conversation}/messages", json={"content": "hello"})
+        assert turn.status == 200
+        got = [(p.temperature, p.top_p, p.top_k) for p in engine.params]
+        assert got == [(0.2, 0.9, 40), (0.7, 0.9, 0), (0.2, 0.9, 40), (0.2, 0.9, 40)]
+        models = await (await client.get("/v1/models")).json()
+        assert models["data"][0]["chatd"]["sampling_defaults"] == {"temperature": 0.2, "top_p": 0.9, "top_k": 40}
     finally:
         await client.close()
 

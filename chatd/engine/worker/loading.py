@@ -24,6 +24,7 @@ from chatd.engine.models.loader import (
     open_checkpoint,
     resolve_dtype,
     resolve_model_path,
+    sampling_defaults,
 )
 from chatd.engine.tokenizer import Tokenizer
 from chatd.engine.worker.runner import ModelRunner, kv_block_bytes
@@ -46,6 +47,7 @@ class EngineParts:
     eos_token_ids: frozenset[int]
     model_path: Path
     is_demo: bool
+    sampling_defaults: dict[str, float]  # what requests that leave a sampling field out get
 
 
 def resolve_device(name: str) -> torch.device:
@@ -114,7 +116,11 @@ def load_engine_parts(config: Config) -> EngineParts:
     )
     if device.type == "cuda":
         capture_cuda_graphs(runner, config)
-    return EngineParts(runner, tokenizer, num_blocks, context, model.vocab_size, eos, model_path, demo)
+    sampling = sampling_defaults(checkpoint, model_path)
+    if sampling:
+        log.info("sampling defaults from the model (requests that leave them out): %s",
+                 ", ".join(f"{name} {value:g}" for name, value in sampling.items()))
+    return EngineParts(runner, tokenizer, num_blocks, context, model.vocab_size, eos, model_path, demo, sampling)
 
 
 def locate_model(config: ModelConfig) -> tuple[Path, bool]:
