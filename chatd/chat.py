@@ -53,13 +53,12 @@ class Backend(Protocol):
 class EngineBackend:
     """Replies from an LLMEngine in this process, stepped on the calling thread."""
 
-    def __init__(self, engine: LLMEngine, max_tokens: int | None, temperature: float) -> None:
-        from chatd.engine import SamplingParams  # here, so that a chat over HTTP never loads the engine
-
+    def __init__(self, engine: LLMEngine, max_tokens: int | None, temperature: float | None) -> None:
         if engine.tokenizer is None:
             raise ValueError("`chatd chat` needs a model with a tokenizer and a chat template")
         self.engine = engine
-        self.params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+        # No --temperature: the model's recommended sampling, as the server would give.
+        self.params = engine.default_params(max_tokens=max_tokens, temperature=temperature)
 
     def reply(self, messages: list[dict], write: Callable[[str], None]) -> Usage:
         request_id, num_reply_tokens = uuid.uuid4().hex, 0
@@ -98,12 +97,14 @@ class HTTPBackend:
     """Replies from an OpenAI-compatible server: POST /v1/chat/completions with `stream: true`."""
 
     def __init__(self, url: str, api_key: str | None, model: str | None, max_tokens: int | None,
-                 temperature: float, with_usage: bool = False) -> None:
+                 temperature: float | None, with_usage: bool = False) -> None:
         base = url.rstrip("/")
         self.url = base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Only fields every OpenAI-compatible server knows; `model` only if given (chatd needs none).
-        self.fields: dict = {"temperature": temperature, "stream": True}
+        self.fields: dict = {"stream": True}
+        if temperature is not None:  # else the server's default (chatd: the model's recommendation)
+            self.fields["temperature"] = temperature
         if model:
             self.fields["model"] = model
         if max_tokens is not None:

@@ -40,14 +40,12 @@ def _load_engine(args: argparse.Namespace) -> LLMEngine:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from chatd.engine import SamplingParams
-
     engine = _load_engine(args)
     prompt: str | list[int] = args.prompt
     tokenizer = engine.tokenizer
     if tokenizer is not None and not args.raw and tokenizer.hf.chat_template:
         prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = engine.default_params(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     engine.add_request(uuid.uuid4().hex, prompt, params)
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -167,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     _add_model_flags(gen)
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--temperature", type=float, default=None, help="default: the model's recommendation, else 1")
     gen.add_argument("--seed", type=int)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.set_defaults(func=_generate)
@@ -181,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="a system prompt, kept across /reset")
     chat.add_argument("--max-tokens", type=int,
                       help="the most tokens a reply may have (default: what the context window leaves)")
-    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--temperature", type=float, default=None, help="default: the model's recommendation, else 1")
     chat.add_argument("--verbose", action="store_true",
                       help="after each reply, print its prompt and reply token counts")
     chat.set_defaults(func=_chat)

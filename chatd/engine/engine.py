@@ -200,6 +200,11 @@ class LLMEngine:
         detokenizers = [self._detokenizer(prompt_token_ids, params) for _ in seqs]
         return Request(request_id, prompt_token_ids, params, seqs, detokenizers)
 
+    def default_params(self, **fields) -> SamplingParams:
+        """SamplingParams with the model's recommended sampling, then `fields` (None leaves one as recommended)."""
+        recommended = {name: int(value) if name == "top_k" else value for name, value in self.sampling_defaults.items()}
+        return SamplingParams(**{**recommended, **{name: value for name, value in fields.items() if value is not None}})
+
     def add_prepared(self, request: Request) -> None:
         """Queue a request built by `prepare_request`."""
         if request.request_id in self.requests:

@@ -281,3 +281,12 @@ def test_a_stop_string_completed_by_the_last_allowed_token_ends_as_stop(model_di
     assert whole.endswith(stop) and last.finish_reason == FinishReason.LENGTH
     got, last = run(SamplingParams(max_tokens=len(reply), stop=[stop], ignore_eos=True))
     assert got == whole[:-3] and last.finish_reason == FinishReason.STOP and last.stop_reason == stop
+
+
+def test_default_params_are_the_models_recommendation_under_what_is_given():
+    engine = make_engine()
+    engine.sampling_defaults = {"temperature": 0.2, "top_p": 0.9, "top_k": 40.0}
+    params = engine.default_params(max_tokens=5, temperature=None, seed=3)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed) == (0.2, 0.9, 40, 5, 3)
+    assert engine.default_params(temperature=0.0).temperature == 0.0
+    assert make_engine().default_params() == SamplingParams()
