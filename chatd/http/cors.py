@@ -13,6 +13,8 @@ auth on every request still needs its API key, which is why no cookies (credenti
 
 from __future__ import annotations
 
+import re
+
 from aiohttp import web
 
 from chatd.http.errors import APIError
@@ -21,6 +23,11 @@ ALLOWED_METHODS = "GET, POST, DELETE"
 ALLOWED_HEADERS = "Authorization, Content-Type, Last-Event-ID, X-Request-Id"
 # Response headers a page may read besides the always-safe ones (Content-Type, Cache-Control...).
 EXPOSED_HEADERS = "X-Request-Id, X-Chatd-Messages-Omitted, Retry-After"
+# A header name a preflight asks for (Access-Control-Request-Headers) that the answer allows too:
+# SDKs add their own (the OpenAI SDK's x-stainless-*). CORS is not access control, so any
+# well-formed name is fine; a bounded number of them, each short.
+HEADER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
+MAX_REQUESTED_HEADERS = 32
 MAX_AGE_SECONDS = 600  # browsers cache a preflight's answer this long (Chromium caps it at 7200)
 
 
@@ -69,5 +76,13 @@ class Cors:
             headers["Vary"] = f"{vary}, Origin" if vary else "Origin"
         if request.method == "OPTIONS" and response.status == 204:
             headers["Access-Control-Allow-Methods"] = ALLOWED_METHODS
-            headers["Access-Control-Allow-Headers"] = ALLOWED_HEADERS
+            headers["Access-Control-Allow-Headers"] = allowed_headers(request.headers.get("Access-Control-Request-Headers", ""))
             headers["Access-Control-Max-Age"] = str(MAX_AGE_SECONDS)
+
+
+def allowed_headers(requested: str) -> str:
+    """chatd's own request headers, and the well-formed ones a preflight asks for besides."""
+    names = [name.strip() for name in requested.split(",")[:MAX_REQUESTED_HEADERS]]
+    known = {name.strip().lower() for name in ALLOWED_HEADERS.split(",")}
+    extra = [name for name in names if HEADER_NAME.fullmatch(name) and name.lower() not in known]
+    return ", ".join([ALLOWED_HEADERS, *dict.fromkeys(extra)])

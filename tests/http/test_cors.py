@@ -62,6 +62,18 @@ async def test_a_preflight_from_an_allowed_origin_is_answered_without_a_key(serv
     assert refused.status == 401 and refused.headers["Access-Control-Allow-Origin"] == "http://localhost:5173"
 
 
+async def test_a_preflight_allows_the_headers_an_sdk_asks_for(serve):
+    # The OpenAI SDK in a browser sends its own x-stainless-* headers; the preflight must allow them.
+    client = await serve([APP])
+    asked = "authorization, content-type, x-stainless-os, x-stainless-retry-count, bad header, x-stainless-os"
+    response = await client.options("/v1/chat/completions", headers={"Origin": APP, **PREFLIGHT,
+                                                                     "Access-Control-Request-Headers": asked})
+    assert response.status == 204
+    allowed = [h.strip().lower() for h in response.headers["Access-Control-Allow-Headers"].split(",")]
+    assert {"authorization", "content-type", "x-stainless-os", "x-stainless-retry-count"} <= set(allowed)
+    assert "bad header" not in allowed and allowed.count("x-stainless-os") == 1
+
+
 async def test_another_origin_gets_no_cors_headers_and_its_preflight_is_refused(serve):
     client = await serve([APP])
     response = await client.get("/v1/models", headers={"Origin": OTHER})
