@@ -9,6 +9,7 @@ the batch; it only turns a path into a ready model.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -157,8 +158,9 @@ class Checkpoint:
     config_dir: Path  # config.json, tokenizer files, chat template
     gguf: GGUFCheckpoint | None = None  # weights in a GGUF file; None: *.safetensors in config_dir
 
-    @property
+    @functools.cached_property
     def hf_config(self) -> PretrainedConfig:
+        """The transformers config (read once: loading asks for it twice)."""
         return AutoConfig.from_pretrained(self.config_dir)
 
 
