@@ -15,6 +15,9 @@ from chatd.engine.models.demo import build_demo_model
 from tests.http.serving import start_server, stop_server
 
 FILLER = "x" * 60_000  # a system prompt that takes ~15 pages of the file
+# Long enough that neither reply can end before the file is full (filling takes ~0.5 s; at 300
+# tokens a reply once finished first on a loaded CI machine, and was billed before the store filled).
+REPLY_TOKENS = 1500
 
 
 def rows(db, sql: str, *args) -> list[tuple]:
@@ -48,7 +51,7 @@ async def read_stream(response: aiohttp.ClientResponse) -> tuple[str, dict | Non
 
 async def test_a_full_store_refuses_new_work_and_bills_what_it_served(server):
     url, db = server["url"], server["db"]
-    long_reply = {"max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True}
+    long_reply = {"max_tokens": REPLY_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{url}/v1/conversations", json={}) as r:
             conversation = (await r.json())["id"]
@@ -82,7 +85,7 @@ async def test_a_full_store_refuses_new_work_and_bills_what_it_served(server):
 
         # What was under way is served to its end, and not lost although it cannot be written yet.
         completion_text, completion_usage, last = await read_stream(completion)
-        assert last == "[DONE]" and completion_usage["completion_tokens"] == 300
+        assert last == "[DONE]" and completion_usage["completion_tokens"] == REPLY_TOKENS
         turn_text, _, last = await read_stream(turn)
         assert last == "[DONE]" and turn_text
         assert rows(db, "SELECT COUNT(*) FROM usage_events") == [(0,)]
@@ -103,10 +106,10 @@ async def test_a_full_store_refuses_new_work_and_bills_what_it_served(server):
 
         # Everything served is billed, once, and the reply is saved whole.
         billed = rows(db, "SELECT endpoint, completion_tokens FROM usage_events ORDER BY id")
-        assert sorted(billed) == sorted([("chat.completions", 300), ("conversations", 300)])
+        assert sorted(billed) == sorted([("chat.completions", REPLY_TOKENS), ("conversations", REPLY_TOKENS)])
         async with session.get(f"{url}/v1/conversations/{conversation}") as r:
             saved = (await r.json())["messages"][-1]
-        assert (saved["status"], saved["content"], saved["usage"]["completion_tokens"]) == ("complete", turn_text, 300)
+        assert (saved["status"], saved["content"], saved["usage"]["completion_tokens"]) == ("complete", turn_text, REPLY_TOKENS)
         async with session.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                                      "max_tokens": 2}) as r:
             assert r.status == 200
