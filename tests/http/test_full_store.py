@@ -5,6 +5,7 @@ billed once there is room again, and a reply streamed meanwhile is saved whole."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sqlite3
 
@@ -14,9 +15,8 @@ import pytest
 from chatd.engine.models.demo import build_demo_model
 from tests.http.serving import start_server, stop_server
 
-FILLER = "x" * 60_000  # a system prompt that takes ~15 pages of the file
-# Long enough that neither reply can end before the file is full (filling takes ~0.5 s; at 300
-# tokens a reply once finished first on a loaded CI machine, and was billed before the store filled).
+MAX_DB_BYTES = 512 * 1024  # [store] max_db_mb = 0.5
+# Long enough that neither reply can end between its start and the file filling up.
 REPLY_TOKENS = 1500
 
 
@@ -49,12 +49,47 @@ async def read_stream(response: aiohttp.ClientResponse) -> tuple[str, dict | Non
     return text, usage, last
 
 
+def add_ballast(db, *, leave_pages: int) -> None:
+    """As other data on the same disk would: take the file's room (its growth up to max_db_mb and
+    its free pages) down to `leave_pages`, in a table of the test's own. Small rows last, so that
+    at 0 not even a one-page write fits."""
+    with sqlite3.connect(db, isolation_level=None) as conn:
+        conn.execute("PRAGMA busy_timeout = 5000")
+        conn.execute("PRAGMA synchronous = OFF")
+        [(page_size,)] = conn.execute("PRAGMA page_size").fetchall()
+        conn.execute("CREATE TABLE IF NOT EXISTS ballast (body BLOB)")
+        conn.execute(f"PRAGMA max_page_count = {MAX_DB_BYTES // page_size - leave_pages}")
+        for size in (page_size * 4, page_size // 2, 64, 8):
+            with contextlib.suppress(sqlite3.OperationalError):  # "database or disk is full"
+                while True:
+                    conn.execute("INSERT INTO ballast VALUES (zeroblob(?))", (size,))
+    assert room_in_pages(db) == leave_pages
+
+
+def room_in_pages(db) -> int:
+    """Pages the file can still take under max_db_mb: its free pages, and its growth."""
+    [(page_size,)] = rows(db, "PRAGMA page_size")
+    [(page_count,)] = rows(db, "PRAGMA page_count")
+    [(free,)] = rows(db, "PRAGMA freelist_count")
+    return MAX_DB_BYTES // page_size - page_count + free
+
+
+async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
+    for _ in range(200):
+        async with session.get(f"{url}/ready") as r:
+            if r.status == 200:
+                return
+        await asyncio.sleep(0.05)
+    pytest.fail("the store did not write again")
+
+
 async def test_a_full_store_refuses_new_work_and_bills_what_it_served(server):
     url, db = server["url"], server["db"]
     long_reply = {"max_tokens": REPLY_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{url}/v1/conversations", json={}) as r:
             conversation = (await r.json())["id"]
+
         # Two replies are under way when the file fills up.
         completion = await session.post(f"{url}/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "Tell me everything."}], "stream_options": {"include_usage": True},
@@ -63,16 +98,10 @@ async def test_a_full_store_refuses_new_work_and_bills_what_it_served(server):
                                   json={"content": "And you, tell me everything too.", **long_reply})
         await completion.content.readline()
         await turn.content.readline()
-        fillers = []
-        for _ in range(100):
-            async with session.post(f"{url}/v1/conversations", json={"system_prompt": FILLER}) as r:
-                if r.status == 503:
-                    refused = await r.json()
-                    assert r.headers["Retry-After"] == "1" and refused["error"]["code"] == "store_unavailable"
-                    break
-                fillers.append((await r.json())["id"])
-        else:
-            pytest.fail("the store never filled up")
+        add_ballast(db, leave_pages=0)
+        async with session.post(f"{url}/v1/conversations", json={"system_prompt": "x" * 10_000}) as r:
+            assert r.status == 503 and r.headers["Retry-After"] == "1"
+            assert (await r.json())["error"]["code"] == "store_unavailable"
 
         # New work waits; probes say why.
         async with session.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}) as r:
@@ -88,21 +117,20 @@ async def test_a_full_store_refuses_new_work_and_bills_what_it_served(server):
         assert last == "[DONE]" and completion_usage["completion_tokens"] == REPLY_TOKENS
         turn_text, _, last = await read_stream(turn)
         assert last == "[DONE]" and turn_text
-        assert rows(db, "SELECT COUNT(*) FROM usage_events") == [(0,)]
+        # The saved reply needs a new page, so it waits in memory. (The completion's small usage row
+        # may fit in a page that has room; each of the two is either billed or waiting, never lost.)
+        assert rows(db, "SELECT status FROM messages WHERE conversation_id = ? AND role = 'assistant'",
+                    conversation) == [("partial",)]
         async with session.get(f"{url}/health") as r:
-            assert (await r.json())["store"]["pending_writes"] == 2
+            pending = (await r.json())["store"]["pending_writes"]
+        [(billed_while_full,)] = rows(db, "SELECT COUNT(*) FROM usage_events")
+        assert pending >= 1 and billed_while_full + pending == 2
 
-        # Room again: the operator deletes the fillers (a soft delete through the API would rewrite
-        # each 60 KB row, which a file at its limit cannot take either).
+        # Room again: the operator frees space.
         with sqlite3.connect(db) as conn:
             conn.execute("PRAGMA busy_timeout = 5000")
-            conn.executemany("DELETE FROM conversations WHERE id = ?", [(f,) for f in fillers])
-        for _ in range(200):
-            async with session.get(f"{url}/ready") as r:
-                if r.status == 200:
-                    break
-            await asyncio.sleep(0.05)
-        assert r.status == 200
+            conn.execute("DROP TABLE ballast")
+        await wait_ready(session, url)
 
         # Everything served is billed, once, and the reply is saved whole.
         billed = rows(db, "SELECT endpoint, completion_tokens FROM usage_events ORDER BY id")
