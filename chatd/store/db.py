@@ -25,14 +25,71 @@ from typing import Any
 import aiosqlite
 import orjson
 
-from chatd.store.records import ApiKey, Conversation, Message, Tenant, Usage
+from chatd.store.records import ApiKey, Conversation, Message, Response, Tenant, Usage
 
 SCHEMA_FILE = Path(__file__).with_name("schema.sql")
+# Column lists in the order of the dataclass fields, so a row becomes `Message(*row)`.
+_API_KEY_COLUMNS = "k.id, k.tenant_id, t.name, t.tier, k.created_at, k.revoked_at, k.last_used_at"
+_CONVERSATION_COLUMNS = "id, tenant_id, model, title, system_prompt, metadata, created_at, updated_at"
+_MESSAGE_COLUMNS = ("id, conversation_id, role, content, status, finish_reason, prompt_tokens, cached_tokens, "
+                    "completion_tokens, cost, created_at, updated_at")
+_INSERT_MESSAGE = (f"INSERT INTO messages (position, response_id, {_MESSAGE_COLUMNS}) "
+                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+_RESPONSE_COLUMNS = ("id, tenant_id, conversation_id, previous_response_id, output_message_id, stored, model, "
+                     "instructions, request, created_at")
+_INSERT_USAGE = ("INSERT INTO usage_events (tenant_id, endpoint, model, conversation_id, message_id, prompt_tokens, "
+                 "cached_tokens, completion_tokens, cost, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+
+# The columns messages had at version 1 (fixed: migration 3 copies them).
+_V1_MESSAGE_COLUMNS = ("id, conversation_id, role, content, status, finish_reason, prompt_tokens, cached_tokens, "
+                       "completion_tokens, cost, created_at, updated_at")
+
 # Later schema changes, in order: MIGRATIONS[0] takes a file from version 1 to 2, and so on. Each
 # step is a list of SQL statements, run in one transaction together with its version bump.
 MIGRATIONS: list[list[str]] = [
     # 2: the table probe_write fills in a transaction it always rolls back; it never holds a row.
     ["CREATE TABLE write_probe (body BLOB NOT NULL)"],
+    # 3: OpenAI's Responses API. A response owns the messages it added (its input items and its
+    # output); they belong to a conversation (`conversation=`) or to no conversation (a
+    # standalone response, chained by previous_response_id), so messages are rebuilt with a
+    # nullable conversation_id and a response_id. Existing rows are kept as they are.
+    [
+        """CREATE TABLE responses (
+            id                   TEXT PRIMARY KEY,  -- "resp_" + 24 hex
+            tenant_id            TEXT NOT NULL REFERENCES tenants (id),
+            conversation_id      TEXT REFERENCES conversations (id) ON DELETE CASCADE,
+            previous_response_id TEXT,              -- no foreign key: a chain outlives a purged link
+            output_message_id    TEXT,
+            stored               INTEGER NOT NULL,  -- 0: a store=false response; only this row is kept
+            model                TEXT NOT NULL,
+            instructions         TEXT,
+            request              TEXT NOT NULL,     -- a JSON object: the request fields a response echoes
+            created_at           REAL NOT NULL,
+            deleted_at           REAL               -- soft delete; the purge removes the row later
+        )""",
+        """CREATE TABLE messages_v3 (
+            id                TEXT PRIMARY KEY,
+            conversation_id   TEXT REFERENCES conversations (id) ON DELETE CASCADE,  -- NULL: a standalone response's
+            response_id       TEXT REFERENCES responses (id) ON DELETE SET NULL,     -- the response that added it
+            position          INTEGER NOT NULL,  -- 0, 1, 2, ... within the conversation (or the response)
+            role              TEXT NOT NULL,     -- user | assistant | system | developer
+            content           TEXT NOT NULL,
+            status            TEXT NOT NULL CHECK (status IN ('complete', 'partial', 'error')),
+            finish_reason     TEXT,
+            prompt_tokens     INTEGER NOT NULL DEFAULT 0,
+            cached_tokens     INTEGER NOT NULL DEFAULT 0,
+            completion_tokens INTEGER NOT NULL DEFAULT 0,
+            cost              REAL NOT NULL DEFAULT 0,
+            created_at        REAL NOT NULL,
+            updated_at        REAL NOT NULL,
+            UNIQUE (conversation_id, position)
+        )""",
+        f"INSERT INTO messages_v3 (position, {_V1_MESSAGE_COLUMNS}) SELECT position, {_V1_MESSAGE_COLUMNS} FROM messages",
+        "DROP TABLE messages",
+        "ALTER TABLE messages_v3 RENAME TO messages",
+        "CREATE INDEX messages_by_response ON messages (response_id, position) WHERE response_id IS NOT NULL",
+        "CREATE INDEX responses_by_tenant ON responses (tenant_id, created_at)",
+    ],
 ]
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 
@@ -46,17 +103,6 @@ KEY_PATTERN = re.compile(r"chatd_([0-9a-f]{12})_([A-Za-z0-9_-]+)")  # chatd_<key
 
 class StoreFileError(ValueError):
     """The database file cannot be used by this chatd (written by a newer one, or not chatd's)."""
-
-
-# Column lists in the order of the dataclass fields, so a row becomes `Message(*row)`.
-_API_KEY_COLUMNS = "k.id, k.tenant_id, t.name, t.tier, k.created_at, k.revoked_at, k.last_used_at"
-_CONVERSATION_COLUMNS = "id, tenant_id, model, title, system_prompt, metadata, created_at, updated_at"
-_MESSAGE_COLUMNS = ("id, conversation_id, role, content, status, finish_reason, prompt_tokens, cached_tokens, "
-                    "completion_tokens, cost, created_at, updated_at")
-_INSERT_MESSAGE = (f"INSERT INTO messages (position, {_MESSAGE_COLUMNS}) "
-                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
-_INSERT_USAGE = ("INSERT INTO usage_events (tenant_id, endpoint, model, conversation_id, message_id, prompt_tokens, "
-                 "cached_tokens, completion_tokens, cost, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 
 
 def _whole(method):
@@ -178,16 +224,21 @@ class Store:
 
     # --- conversations ---
 
+    @_whole
     async def create_conversation(self, tenant_id: str, *, model: str, title: str | None = None,
-                                  system_prompt: str | None = None,
-                                  metadata: dict[str, Any] | None = None) -> Conversation:
-        """A new conversation; `metadata` is kept as JSON (orjson: str keys, ints within 64 bits)."""
+                                  system_prompt: str | None = None, metadata: dict[str, Any] | None = None,
+                                  items: list[tuple[str, str]] = ()) -> Conversation:
+        """A new conversation, with its first `items` (role, text) if given; `metadata` is kept as
+        JSON (orjson: str keys, ints within 64 bits)."""
         now = self._clock()
         conversation = Conversation(_new_id("conv_", 12), tenant_id, model, title, system_prompt,
                                     dict(metadata or {}), now, now)
-        await self._write(f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                          (conversation.id, tenant_id, model, title, system_prompt,
-                           orjson.dumps(conversation.metadata).decode(), now, now))
+        async with self._transaction() as conn:
+            await conn.execute(f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                               (conversation.id, tenant_id, model, title, system_prompt,
+                                orjson.dumps(conversation.metadata).decode(), now, now))
+            await _insert_messages(conn, conversation.id, None, 0, [_message(conversation.id, role, text, now)
+                                                                   for role, text in items])
         return conversation
 
     async def get_conversation(self, tenant_id: str, conversation_id: str) -> Conversation | None:
@@ -240,10 +291,20 @@ class Store:
                                     (self._clock(), conversation_id, tenant_id))
         return deleted == 1
 
+    @_whole
     async def purge_deleted(self, deleted_before: float) -> int:
-        """Remove conversations deleted before that time, with their messages; their usage stays."""
-        return await self._write("DELETE FROM conversations WHERE deleted_at IS NOT NULL AND deleted_at < ?",
-                                 (deleted_before,))
+        """Remove conversations and responses deleted before that time, with their messages (a
+        deleted response's messages in a live conversation stay there); usage stays. Returns how
+        many conversations and responses were removed."""
+        async with self._transaction() as conn:
+            gone = "SELECT id FROM responses WHERE deleted_at IS NOT NULL AND deleted_at < ?"
+            await conn.execute(f"DELETE FROM messages WHERE conversation_id IS NULL AND response_id IN ({gone})",
+                               (deleted_before,))
+            responses = await conn.execute("DELETE FROM responses WHERE deleted_at IS NOT NULL AND deleted_at < ?",
+                                           (deleted_before,))
+            conversations = await conn.execute("DELETE FROM conversations WHERE deleted_at IS NOT NULL AND deleted_at < ?",
+                                               (deleted_before,))
+            return responses.rowcount + conversations.rowcount
 
     # --- messages and turns ---
 
@@ -263,19 +324,115 @@ class Store:
     async def start_turn(self, tenant_id: str, conversation_id: str, content: str) -> tuple[Message, Message]:
         """Add the user's message and an empty `partial` assistant reply, or LookupError and nothing."""
         now = self._clock()
-        user = Message(_new_id("msg_", 12), conversation_id, "user", content, "complete", None, 0, 0, 0, 0.0, now, now)
-        reply = Message(_new_id("msg_", 12), conversation_id, "assistant", "", "partial", None, 0, 0, 0, 0.0, now, now)
+        user = _message(conversation_id, "user", content, now)
+        reply = _message(conversation_id, "assistant", "", now, status="partial")
         async with self._transaction() as conn:
-            live = await conn.execute_fetchall("SELECT 1 FROM conversations WHERE id = ? AND tenant_id = ? "
-                                               "AND deleted_at IS NULL", (conversation_id, tenant_id))
-            if not live:
-                raise LookupError(f"no conversation {conversation_id!r}")
-            [(position,)] = await conn.execute_fetchall(
-                "SELECT COALESCE(MAX(position) + 1, 0) FROM messages WHERE conversation_id = ?", (conversation_id,))
-            await conn.executemany(_INSERT_MESSAGE, [(position, *dataclasses.astuple(user)),
-                                                     (position + 1, *dataclasses.astuple(reply))])
+            position = await _next_position(conn, tenant_id, conversation_id)
+            await _insert_messages(conn, conversation_id, None, position, [user, reply])
             await conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
         return user, reply
+
+    # --- items: a conversation's messages as OpenAI's Conversations API names them ---
+
+    @_whole
+    async def add_items(self, tenant_id: str, conversation_id: str, items: list[tuple[str, str]]) -> list[Message]:
+        """Append complete messages (role, text) to the tenant's live conversation, or LookupError and nothing."""
+        now = self._clock()
+        messages = [_message(conversation_id, role, text, now) for role, text in items]
+        async with self._transaction() as conn:
+            position = await _next_position(conn, tenant_id, conversation_id)
+            await _insert_messages(conn, conversation_id, None, position, messages)
+            await conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
+        return messages
+
+    async def list_items(self, conversation_id: str, *, limit: int, after: str | None = None,
+                         order: str = "desc") -> tuple[list[Message], bool]:
+        """A page of a conversation's messages in `order` ("asc": oldest first) after the message
+        `after`, and whether more follow; LookupError if `after` is not one of its messages."""
+        if order not in ("asc", "desc"):
+            raise ValueError(f"order must be asc or desc, got {order!r}")
+        direction, compare = ("ASC", ">") if order == "asc" else ("DESC", "<")
+        bound, params = "", [conversation_id]
+        if after is not None:
+            cursor = await self._fetch("SELECT position FROM messages WHERE conversation_id = ? AND id = ?",
+                                       (conversation_id, after))
+            if not cursor:
+                raise LookupError(f"no item {after!r} to list after")
+            bound = f"AND position {compare} ? "
+            params.append(cursor[0][0])
+        rows = await self._fetch(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? {bound}"
+                                 f"ORDER BY position {direction} LIMIT ?", (*params, limit + 1))
+        return [Message(*row) for row in rows[:limit]], len(rows) > limit
+
+    async def delete_item(self, conversation_id: str, message_id: str) -> bool:
+        """Remove a message from a conversation for good; False if it has no such message."""
+        deleted = await self._write("DELETE FROM messages WHERE conversation_id = ? AND id = ?",
+                                    (conversation_id, message_id))
+        return deleted == 1
+
+    # --- responses ---
+
+    @_whole
+    async def create_response(self, tenant_id: str, *, model: str, stored: bool, inputs: list[tuple[str, str]] = (),
+                              conversation_id: str | None = None, previous_response_id: str | None = None,
+                              instructions: str | None = None,
+                              request: dict[str, Any] | None = None) -> tuple[Response, Message | None]:
+        """Record a new response. Stored, it gets its input items (role, text) and an empty
+        `partial` output message, in its conversation when it has one (LookupError and nothing if
+        that is not the tenant's live conversation); a store=false one keeps only its record."""
+        now = self._clock()
+        response = Response(_new_id("resp_", 12), tenant_id, conversation_id, previous_response_id, None, stored,
+                            model, instructions, dict(request or {}), now)
+        output = None
+        async with self._transaction() as conn:
+            if stored:
+                position = 0 if conversation_id is None else await _next_position(conn, tenant_id, conversation_id)
+                output = _message(conversation_id, "assistant", "", now, status="partial")
+                response = dataclasses.replace(response, output_message_id=output.id)
+            await conn.execute(f"INSERT INTO responses ({_RESPONSE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                               (*dataclasses.astuple(response)[:-2], orjson.dumps(response.request).decode(), now))
+            if stored:
+                messages = [_message(conversation_id, role, text, now) for role, text in inputs] + [output]
+                await _insert_messages(conn, conversation_id, response.id, position, messages)
+            if conversation_id is not None:
+                await conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
+        return response, output
+
+    async def get_response(self, tenant_id: str, response_id: str) -> Response | None:
+        """The tenant's response (a store=false one's record too); None if missing, deleted,
+        someone else's, or in a deleted conversation."""
+        rows = await self._fetch(
+            f"SELECT {', '.join('r.' + c for c in _RESPONSE_COLUMNS.split(', '))} FROM responses r "
+            "LEFT JOIN conversations c ON c.id = r.conversation_id "
+            "WHERE r.id = ? AND r.tenant_id = ? AND r.deleted_at IS NULL AND c.deleted_at IS NULL",
+            (response_id, tenant_id))
+        return _response(rows[0]) if rows else None
+
+    async def delete_response(self, tenant_id: str, response_id: str) -> bool:
+        """Soft delete: hidden at once, purged later (its messages in a conversation stay there).
+        False if missing, deleted or someone else's."""
+        deleted = await self._write("UPDATE responses SET deleted_at = ? WHERE id = ? AND tenant_id = ? "
+                                    "AND deleted_at IS NULL", (self._clock(), response_id, tenant_id))
+        return deleted == 1
+
+    async def response_messages(self, response_id: str) -> list[Message]:
+        """The messages a response added, in order: its input items, then its output."""
+        rows = await self._fetch(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE response_id = ? ORDER BY position",
+                                 (response_id,))
+        return [Message(*row) for row in rows]
+
+    async def chain_messages(self, response_id: str) -> list[Message]:
+        """The messages of a response and of every response before it by previous_response_id,
+        oldest first: the history a response that continues it starts from. (Check the response
+        is the caller's first; a purged response ends the chain.)"""
+        columns = ", ".join("m." + c for c in _MESSAGE_COLUMNS.split(", "))
+        rows = await self._fetch(
+            "WITH RECURSIVE chain (id, depth) AS (SELECT ?, 0 UNION ALL "
+            "SELECT r.previous_response_id, chain.depth + 1 FROM responses r JOIN chain ON r.id = chain.id "
+            "WHERE r.previous_response_id IS NOT NULL) "
+            f"SELECT {columns} FROM chain JOIN messages m ON m.response_id = chain.id "
+            "ORDER BY chain.depth DESC, m.position", (response_id,))
+        return [Message(*row) for row in rows]
 
     async def save_partial(self, message_id: str, content: str, completion_tokens: int) -> None:
         """Keep the reply so far; a reply already finished is left alone."""
@@ -285,7 +442,7 @@ class Store:
     @_whole
     async def finish_turn(self, tenant_id: str, message_id: str, *, content: str, status: str,
                           finish_reason: str | None, prompt_tokens: int, cached_tokens: int,
-                          completion_tokens: int, cost: float, model: str,
+                          completion_tokens: int, cost: float, model: str, endpoint: str = "conversations",
                           finished_at: float | None = None) -> Message:
         """Write the finished reply and its usage event together, both stamped `finished_at`
         (default: now).
@@ -302,7 +459,7 @@ class Store:
                 (content, status, finish_reason, prompt_tokens, cached_tokens, completion_tokens, cost, now, message_id))
             rows = await conn.execute_fetchall(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,))
             conversation_id = rows[0][1] if rows else None
-            await conn.execute(_INSERT_USAGE, (tenant_id, "conversations", model, conversation_id, message_id,
+            await conn.execute(_INSERT_USAGE, (tenant_id, endpoint, model, conversation_id, message_id,
                                                prompt_tokens, cached_tokens, completion_tokens, cost, now))
         if not rows:
             raise LookupError(f"no message {message_id!r} (its usage was recorded)")
@@ -446,6 +603,32 @@ def _check_tier(tier: str) -> None:
 def _conversation(row: sqlite3.Row) -> Conversation:
     *head, metadata, created_at, updated_at = row
     return Conversation(*head, orjson.loads(metadata), created_at, updated_at)
+
+
+def _response(row: sqlite3.Row) -> Response:
+    *head, stored, model, instructions, request, created_at = row
+    return Response(*head, bool(stored), model, instructions, orjson.loads(request), created_at)
+
+
+def _message(conversation_id: str | None, role: str, content: str, now: float, status: str = "complete") -> Message:
+    return Message(_new_id("msg_", 12), conversation_id, role, content, status, None, 0, 0, 0, 0.0, now, now)
+
+
+async def _next_position(conn: aiosqlite.Connection, tenant_id: str, conversation_id: str) -> int:
+    """The position after a live conversation's last message; LookupError if it is not the tenant's."""
+    live = await conn.execute_fetchall("SELECT 1 FROM conversations WHERE id = ? AND tenant_id = ? "
+                                       "AND deleted_at IS NULL", (conversation_id, tenant_id))
+    if not live:
+        raise LookupError(f"no conversation {conversation_id!r}")
+    [(position,)] = await conn.execute_fetchall(
+        "SELECT COALESCE(MAX(position) + 1, 0) FROM messages WHERE conversation_id = ?", (conversation_id,))
+    return position
+
+
+async def _insert_messages(conn: aiosqlite.Connection, conversation_id: str | None, response_id: str | None,
+                           position: int, messages: list[Message]) -> None:
+    await conn.executemany(_INSERT_MESSAGE, [(position + i, response_id, *dataclasses.astuple(m))
+                                             for i, m in enumerate(messages)])
 
 
 def _new_id(prefix: str, num_bytes: int) -> str:

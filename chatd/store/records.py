@@ -1,4 +1,5 @@
-"""What the store hands out: frozen records of tenants, keys, conversations, messages and usage.
+"""What the store hands out: frozen records of tenants, keys, conversations, messages, responses
+and usage.
 
 Timestamps are unix seconds; costs are USD. Import them from here or from chatd.store.db.
 """
@@ -61,6 +62,23 @@ class Message:
     cost: float
     created_at: float
     updated_at: float
+
+
+@dataclass(frozen=True)
+class Response:
+    """A response of OpenAI's Responses API. Its input items and its output are messages (in its
+    conversation, or its own when it has none); a store=false response keeps only this record."""
+
+    id: str
+    tenant_id: str
+    conversation_id: str | None
+    previous_response_id: str | None
+    output_message_id: str | None
+    stored: bool
+    model: str
+    instructions: str | None
+    request: dict[str, Any]  # the request fields the response object echoes (temperature, metadata, ...)
+    created_at: float
 
 
 @dataclass(frozen=True)

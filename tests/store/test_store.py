@@ -19,7 +19,7 @@ from chatd.store import db
 from chatd.store.db import SCHEMA_VERSION, Store, StoreFileError, Tenant
 
 START = 1_800_000_000.0
-TABLES = ("tenants", "api_keys", "conversations", "messages", "usage_events")
+TABLES = ("tenants", "api_keys", "conversations", "messages", "usage_events", "responses")
 MAX_BYTES = 64 * 4096  # 64 pages: the schema takes about 20
 
 
@@ -99,7 +99,7 @@ async def test_a_new_file_gets_its_folder_the_schema_and_the_version(tmp_path):
     async with await Store.open(path):
         tables = {name for (name,) in read_sql(path, "SELECT name FROM sqlite_master WHERE type = 'table'")}
         assert set(TABLES) <= tables
-        assert user_version(path) == SCHEMA_VERSION == 2
+        assert user_version(path) == SCHEMA_VERSION == 3
         assert read_sql(path, "PRAGMA journal_mode") == [("wal",)]
 
 
@@ -148,23 +148,36 @@ async def test_migration_steps_run_once_in_order(tmp_path, monkeypatch):
     assert read_sql(old, "SELECT name, note FROM tenants") == [("alice", "later")]
 
 
-async def test_a_version_1_file_is_migrated_and_keeps_its_data(tmp_path, monkeypatch):
+async def test_a_version_1_file_is_migrated_and_keeps_its_data(tmp_path):
+    """A file as chatd's first release wrote it (schema.sql, rows written by hand as it wrote them)
+    opens, keeps every row, and takes what later versions add: the probe, responses."""
     path = tmp_path / "chatd.db"
-    monkeypatch.setattr(db, "MIGRATIONS", [])  # the store as it was at version 1
-    async with await Store.open(path) as store:
-        key, record = await store.create_key("alice", "paid")
-        conversation = await store.create_conversation(record.tenant_id, model="m", title="kept")
-        _, reply = await store.start_turn(record.tenant_id, conversation.id, "hi")
-        await finish(store, record.tenant_id, reply.id)
-    assert user_version(path) == 1
-    monkeypatch.undo()
+    key_id, secret = "0123456789ab", "s3cret"
+    with sqlite3.connect(path) as conn:
+        conn.executescript(db.SCHEMA_FILE.read_text())
+        conn.execute("PRAGMA user_version = 1")
+        conn.execute("INSERT INTO tenants VALUES ('ten_1', 'alice', 'paid', 1.0)")
+        conn.execute("INSERT INTO api_keys (id, tenant_id, secret_sha256, created_at) VALUES (?, 'ten_1', ?, 1.0)",
+                     (key_id, hashlib.sha256(secret.encode()).hexdigest()))
+        conn.execute("INSERT INTO conversations VALUES ('conv_1', 'ten_1', 'm', 'kept', NULL, '{}', 1.0, 2.0, NULL)")
+        conn.executemany("INSERT INTO messages VALUES (?, 'conv_1', ?, ?, ?, 'complete', ?, 0, 0, ?, 0, 1.0, 2.0)",
+                         [("msg_1", 0, "user", "hi", None, 0), ("msg_2", 1, "assistant", "hello", "stop", 3)])
+        conn.execute("INSERT INTO usage_events (tenant_id, endpoint, model, conversation_id, message_id, prompt_tokens, "
+                     "cached_tokens, completion_tokens, cost, created_at) "
+                     "VALUES ('ten_1', 'conversations', 'm', 'conv_1', 'msg_2', 12, 4, 3, 0.5, 2.0)")
     async with await Store.open(path) as store:
         assert user_version(path) == SCHEMA_VERSION
-        assert await store.authenticate(key) == Tenant(record.tenant_id, "alice", "paid")
-        assert (await store.get_conversation(record.tenant_id, conversation.id)).title == "kept"
-        assert [m.content for m in await store.list_messages(conversation.id)] == ["hi", "hello"]
-        assert (await store.usage(record.tenant_id, 0, float("inf"))).requests == 1
+        assert await store.authenticate(f"chatd_{key_id}_{secret}") == Tenant("ten_1", "alice", "paid")
+        assert (await store.get_conversation("ten_1", "conv_1")).title == "kept"
+        history = await store.list_messages("conv_1")
+        assert [(m.id, m.role, m.content, m.completion_tokens) for m in history] == [
+            ("msg_1", "user", "hi", 0), ("msg_2", "assistant", "hello", 3)]
+        assert (await store.usage("ten_1", 0, float("inf"))).requests == 1
         await store.probe_write()  # the table it needs came with the migration
+        response, output = await store.create_response("ten_1", model="m", stored=True, inputs=[("user", "more")],
+                                                       conversation_id="conv_1")
+        assert [m.content for m in await store.list_messages("conv_1")] == ["hi", "hello", "more", ""]
+        assert [m.id for m in await store.response_messages(response.id)][-1] == output.id
 
 
 # --- tenants and keys ---

@@ -1,0 +1,94 @@
+"""The store's Responses and conversation items on a real SQLite file: chains by
+previous_response_id, responses inside conversations, item pages, deletes, tenants apart."""
+
+from __future__ import annotations
+
+import pytest
+
+from chatd.store.db import Store
+from tests.store.test_store import FakeClock, finish, make_tenant, read_sql
+
+
+@pytest.fixture
+async def store(tmp_path):
+    async with await Store.open(tmp_path / "chatd.db", clock=FakeClock()) as store:
+        yield store
+
+
+async def test_a_chain_of_standalone_responses_reads_back_oldest_first(store):
+    alice = await make_tenant(store)
+    first, out1 = await store.create_response(alice, model="m", stored=True, inputs=[("system", "terse"), ("user", "a")],
+                                              instructions="be nice", request={"temperature": 0.5})
+    await finish(store, alice, out1.id, "A", endpoint="responses")
+    second, out2 = await store.create_response(alice, model="m", stored=True, inputs=[("user", "b")],
+                                               previous_response_id=first.id)
+    await finish(store, alice, out2.id, "B", endpoint="responses")
+    branch, _ = await store.create_response(alice, model="m", stored=True, inputs=[("user", "c")],
+                                            previous_response_id=first.id)
+    chain = await store.chain_messages(second.id)
+    assert [(m.role, m.content) for m in chain] == [("system", "terse"), ("user", "a"), ("assistant", "A"),
+                                                   ("user", "b"), ("assistant", "B")]
+    assert [m.content for m in await store.chain_messages(branch.id)] == ["terse", "a", "A", "c", ""]
+    assert all(m.conversation_id is None for m in chain)
+    again = await store.get_response(alice, first.id)
+    assert (again.instructions, again.request, again.output_message_id, again.stored) == ("be nice", {"temperature": 0.5},
+                                                                                          out1.id, True)
+    assert read_sql(store.path, "SELECT endpoint FROM usage_events") == [("responses",), ("responses",)]
+
+
+async def test_responses_are_the_tenants_own_and_deletes_hide_then_purge_them(store):
+    alice, bob = await make_tenant(store, "alice"), await make_tenant(store, "bob")
+    response, output = await store.create_response(alice, model="m", stored=True, inputs=[("user", "a")])
+    assert await store.get_response(bob, response.id) is None
+    assert not await store.delete_response(bob, response.id)
+    assert await store.delete_response(alice, response.id)
+    assert await store.get_response(alice, response.id) is None
+    assert not await store.delete_response(alice, response.id)
+    assert await store.purge_deleted(deleted_before=float("inf")) == 1
+    assert read_sql(store.path, "SELECT COUNT(*) FROM messages") == [(0,)]
+
+
+async def test_a_store_false_response_keeps_only_its_record(store):
+    alice = await make_tenant(store)
+    response, output = await store.create_response(alice, model="m", stored=False, inputs=[("user", "secret")])
+    assert output is None and (await store.get_response(alice, response.id)).stored is False
+    assert read_sql(store.path, "SELECT COUNT(*) FROM messages") == [(0,)]
+    assert "secret" not in str(read_sql(store.path, "SELECT * FROM responses"))
+
+
+async def test_a_response_in_a_conversation_adds_its_items_there(store):
+    alice, bob = await make_tenant(store, "alice"), await make_tenant(store, "bob")
+    conversation = await store.create_conversation(alice, model="m", items=[("developer", "d"), ("user", "u")])
+    with pytest.raises(LookupError):
+        await store.create_response(bob, model="m", stored=True, inputs=[("user", "x")], conversation_id=conversation.id)
+    response, output = await store.create_response(alice, model="m", stored=True, inputs=[("user", "v")],
+                                                   conversation_id=conversation.id)
+    assert [m.content for m in await store.list_messages(conversation.id)] == ["d", "u", "v", ""]
+    assert [m.content for m in await store.response_messages(response.id)] == ["v", ""]
+    # Deleting the response leaves the conversation's items; deleting the conversation hides the response.
+    assert await store.delete_response(alice, response.id)
+    await store.purge_deleted(deleted_before=float("inf"))
+    assert len(await store.list_messages(conversation.id)) == 4
+    other, _ = await store.create_response(alice, model="m", stored=True, inputs=[("user", "w")],
+                                           conversation_id=conversation.id)
+    await store.delete_conversation(alice, conversation.id)
+    assert await store.get_response(alice, other.id) is None
+
+
+async def test_items_page_in_either_order_and_delete_one_at_a_time(store):
+    alice = await make_tenant(store)
+    conversation = await store.create_conversation(alice, model="m")
+    items = await store.add_items(alice, conversation.id, [("user", str(i)) for i in range(5)])
+    page, more = await store.list_items(conversation.id, limit=2)
+    assert [m.content for m in page] == ["4", "3"] and more
+    page, more = await store.list_items(conversation.id, limit=2, after=page[-1].id)
+    assert [m.content for m in page] == ["2", "1"] and more
+    page, more = await store.list_items(conversation.id, limit=10, order="asc", after=items[2].id)
+    assert [m.content for m in page] == ["3", "4"] and not more
+    with pytest.raises(LookupError):
+        await store.list_items(conversation.id, limit=2, after="msg_nope")
+    assert await store.delete_item(conversation.id, items[0].id)
+    assert not await store.delete_item(conversation.id, items[0].id)
+    assert [m.content for m in await store.list_messages(conversation.id)] == ["1", "2", "3", "4"]
+    with pytest.raises(LookupError):
+        await store.add_items(await make_tenant(store, "bob"), conversation.id, [("user", "x")])
