@@ -19,7 +19,7 @@ from chatd.http.errors import APIError
 from chatd.http.openai_format import token_usage
 from chatd.http.protocol import parse_conversation_update, parse_new_conversation, parse_turn, shown
 from chatd.http.state import STATE, ServerState
-from chatd.http.turns import TURNS, ReplyStream, conversation_not_found, stored_reply
+from chatd.http.turns import TURNS, MessageTurn, ReplyStream, conversation_not_found, stored_reply
 from chatd.http.wire import SlowClient, drop_slow_client, json_response, read_json, send
 from chatd.store.db import Conversation, Message, Tenant
 
@@ -97,7 +97,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     turn = parse_turn(await read_json(request), state.config.conversations.max_message_chars, state.model.sampling_defaults)
     state.check_model(turn.gen.model)
     state.check_store_writable()
-    reply, omitted = await request.app[TURNS].start(tenant, conversation, turn)
+    reply, omitted = await request.app[TURNS].start(tenant, MessageTurn(state, tenant, conversation, turn))
     headers = {"X-Chatd-Messages-Omitted": str(omitted)}
     if turn.gen.stream:
         return await _stream(request, state, reply, 0, headers)

@@ -1,5 +1,6 @@
-"""A conversation turn's prompt: the stored history and the new message, rendered through the
-chat template and trimmed from the oldest turns until it fits the context window.
+"""A turn's prompt: the stored history (a conversation's, or a chain of responses') and the new
+messages, rendered through the chat template and trimmed from the oldest turns until it fits the
+context window.
 
 Plain CPU work on text (the server runs it in its tokenizing threads); it knows nothing of
 HTTP streams or the store beyond the records it is given.
@@ -8,39 +9,66 @@ HTTP streams or the store beyond the records it is given.
 from __future__ import annotations
 
 from chatd.http.errors import APIError
-from chatd.http.protocol import TurnRequest
+from chatd.http.protocol import GenerationRequest, TurnRequest
 from chatd.http.state import ServerState
 from chatd.store.records import Conversation, Message
 
 
 def render_turn(state: ServerState, conversation: Conversation, history: list[Message], turn: TurnRequest) -> tuple[list[int], int]:
-    """The prompt for this turn and how many of the oldest messages had to be left out to fit the window.
+    """The prompt for a conversation turn and how many of the oldest messages were left out to fit."""
+    return render_history(state, conversation.system_prompt, history, [{"role": "user", "content": turn.content}],
+                          turn.gen, trim=True, param="content")
 
-    Failed replies are left out (their user message stays); a partial reply counts with the text
-    it has. Trimming drops whole turns from the front (the first message kept is a user one)
-    until the prompt and the reply's room fit the window and at most max_messages remain.
-    Runs in a worker thread. One rendering when everything fits; else O(log turns) renderings,
-    none longer than what fits, so a long history costs no more than a short one.
+
+def past_messages(history: list[Message]) -> list[dict]:
+    """Stored messages as the chat template takes them. Failed replies are left out (their user
+    message stays); a partial reply counts with the text it has; developer is the system role."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in history
+            if m.role != "assistant" or (m.status != "error" and m.content)]
+
+
+def render_history(state: ServerState, system_prompt: str | None, history: list[Message], new: list[dict],
+                   gen: GenerationRequest, *, trim: bool, param: str) -> tuple[list[int], int]:
+    """The prompt for `new` messages after a stored history, and how many of the oldest messages
+    had to be left out to fit the window (always 0 when `trim` is off: then too long is a 400).
+
+    Trimming drops whole turns from the front (the first message kept is a user one) until the
+    prompt and the reply's room fit the window and at most max_messages remain; the system
+    prompt always stays. Runs in a worker thread. One rendering when everything fits; else
+    O(log turns) renderings, none longer than what fits, so a long history costs no more than a
+    short one.
     """
     window = state.max_model_len
-    room = turn.gen.params.max_tokens or min(1024, window // 4)  # what the reply needs
-    state.check_text_size(len(turn.content) + len(conversation.system_prompt or ""), "content")
-    system = [{"role": "system", "content": conversation.system_prompt}] if conversation.system_prompt else []
-    past = [{"role": m.role, "content": m.content} for m in history
-            if m.role == "user" or (m.status != "error" and m.content)]
-    new = [{"role": "user", "content": turn.content}]
+    room = gen.params.max_tokens or min(1024, window // 4)  # what the reply needs
+    state.check_text_size(sum(len(m["content"]) for m in new) + len(system_prompt or ""), param)
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    past = past_messages(history)
 
     def encode(dropped: int) -> list[int]:
         try:
             return state.tokenizer.encode_chat(system + past[dropped:] + new)
         except ValueError as exc:
-            raise APIError(400, f"cannot render this conversation with the model's chat template: {exc}", "content") from exc
+            raise APIError(400, f"cannot render this conversation with the model's chat template: {exc}", param) from exc
 
     def fits(prompt: list[int]) -> bool:
         return len(prompt) + room <= window
 
+    def too_long(prompt: list[int], what: str) -> APIError:
+        field = gen.max_tokens_field if gen.params.max_tokens is not None and len(prompt) < window else param
+        return APIError(400, f"{what} take {len(prompt)} tokens; with {room} tokens for the reply that exceeds the "
+                             f"context window of {window} tokens", field, "context_length_exceeded")
+
     # Where trimming may cut (how many of `past` to drop): before a user message, or all of it.
-    max_past = state.config.server.max_messages - len(system) - 1
+    max_past = state.config.server.max_messages - len(system) - len(new)
+    if not trim:
+        if len(past) > max_past:
+            raise APIError(400, f"the history and input have {len(past) + len(new) + len(system)} messages; the limit "
+                                f"is {state.config.server.max_messages}", param)
+        state.check_text_size(sum(len(m["content"]) for m in system + past + new), param)
+        prompt = encode(0)
+        if not fits(prompt):
+            raise too_long(prompt, "the history and input")
+        return prompt, 0
     cuts = [d for d in range(len(past) + 1) if (d == len(past) or past[d]["role"] == "user") and len(past) - d <= max_past]
     bad = -1  # the highest index into cuts known not to fit (-1: none known)
     if cuts[0] == 0 and sum(len(m["content"]) for m in past) <= state.max_prompt_chars:
@@ -51,11 +79,8 @@ def render_turn(state: ServerState, conversation: Conversation, history: list[Me
     good = len(cuts) - 1
     prompt = encode(cuts[good])
     if not fits(prompt):
-        # The message itself is too long, or it fits but not with the room the client asked for.
-        param = turn.gen.max_tokens_field if turn.gen.params.max_tokens is not None and len(prompt) < window else "content"
-        raise APIError(
-            400, f"this message and the system prompt take {len(prompt)} tokens; with {room} tokens for the reply that "
-                 f"exceeds the context window of {window} tokens even with every earlier message left out", param)
+        # The new message itself is too long, or it fits but not with the room the client asked for.
+        raise too_long(prompt, "the new input and the system prompt, with every earlier message left out,")
     # Fitting only gets easier as more is dropped: keep 1, 2, 4, ... turns until one does not
     # fit, then bisect between the last cut that fit and the first that did not.
     step, bisecting = 1, False

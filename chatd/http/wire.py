@@ -77,10 +77,12 @@ def _json_text(value) -> str:
     return orjson.dumps(value).decode()
 
 
-def sse_event(payload: dict | bytes, event_id: int | None = None) -> bytes:
-    """One Server-Sent Event: optional `id:` line, one `data:` line (a dict is JSON-encoded)."""
+def sse_event(payload: dict | bytes, event_id: int | None = None, name: str | None = None) -> bytes:
+    """One Server-Sent Event: optional `id:` and `event:` lines, one `data:` line (a dict is JSON-encoded)."""
     data = payload if isinstance(payload, bytes) else orjson.dumps(payload)
     head = b"" if event_id is None else b"id: %d\n" % event_id
+    if name is not None:
+        head += b"event: " + name.encode() + b"\n"
     return head + b"data: " + data + b"\n\n"
 
 

@@ -79,6 +79,7 @@ class ReplyWrite:
     completion_tokens: int
     cost: float
     model: str
+    endpoint: str  # the usage event's: "conversations" or "responses"
     finished_at: float
 
     kind = "finished reply"
@@ -141,12 +142,12 @@ class Ledger:
 
     def finish_turn(self, tenant_id: str, message_id: str, *, content: str, status: str, finish_reason: str | None,
                     prompt_tokens: int, cached_tokens: int, completion_tokens: int, cost: float,
-                    model: str) -> asyncio.Future[bool]:
+                    model: str, endpoint: str = "conversations") -> asyncio.Future[bool]:
         """Queue a finished reply with its usage (as Store.finish_turn), stamped now; returns at once,
         with a future as record_usage's. ValueError at once for a status outside db.STATUSES."""
         check_status(status)  # the caller's bug, told to it now rather than logged later
         return self._queue(ReplyWrite(tenant_id, message_id, content, status, finish_reason, prompt_tokens, cached_tokens,
-                                      completion_tokens, cost, model, self._clock()))
+                                      completion_tokens, cost, model, endpoint, self._clock()))
 
     def report_failure(self, exc: BaseException) -> None:
         """Another write failed (a turn's start, say): if it means the store cannot write now, the
