@@ -12,7 +12,7 @@ import uuid
 
 from aiohttp import web
 
-from chatd.http import completions, conversations, page, status
+from chatd.http import completions, conversations, openapi, page, status
 from chatd.http.auth import auth_middleware
 from chatd.http.cors import Cors
 from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware, error_response
@@ -72,6 +72,7 @@ ROUTES = [
     ("GET", "/health", status.health),
     ("GET", "/ready", status.ready),
     ("GET", "/metrics", status.metrics),
+    ("GET", "/openapi.json", openapi.openapi_document),
 ]
 
 

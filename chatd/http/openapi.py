@@ -1,0 +1,363 @@
+"""This server's OpenAPI 3.1 document (`GET /openapi.json`), generated from what the handlers use.
+
+Paths and methods come from the route table, each summary from its handler's docstring. A body
+that protocol.py parses is built from the very field set it checks against, each field's schema
+taken from FIELD_SCHEMAS: a field with none is an error at build time, not a gap in the document.
+Other bodies and every response shape are declared once here, in OPERATIONS and COMPONENTS, and
+tests/http/test_openapi.py checks live responses against them.
+
+It knows nothing of the engine; it reads the app only for its routes and the served model's name.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+import orjson
+from aiohttp import web
+
+import chatd
+from chatd.engine import MAX_LOGPROBS
+from chatd.engine.params import MAX_N
+from chatd.http.auth import is_guarded
+from chatd.http.protocol import (
+    CHAT_FIELDS, COMPLETION_FIELDS, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS, MAX_PROMPTS,
+    MAX_STOP, ROLES, SERVICE_TIERS, TURN_FIELDS, UNSUPPORTED, VERBOSITIES,
+)
+from chatd.http.state import STATE
+from chatd.http.tokens import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
+
+Schema = dict[str, Any]
+Route = tuple[str, str, Callable]  # (method, path, handler), as app.ROUTES lists them
+
+
+def ref(name: str) -> Schema:
+    """A reference to one of COMPONENTS."""
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def nullable(schema: Schema) -> Schema:
+    """`schema` or null."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+# -- request fields -----------------------------------------------------------------------------
+
+TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+             "required": ["type", "text"]}
+MESSAGE = {
+    "type": "object",
+    "properties": {
+        "role": {"enum": sorted(ROLES), "description": "developer is read as system"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}],
+                    "description": "a string, or text parts (joined)"},
+        "name": {"type": "string", "description": "the participant's name"},
+    },
+    "required": ["role", "content"],
+    "additionalProperties": False,
+}
+TOKEN_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+NOT_EMPTY_STRING = {"type": "string", "minLength": 1}
+PENALTY = {"type": "number", "minimum": -2, "maximum": 2}
+
+# Every field of a body checked against a field set (protocol.py's, tokens.py's), by name. A field
+# a set allows that is missing here makes build_document raise: it is documented before it is served.
+FIELD_SCHEMAS: dict[str, Schema] = {
+    "model": {"type": "string", "description": "the served model's name; may be left out"},
+    "messages": {"type": "array", "items": MESSAGE, "minItems": 1,
+                 "description": "at most the server's `max_messages`"},
+    "prompt": {"anyOf": [{"type": "string"}, TOKEN_IDS, {"type": "array", "items": {"anyOf": [{"type": "string"}, TOKEN_IDS]},
+                                                         "minItems": 1, "maxItems": MAX_PROMPTS}],
+               "description": "text or token ids; or a list of them, each prompt its own choices"},
+    "content": {"anyOf": [NOT_EMPTY_STRING, {"type": "array", "items": TEXT_PART, "minItems": 1}],
+                "description": "the user's message: a string, or text parts (joined)"},
+    "role": {"const": "user", "description": "the server writes the assistant's replies"},
+    "max_tokens": {"type": "integer", "minimum": 1, "description": "the reply's length limit in tokens"},
+    "max_completion_tokens": {"type": "integer", "minimum": 1, "description": "as max_tokens, which it overrides"},
+    "min_tokens": {"type": "integer", "minimum": 0, "description": "tokens generated before a stop may end the reply"},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": 0, "description": "0: off"},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "presence_penalty": PENALTY,
+    "frequency_penalty": PENALTY,
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "description": "the number of choices"},
+    "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+    "stop": {"anyOf": [NOT_EMPTY_STRING, {"type": "array", "items": NOT_EMPTY_STRING, "maxItems": MAX_STOP}]},
+    "stream": {"type": "boolean", "description": "answer with server-sent events"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
+                       "description": "only with stream: true"},
+    "logprobs": {"type": "boolean", "description": "return each token's log-probability"},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                     "description": "alternatives per token; needs logprobs: true"},
+    "response_format": {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]},
+    "ignore_eos": {"type": "boolean", "description": "generate past the end-of-sequence token"},
+    "priority": {"type": "integer", "description": "lower is scheduled first"},
+    "user": {"type": "string"},
+    "logit_bias": {"type": "object", "maxProperties": 0, "description": "not supported: only an empty object"},
+    "store": {"type": "boolean", "description": "accepted; chatd keeps no completion to retrieve"},
+    "metadata": {"type": "object", "maxProperties": MAX_METADATA_KEYS, "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS},
+                 "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS},
+                 "description": "tags for the caller; accepted, not used"},
+    "service_tier": {"enum": list(SERVICE_TIERS), "description": "accepted; every request is served the same way"},
+    "verbosity": {"enum": list(VERBOSITIES), "description": "accepted, not used"},
+    "prompt_cache_key": {"type": "string", "description": "logged; the prefix cache finds shared prefixes by itself"},
+    "safety_identifier": {"type": "string", "description": "accepted, not used"},
+    "add_generation_prompt": {"type": "boolean", "default": True, "description": "end with the assistant's turn opening"},
+    "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}, "description": "token ids of the served model"},
+}
+
+
+@dataclass(frozen=True)
+class Fields:
+    """A body checked against a field set (protocol.py's, tokens.py's): the set, the fields it
+    requires or of which it requires exactly one, and the schemas that differ in this body from
+    FIELD_SCHEMAS (a completion's logprobs is a count, a chat's a boolean)."""
+
+    allowed: Iterable[str]
+    required: tuple[str, ...] = ()
+    overrides: Mapping[str, Schema] = field(default_factory=dict)
+    exactly_one_of: tuple[str, ...] = ()
+    description: str = ""
+
+
+class UndocumentedError(LookupError):
+    """A route or an allowed field the document cannot describe: a bug to fix before serving it."""
+
+
+def body_schema(fields: Fields, model_name: str) -> Schema:
+    """The JSON Schema of a body checked against `fields`; UndocumentedError for a field with no schema."""
+    missing = sorted(name for name in fields.allowed if name not in fields.overrides and name not in FIELD_SCHEMAS)
+    if missing:
+        raise UndocumentedError(f"allowed fields have no schema in openapi.FIELD_SCHEMAS: {', '.join(missing)}")
+    properties = {}
+    for name in sorted(fields.allowed):
+        schema = fields.overrides.get(name) or FIELD_SCHEMAS[name]
+        if name == "model":
+            schema = {**schema, "examples": [model_name]}
+        # A null reads as a field left out, so an optional field may be null.
+        optional = name not in fields.required and name not in fields.exactly_one_of
+        properties[name] = nullable(schema) if optional else schema
+    body: Schema = {"type": "object", "properties": properties, "additionalProperties": False}
+    if fields.required:
+        body["required"] = list(fields.required)
+    if fields.exactly_one_of:
+        body["oneOf"] = [{"required": [name]} for name in fields.exactly_one_of]
+    if fields.description:
+        body["description"] = fields.description
+    return body
+
+
+# -- response shapes ----------------------------------------------------------------------------
+
+COUNT = {"type": "integer", "minimum": 0}
+FINISH_REASON = {"enum": ["stop", "length"]}
+
+
+def _object(properties: Schema, required: Iterable[str] | None = None) -> Schema:
+    """An object with these properties, all required unless `required` says which; extras allowed."""
+    return {"type": "object", "properties": properties, "required": list(properties if required is None else required)}
+
+
+def _completion(object_name: str, choice: Schema, chunk: bool) -> Schema:
+    """openai_format.py's envelope: a whole response carries usage, a chunk carries it only when asked."""
+    properties = {"id": {"type": "string"}, "object": {"const": object_name}, "created": {"type": "integer"},
+                  "model": {"type": "string"}, "choices": {"type": "array", "items": choice},
+                  "usage": nullable(ref("Usage")) if chunk else ref("Usage"),
+                  "service_tier": {"type": "string", "description": "when the request named one"}}
+    if not chunk:
+        return _object(properties, ["id", "object", "created", "model", "choices", "usage"])
+    return {**_object(properties, ["id", "object", "created", "model", "choices"]),
+            "description": "a chunk with no choices and the whole usage ends a stream that asked for include_usage"}
+
+
+def _choice(body: Schema, logprobs: str, chunk: bool) -> Schema:
+    return _object({"index": COUNT, **body, "logprobs": nullable(ref(logprobs)),
+                    "finish_reason": nullable(FINISH_REASON) if chunk else FINISH_REASON})
+
+
+TOKEN_LOGPROB = {"token": {"type": "string"}, "logprob": {"type": "number"}, "bytes": {"type": "array", "items": COUNT}}
+ASSISTANT = _object({"role": {"const": "assistant"}, "content": {"type": "string"}})
+TEXT_CHOICE = {"text": {"type": "string"}}
+STORE_STATUS = _object({"writable": {"type": "boolean"}, "pending_writes": COUNT, "error": nullable({"type": "string"})})
+
+COMPONENTS: dict[str, Schema] = {
+    "Error": _object({"error": _object({"message": {"type": "string"}, "type": {"type": "string"},
+                                        "param": nullable({"type": "string"}), "code": nullable({"type": "string"})})}),
+    "Usage": _object({"prompt_tokens": COUNT, "completion_tokens": COUNT, "total_tokens": COUNT,
+                      "prompt_tokens_details": _object({"cached_tokens": COUNT})}),
+    "ChatLogprobs": _object({"content": {"type": "array", "items": _object(
+        {**TOKEN_LOGPROB, "top_logprobs": {"type": "array", "items": _object(TOKEN_LOGPROB)}})}}),
+    "CompletionLogprobs": _object({
+        "tokens": {"type": "array", "items": {"type": "string"}},
+        "token_logprobs": {"type": "array", "items": {"type": "number"}},
+        "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "number"}}},
+    }),
+    "ChatCompletion": _completion("chat.completion", _choice({"message": ASSISTANT}, "ChatLogprobs", False), False),
+    "ChatCompletionChunk": _completion("chat.completion.chunk", _choice(
+        {"delta": _object(ASSISTANT["properties"], ())}, "ChatLogprobs", True), True),
+    "TextCompletion": _completion("text_completion", _choice(TEXT_CHOICE, "CompletionLogprobs", False), False),
+    "TextCompletionChunk": _completion("text_completion", _choice(TEXT_CHOICE, "CompletionLogprobs", True), True),
+    "Model": _object({"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                      "owned_by": {"type": "string"}, "root": {"type": "string", "description": "the served model's name"},
+                      "context_length": COUNT,
+                      "chatd": {"type": "object", "description": "chatd's facts about the model: dtype, device, KV blocks..."}}),
+    "ModelList": _object({"object": {"const": "list"}, "data": {"type": "array", "items": ref("Model")}}),
+    "TenantUsage": _object({
+        "object": {"const": "usage"}, "tenant": {"type": "string"}, "tier": {"type": "string"},
+        "start": {"type": "number", "description": "unix seconds"}, "end": {"type": "number", "description": "unix seconds"},
+        "requests": COUNT, "input_tokens": COUNT, "cached_tokens": COUNT, "output_tokens": COUNT,
+        "cost": {"type": "number"}, "currency": {"const": "USD"},
+    }),
+    "Tokenized": _object({"tokens": {"type": "array", "items": COUNT}, "count": COUNT, "max_model_len": COUNT}),
+    "Detokenized": _object({"prompt": {"type": "string"}}),
+    "Health": {"anyOf": [_object({"status": {"const": "ok"}, "store": STORE_STATUS}),
+                         _object({"status": {"const": "engine stopped"}, "error": {"type": "string"}})]},
+    "Ready": {"anyOf": [_object({"status": {"enum": ["ready", "warming up"]}}),
+                        _object({"status": {"const": "store cannot write"}, "store": STORE_STATUS})]},
+}
+
+
+# -- operations ---------------------------------------------------------------------------------
+
+
+class Operation(TypedDict, total=False):
+    """What OPERATIONS says about one route beyond its table entry and docstring."""
+
+    request: Schema | Fields | None  # the JSON body
+    response: Schema  # the 200's body
+    stream: Schema | None  # each SSE `data:` when the request asks for a stream
+    content_type: str  # the 200's, when not application/json
+    query: dict[str, Schema]  # query parameters, all optional
+    statuses: dict[int, Schema]  # other statuses whose JSON body is not the error shape
+
+
+# protocol.py's bodies: a field it does not implement is refused, never ignored.
+REFUSED = f"Unknown fields are refused, and so are these, which chatd does not implement: {', '.join(sorted(UNSUPPORTED))}."
+TEXT = {"type": "string"}
+TIMESTAMP = {"type": "string", "description": "unix seconds or an ISO 8601 date (UTC unless it says)"}
+
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("POST", "/v1/chat/completions"): {"request": Fields(CHAT_FIELDS, ("messages",), description=REFUSED),
+                                       "response": ref("ChatCompletion"), "stream": ref("ChatCompletionChunk")},
+    ("POST", "/v1/completions"): {
+        "request": Fields(COMPLETION_FIELDS, ("prompt",), {
+            "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "description": "alternatives per token"},
+            "max_tokens": {**FIELD_SCHEMAS["max_tokens"], "default": 16},
+            "store": {"const": False, "description": "not supported: conversations are stored by /v1/conversations"},
+        }, description=REFUSED),
+        "response": ref("TextCompletion"), "stream": ref("TextCompletionChunk"),
+    },
+    ("GET", "/v1/models"): {"response": ref("ModelList")},
+    ("GET", "/v1/models/{model}"): {"response": ref("Model")},
+    ("GET", "/v1/usage"): {"response": ref("TenantUsage"), "query": {
+        "period": {"enum": ["day", "month"], "default": "month", "description": "the current UTC day or month"},
+        "start": TIMESTAMP, "end": TIMESTAMP,
+    }},
+    ("POST", "/v1/conversations/{conversation_id}/messages"): {
+        "request": Fields(TURN_FIELDS, ("content",), {"n": {"const": 1, "description": "one reply per message"}},
+                          description=REFUSED),
+    },
+    ("GET", "/"): {"response": TEXT, "content_type": "text/html"},
+    ("GET", "/static/{name}"): {"response": TEXT, "content_type": "*/*"},
+    ("GET", "/health"): {"response": ref("Health"), "statuses": {503: ref("Health")}},
+    ("GET", "/ready"): {"response": ref("Ready"), "statuses": {503: ref("Ready")}},
+    ("GET", "/metrics"): {"response": TEXT, "content_type": "text/plain"},
+    ("POST", "/tokenize"): {
+        "request": Fields(TOKENIZE_FIELDS, overrides={"prompt": {"type": "string"}}, exactly_one_of=("prompt", "messages")),
+        "response": ref("Tokenized"),
+    },
+    ("POST", "/detokenize"): {"request": Fields(DETOKENIZE_FIELDS, ("tokens",)), "response": ref("Detokenized")},
+    ("GET", "/openapi.json"): {"response": {"type": "object", "description": "this document"}},
+}
+# Routes whose responses are not described yet, by path prefix; any other route must be.
+UNDOCUMENTED_FOR_NOW = ("/v1/conversations", "/v1/responses")
+UNDESCRIBED = {"type": "object", "description": "not described yet"}
+
+SSE = {"type": "string", "description": "server-sent events: each `data:` is one JSON object (x-sse-data), the last `data: [DONE]`"}
+ERROR_RESPONSE = {"description": "OpenAI's error shape", "content": {"application/json": {"schema": ref("Error")}}}
+# {name} or aiohttp's {name:regex} in a route's path; OpenAPI's template is {name}.
+PATH_PARAMETER = re.compile(r"\{(\w+)(?::[^}]*)?\}")
+
+
+def build_document(routes: Iterable[Route], model_name: str) -> dict:
+    """The OpenAPI document of these routes; UndocumentedError for a handler or field it cannot describe."""
+    paths: dict[str, dict] = {}
+    operation_ids: set[str] = set()
+    for method, path, handler in routes:
+        template = PATH_PARAMETER.sub(r"{\1}", path)
+        operation = _operation(method, template, handler, OPERATIONS.get((method, template), {}), model_name)
+        if operation["operationId"] in operation_ids:  # one handler's name used twice: name it by its module too
+            operation["operationId"] = f"{handler.__module__.rsplit('.', 1)[-1]}_{operation['operationId']}"
+        operation_ids.add(operation["operationId"])
+        paths.setdefault(template, {})[method.lower()] = operation
+    model = COMPONENTS["Model"]
+    model = {**model, "properties": {**model["properties"], "id": {"type": "string", "examples": [model_name]}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "chatd", "version": chatd.__version__,
+                 "description": "A self-hosted, OpenAI-compatible LLM server serving one model."},
+        "paths": paths,
+        "components": {
+            "schemas": {**COMPONENTS, "Model": model},
+            "responses": {"Error": ERROR_RESPONSE},
+            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer", "description":
+                                           "the server's --api-key or a key from `chatd keys create`, when auth is on"}},
+        },
+    }
+
+
+def _operation(method: str, path: str, handler: Callable, entry: Operation, model_name: str) -> dict:
+    doc = inspect.getdoc(handler)
+    if not doc:
+        raise UndocumentedError(f"{method} {path}: its handler {handler.__qualname__} has no docstring to summarize it")
+    summary, _, description = doc.partition("\n")
+    operation: dict[str, Any] = {"operationId": handler.__name__, "summary": summary.strip()}
+    if description.strip():
+        operation["description"] = description.strip()
+    parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                  for name in PATH_PARAMETER.findall(path)]
+    parameters += [{"name": name, "in": "query", "required": False, "schema": schema}
+                   for name, schema in entry.get("query", {}).items()]
+    if parameters:
+        operation["parameters"] = parameters
+    request = entry.get("request")
+    if isinstance(request, Fields):
+        request = body_schema(request, model_name)
+    if request is not None:
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": request}}}
+    content = {entry.get("content_type", "application/json"): {"schema": entry.get("response", UNDESCRIBED)}}
+    if entry.get("stream") is not None:  # an error after the stream began is sent as one more event
+        content["text/event-stream"] = {"schema": SSE, "x-sse-data": {"anyOf": [entry["stream"], ref("Error")]}}
+    responses = {"200": {"description": "OK", "content": content}}
+    for status, schema in entry.get("statuses", {}).items():
+        responses[str(status)] = {"description": "not available", "content": {"application/json": {"schema": schema}}}
+    responses["4XX"] = responses["5XX"] = {"$ref": "#/components/responses/Error"}
+    operation["responses"] = responses
+    if is_guarded(path):  # a bearer key when auth is on, nothing when it is off
+        operation["security"] = [{"apiKey": []}, {}]
+    return operation
+
+
+# -- the route ----------------------------------------------------------------------------------
+
+
+async def openapi_document(request: web.Request) -> web.Response:
+    """This server's OpenAPI 3.1 document: every route, its parameters, bodies and responses."""
+    # Read from the app's router, not imported from app.py (which imports this module); each GET's
+    # implied HEAD and the catch-all for unknown paths are left out.
+    routes = tuple((route.method, route.resource.canonical, route.handler) for route in request.app.router.routes()
+                   if route.method not in ("HEAD", "*"))
+    return web.Response(body=_document_bytes(routes, request.app[STATE].model_name), content_type="application/json")
+
+
+@functools.lru_cache(maxsize=4)
+def _document_bytes(routes: tuple[Route, ...], model_name: str) -> bytes:
+    """Built once per app (its routes and model never change while it runs)."""
+    return orjson.dumps(build_document(routes, model_name))
