@@ -12,7 +12,7 @@ import uuid
 
 from aiohttp import web
 
-from chatd.http import completions, conversations, openapi, page, status
+from chatd.http import completions, conversations, openapi, page, responses, status, tokens
 from chatd.http.auth import auth_middleware
 from chatd.http.cors import Cors
 from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware, error_response
@@ -52,18 +52,30 @@ async def store_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 CONVERSATION = "/v1/conversations/{conversation_id}"
 REPLY = CONVERSATION + "/messages/{message_id}"
+ITEM = CONVERSATION + "/items/{item_id}"
+RESPONSE = "/v1/responses/{response_id}"
 
 # The route table: (method, path, handler).
 ROUTES = [
     ("POST", "/v1/chat/completions", completions.chat_completions),
     ("POST", "/v1/completions", completions.completions),
     ("GET", "/v1/models", status.models),
+    ("GET", "/v1/models/{model:.+}", status.model),  # .+: ids like Qwen/Qwen3-8B hold a slash
     ("GET", "/v1/usage", status.usage),
     ("POST", "/v1/conversations", conversations.create_conversation),
     ("GET", "/v1/conversations", conversations.list_conversations),
     ("GET", CONVERSATION, conversations.get_conversation),
     ("POST", CONVERSATION, conversations.update_conversation),
     ("DELETE", CONVERSATION, conversations.delete_conversation),
+    ("POST", CONVERSATION + "/items", conversations.create_items),
+    ("GET", CONVERSATION + "/items", conversations.list_items),
+    ("GET", ITEM, conversations.get_item),
+    ("DELETE", ITEM, conversations.delete_item),
+    ("POST", "/v1/responses", responses.create_response),
+    ("GET", RESPONSE, responses.get_response),
+    ("DELETE", RESPONSE, responses.delete_response),
+    ("POST", RESPONSE + "/cancel", responses.cancel_response),
+    ("GET", RESPONSE + "/input_items", responses.list_input_items),
     ("POST", CONVERSATION + "/messages", conversations.post_message),
     ("GET", REPLY + "/stream", conversations.stream_message),
     ("POST", REPLY + "/cancel", conversations.cancel_message),
@@ -73,6 +85,8 @@ ROUTES = [
     ("GET", "/ready", status.ready),
     ("GET", "/metrics", status.metrics),
     ("GET", "/openapi.json", openapi.openapi_document),
+    ("POST", "/tokenize", tokens.tokenize),
+    ("POST", "/detokenize", tokens.detokenize),
 ]
 
 

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from chatd.http.auth import TENANT
 from chatd.http.errors import APIError
+from chatd.http.items import item_json, item_page, page_params, parse_items
 from chatd.http.openai_format import token_usage
 from chatd.http.protocol import parse_conversation_update, parse_new_conversation, parse_turn, shown
 from chatd.http.state import STATE, ServerState
@@ -23,32 +24,31 @@ from chatd.http.turns import TURNS, MessageTurn, ReplyStream, conversation_not_f
 from chatd.http.wire import SlowClient, drop_slow_client, json_response, read_json, send
 from chatd.store.db import Conversation, Message, Tenant
 
-MAX_PAGE = 100
+MAX_NEW_ITEMS = 20  # items one request may add, as OpenAI's Conversations API allows
 
 
 # -- routes -------------------------------------------------------------------------------------
 
 
 async def create_conversation(request: web.Request) -> web.Response:
-    """A new, empty conversation: optional title, system prompt and metadata."""
+    """A new conversation: optional first items (at most 20), metadata, and chatd's title and system prompt."""
     state, tenant = request.app[STATE], request[TENANT]
     state.check_store_writable()
-    fields = parse_new_conversation(await read_json(request) if request.can_read_body else None, state.config.conversations)
+    body = await read_json(request) if request.can_read_body else None
+    items = []
+    if isinstance(body, dict) and body.get("items") is not None:
+        items = parse_items(body.pop("items"), "items", allow_string=False, limit=MAX_NEW_ITEMS)
+        _check_item_sizes(state, items)
+    fields = parse_new_conversation(body, state.config.conversations)
     state.check_model(fields.pop("model"))
-    conversation = await state.store.create_conversation(tenant.id, model=state.model_name, **fields)
+    conversation = await state.store.create_conversation(tenant.id, model=state.model_name, items=items, **fields)
     return json_response(_conversation_json(conversation))
 
 
 async def list_conversations(request: web.Request) -> web.Response:
     """The caller's conversations, newest first, a page of `limit` after the id `after`."""
     state, tenant = request.app[STATE], request[TENANT]
-    try:
-        limit = int(request.query.get("limit", "20"))
-    except ValueError:
-        raise APIError(400, f"limit must be an integer, got {shown(request.query['limit'])}", "limit") from None
-    if not 1 <= limit <= MAX_PAGE:
-        raise APIError(400, f"limit must be in [1, {MAX_PAGE}], got {limit}", "limit")
-    after = request.query.get("after")
+    limit, after, _ = page_params(request.query)
     try:
         conversations, has_more = await state.store.list_conversations(tenant.id, limit=limit, after=after)
     except LookupError:
@@ -137,6 +137,85 @@ async def cancel_message(request: web.Request) -> web.Response:
             pass
         message = reply.message
     return json_response(_message_json(message))
+
+
+# -- items: OpenAI's Conversations API --------------------------------------------------------------
+
+
+async def create_items(request: web.Request) -> web.Response:
+    """Add items (messages, at most 20) to the end of a conversation."""
+    state, tenant = request.app[STATE], request[TENANT]
+    conversation = await _own_conversation(state, tenant, request.match_info["conversation_id"])
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - {"items", "include"})
+    if unknown:
+        raise APIError(400, f"unknown field {unknown[0]!r}", unknown[0])
+    if body.get("include"):
+        raise APIError(400, "include is not supported by chatd (items carry only their text)", "include")
+    items = parse_items(body.get("items"), "items", allow_string=False, limit=MAX_NEW_ITEMS)
+    _check_item_sizes(state, items)
+    state.check_store_writable()
+    try:
+        added = await state.store.add_items(tenant.id, conversation.id, items)
+    except LookupError:
+        raise conversation_not_found(conversation.id) from None
+    return json_response(item_page([item_json(m) for m in added], False))
+
+
+async def list_items(request: web.Request) -> web.Response:
+    """A conversation's items, newest first (`order=asc`: oldest first), a page of `limit` after the item `after`."""
+    state, tenant = request.app[STATE], request[TENANT]
+    conversation = await _own_conversation(state, tenant, request.match_info["conversation_id"])
+    limit, after, order = page_params(request.query)
+    try:
+        messages, has_more = await state.store.list_items(conversation.id, limit=limit, after=after, order=order)
+    except LookupError:
+        raise APIError(400, f"after names no item of this conversation: {shown(after)}", "after") from None
+    turns = request.app[TURNS]
+    return json_response(item_page([item_json(m, _live(turns, m)) for m in messages], has_more))
+
+
+async def get_item(request: web.Request) -> web.Response:
+    """One item of a conversation."""
+    state, tenant = request.app[STATE], request[TENANT]
+    conversation = await _own_conversation(state, tenant, request.match_info["conversation_id"])
+    message = await _own_item(state, conversation, request.match_info["item_id"])
+    return json_response(item_json(message, _live(request.app[TURNS], message)))
+
+
+async def delete_item(request: web.Request) -> web.Response:
+    """Remove an item from a conversation for good; answers with the conversation. A reply still
+    being generated cannot be deleted (409: cancel it first)."""
+    state, tenant = request.app[STATE], request[TENANT]
+    conversation = await _own_conversation(state, tenant, request.match_info["conversation_id"])
+    message = await _own_item(state, conversation, request.match_info["item_id"])
+    if _live(request.app[TURNS], message):
+        raise APIError(409, f"item {message.id} is a reply being generated; cancel it before deleting it", "item_id",
+                       "reply_in_progress")
+    await state.store.delete_item(conversation.id, message.id)
+    return json_response(_conversation_json(conversation))
+
+
+def _live(turns, message: Message) -> bool:
+    """Whether a message is a reply still being generated."""
+    reply = turns.reply(message.id)
+    return reply is not None and not reply.done
+
+
+def _check_item_sizes(state: ServerState, items: list[tuple[str, str]]) -> None:
+    limit = state.config.conversations.max_message_chars
+    for i, (_, text) in enumerate(items):
+        if len(text) > limit:
+            raise APIError(400, f"items[{i}] has {len(text)} characters; the limit is {limit}", f"items[{i}].content")
+
+
+async def _own_item(state: ServerState, conversation: Conversation, item_id: str) -> Message:
+    message = await state.store.get_message(conversation.id, item_id)
+    if message is None:
+        raise APIError(404, f"conversation {conversation.id} has no item {item_id!r}", "item_id", "not_found")
+    return message
 
 
 # -- writing ------------------------------------------------------------------------------------

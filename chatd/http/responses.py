@@ -1,0 +1,454 @@
+"""OpenAI's Responses API on chatd's store: `POST /v1/responses`, and a stored response's
+retrieve, input items, cancel and delete.
+
+A response's history comes from the server, as in a conversation: `previous_response_id`
+continues a chain of responses (their input items and outputs, oldest first) and
+`conversation` continues a conversation (its items; the response's input and output are added
+to it). Either way the history renders to the same tokens as last time, so the prefix cache
+serves it and a turn computes only its new tokens. `instructions` are the system message of
+this response only (they are not carried to the next one, as OpenAI does); a conversation's
+chatd system prompt comes before them.
+
+A response is a turn (turns.py): generated in the background and saved even if its client
+leaves, streamed with OpenAI's event types (`response.created` ... `response.completed`),
+reconnected to with `GET /v1/responses/{id}?stream=true&starting_after=N`. `store: false`
+keeps no text: only a record that the response existed (so continuing it is a clear 400), and
+its usage; its generation stops when its client leaves.
+
+Too long a history is a 400 (`truncation: "disabled"`, OpenAI's default); with
+`truncation: "auto"` the oldest turns are left out, as in a conversation, and the response says
+how many (`chatd.items_omitted`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from chatd.engine import ParamError, RequestOutput
+from chatd.http.auth import TENANT
+from chatd.http.errors import APIError
+from chatd.http.history import render_history
+from chatd.http.items import item_json, item_page, page_params, parse_items
+from chatd.http.protocol import GenerationRequest, _get, _metadata, _object, _request, shown
+from chatd.http.state import STATE, ServerState
+from chatd.http.turns import TURNS, ReplyEvents, ReplyStream, Turns, conversation_not_found
+from chatd.http.wire import SlowClient, drop_slow_client, json_response, read_json, send
+from chatd.store.db import Conversation, Message, Tenant
+from chatd.store.records import Response
+
+# The request fields chatd reads; the sampling ones are chatd's extras beyond OpenAI's.
+SAMPLING = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos", "priority",
+            "min_tokens", "stream", "user")
+RESPONSE_FIELDS = {
+    *SAMPLING, "input", "instructions", "max_output_tokens", "store", "previous_response_id", "conversation",
+    "stream_options", "metadata", "safety_identifier", "prompt_cache_key", "service_tier", "truncation", "text", "tools",
+    "tool_choice", "parallel_tool_calls", "include", "reasoning", "background",
+}
+# Fields of OpenAI's that would change the answer, and what chatd would have to support for them.
+UNSUPPORTED = {"prompt": "stored prompts", "max_tool_calls": "tool calling", "top_logprobs": "logprobs on responses",
+               "context_management": "context management", "prompt_cache_retention": "prompt cache retention"}
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+MAX_INPUT_ITEMS = 2048
+
+
+@dataclass
+class ResponseRequest:
+    """A validated `POST /v1/responses` body."""
+
+    inputs: list[tuple[str, str]]  # (role, text)
+    gen: GenerationRequest
+    instructions: str | None
+    store: bool
+    truncation: str
+    previous_response_id: str | None
+    conversation_id: str | None
+    echo: dict = field(default_factory=dict)  # what the response object repeats of the request
+
+
+def parse_response(body, state: ServerState) -> ResponseRequest:
+    """Validate a `POST /v1/responses` body; 400s name the field."""
+    body = _object(body)
+    for name in body:
+        if name in UNSUPPORTED:
+            raise APIError(400, f"{name} is not supported by chatd ({UNSUPPORTED[name]})", name)
+        if name not in RESPONSE_FIELDS:
+            raise APIError(400, f"unknown field {name!r}", name)
+    if body.get("input") is None:
+        raise APIError(400, "input is required: a string or a list of items", "input")
+    inputs = parse_items(body["input"], "input", allow_string=True, limit=min(MAX_INPUT_ITEMS, state.config.server.max_messages))
+    _check_tools(body)
+    if _get(body, "background", bool, False):
+        raise APIError(400, "background responses are not supported by chatd; stream, or wait for the response", "background")
+    if body.get("include"):
+        raise APIError(400, "include is not supported by chatd (outputs carry only their text)", "include")
+    reasoning = _get(body, "reasoning", dict, {})
+    if any(v is not None for v in reasoning.values()):
+        raise APIError(400, "reasoning options are not supported by chatd's models", "reasoning")
+    text = _get(body, "text", dict, {})
+    text_format = text.get("format") or {"type": "text"}
+    if not isinstance(text_format, dict) or text_format.get("type") != "text":
+        kind = text_format.get("type") if isinstance(text_format, dict) else text_format
+        raise APIError(400, f"text.format {shown(kind)} is not supported by chatd; only 'text'", "text.format")
+    verbosity = text.get("verbosity")
+    if verbosity is not None and verbosity not in ("low", "medium", "high"):
+        raise APIError(400, f"text.verbosity must be low, medium or high, got {shown(verbosity)}", "text.verbosity")
+    stream_options = _get(body, "stream_options", dict, None)
+    if stream_options is not None and not _get(body, "stream", bool, False):
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    for name in ("safety_identifier", "prompt_cache_key"):
+        _get(body, name, str, None)
+    service_tier = _get(body, "service_tier", str, None)
+    if service_tier is not None and service_tier not in SERVICE_TIERS:
+        raise APIError(400, f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {shown(service_tier)}",
+                       "service_tier")
+    truncation = _get(body, "truncation", str, "disabled")
+    if truncation not in ("auto", "disabled"):
+        raise APIError(400, f"truncation must be auto or disabled, got {shown(truncation)}", "truncation")
+    max_output_tokens = _get(body, "max_output_tokens", int, None)
+    if max_output_tokens is not None and max_output_tokens < 1:
+        raise APIError(400, f"max_output_tokens must be an integer >= 1, got {max_output_tokens}", "max_output_tokens")
+    conversation = body.get("conversation")
+    if isinstance(conversation, dict):
+        conversation = conversation.get("id")
+    if conversation is not None and not isinstance(conversation, str):
+        raise APIError(400, "conversation must be a conversation id or an object with its id", "conversation")
+    previous = _get(body, "previous_response_id", str, None)
+    if conversation is not None and previous is not None:
+        raise APIError(400, "give previous_response_id or conversation, not both", "previous_response_id")
+    instructions = _get(body, "instructions", str, None)
+    gen = _request({k: body[k] for k in SAMPLING if k in body}, [], max_output_tokens, None, state.model.sampling_defaults)
+    gen.max_tokens_field = "max_output_tokens"
+    metadata = _metadata(body, state.config.conversations)
+    echo = {"max_output_tokens": max_output_tokens, "temperature": gen.params.temperature, "top_p": gen.params.top_p,
+            "metadata": metadata, "user": gen.user, "truncation": truncation,
+            "text": {"format": {"type": "text"}, "verbosity": verbosity or "medium"},
+            "parallel_tool_calls": _get(body, "parallel_tool_calls", bool, True),
+            "tool_choice": body.get("tool_choice") or "auto",
+            "safety_identifier": body.get("safety_identifier"), "prompt_cache_key": body.get("prompt_cache_key")}
+    return ResponseRequest(inputs, gen, instructions, _get(body, "store", bool, True), truncation, previous,
+                           conversation, echo)
+
+
+def _check_tools(body: dict) -> None:
+    tools = _get(body, "tools", list, [])
+    if tools:
+        raise APIError(400, "tools are not supported by chatd (tool calling)", "tools")
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto"):
+        raise APIError(400, f"tool_choice {shown(choice)} needs tools, which chatd does not support", "tool_choice")
+
+
+# -- the turn -------------------------------------------------------------------------------------
+
+
+class ResponseTurn:
+    """One response as a turn: its history rendered, its rows (or, with store=false, only its
+    record), its reply told as Responses' events."""
+
+    named_events, endpoint = True, "responses"
+
+    def __init__(self, state: ServerState, tenant: Tenant, req: ResponseRequest, conversation: Conversation | None,
+                 previous: Response | None) -> None:
+        self.state, self.tenant, self.req = state, tenant, req
+        self.conversation, self.previous = conversation, previous
+        self.gen, self.stored = req.gen, req.store
+        self.busy_key = conversation.id if conversation is not None else None
+        self.record: Response | None = None
+        self.omitted = 0
+
+    async def prepare(self) -> tuple[list[int], int]:
+        store, system = self.state.store, None
+        if self.conversation is not None:
+            history, system = await store.list_messages(self.conversation.id), self.conversation.system_prompt
+        elif self.previous is not None:
+            history = await store.chain_messages(self.previous.id)
+        else:
+            history = []
+        system = "\n\n".join(s for s in (system, self.req.instructions) if s) or None
+        new = [{"role": "system" if role == "developer" else role, "content": text} for role, text in self.req.inputs]
+        # Rendering a long history and tokenizing it is CPU work: off the event loop.
+        render = functools.partial(render_history, trim=self.req.truncation == "auto", param="input")
+        prompt, self.omitted = await self.state.off_loop(render, self.state, system, history, new, self.gen)
+        return prompt, self.omitted
+
+    async def begin(self) -> Message:
+        req = self.req
+        self.record, output = await self.state.store.create_response(
+            self.tenant.id, model=self.state.model_name, stored=req.store, inputs=req.inputs,
+            conversation_id=req.conversation_id, previous_response_id=req.previous_response_id,
+            instructions=req.instructions, request={**req.echo, "items_omitted": self.omitted})
+        if output is None:  # store=false: the output has no row
+            now = time.time()
+            output = Message(f"msg_{self.record.id[5:]}", None, "assistant", "", "partial", None, 0, 0, 0, 0.0, now, now)
+        return output
+
+    def events(self, assistant: Message, omitted: int) -> ReplyEvents:
+        return ResponseEvents(self.state, self.record, assistant)
+
+    def not_found(self) -> APIError:
+        return conversation_not_found(self.req.conversation_id)
+
+
+class ResponseEvents:
+    """A response's reply as OpenAI's Responses stream events, each with its sequence_number."""
+
+    def __init__(self, state: ServerState, record: Response, assistant: Message) -> None:
+        self.state, self.record, self.assistant = state, record, assistant
+        self.sequence = 0
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return event
+
+    def _where(self) -> dict:
+        return {"item_id": self.assistant.id, "output_index": 0, "content_index": 0}
+
+    def opening(self) -> list[dict]:
+        response = response_object(self.state, self.record, None)
+        item = {"type": "message", "id": self.assistant.id, "status": "in_progress", "role": "assistant", "content": []}
+        return [self._event("response.created", response=response),
+                self._event("response.in_progress", response=response),
+                self._event("response.output_item.added", output_index=0, item=item),
+                self._event("response.content_part.added", **self._where(), part=_text_part(""))]
+
+    def delta(self, out: RequestOutput) -> list[dict]:
+        return self.text(out.outputs[0].text if out.outputs else "")
+
+    def text(self, text: str) -> list[dict]:
+        return [self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[])] if text else []
+
+    def closing(self, message: Message, merged: RequestOutput | None, reply: ReplyStream) -> list[dict]:
+        response = response_object(self.state, self.record, message, stopped_by=reply.stopped_by, error=reply.error)
+        if response["status"] == "failed":
+            return [self._event("response.failed", response=response)]
+        item = response["output"][0]
+        return [self._event("response.output_text.done", **self._where(), text=message.content, logprobs=[]),
+                self._event("response.content_part.done", **self._where(), part=item["content"][0]),
+                self._event("response.output_item.done", output_index=0, item=item),
+                self._event("response.completed" if response["status"] == "completed" else "response.incomplete",
+                            response=response)]
+
+
+def response_object(state: ServerState, record: Response, output: Message | None, *, live: bool = False,
+                    stopped_by: str | None = None, error: str | None = None) -> dict:
+    """A response as OpenAI's `response` object; `output` None or `live`: still being generated."""
+    request = record.request
+    status, incomplete, failure, usage = "in_progress", None, None, None
+    if output is not None and not live:
+        usage = {"input_tokens": output.prompt_tokens, "input_tokens_details": {"cached_tokens": output.cached_tokens},
+                 "output_tokens": output.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": output.prompt_tokens + output.completion_tokens}
+        if output.status == "complete":
+            status = "incomplete" if output.finish_reason == "length" else "completed"
+            if status == "incomplete":
+                incomplete = {"reason": "max_output_tokens"}
+        elif output.status == "partial":
+            status = "cancelled" if stopped_by in ("cancel", "delete") else "incomplete"
+        else:
+            status = "failed"
+            failure = {"code": "server_error", "message": f"generation failed: {error}" if error else "generation failed"}
+    items = []
+    if output is not None:
+        item = item_json(output, live)
+        if status == "cancelled":
+            item["status"] = "incomplete"
+        items = [item]
+    return {
+        "id": record.id, "object": "response", "created_at": int(record.created_at), "status": status,
+        "completed_at": int(output.updated_at) if usage is not None else None,
+        "error": failure, "incomplete_details": incomplete, "instructions": record.instructions,
+        "max_output_tokens": request.get("max_output_tokens"), "model": record.model, "output": items,
+        "parallel_tool_calls": request.get("parallel_tool_calls", True),
+        "previous_response_id": record.previous_response_id,
+        "conversation": {"id": record.conversation_id} if record.conversation_id else None,
+        "temperature": request.get("temperature"), "top_p": request.get("top_p"),
+        "tool_choice": request.get("tool_choice", "auto"), "tools": [],
+        "text": request.get("text", {"format": {"type": "text"}}), "truncation": request.get("truncation", "disabled"),
+        "reasoning": {"effort": None, "summary": None}, "background": False, "service_tier": "default",
+        "store": record.stored, "metadata": request.get("metadata", {}), "user": request.get("user"),
+        "safety_identifier": request.get("safety_identifier"), "prompt_cache_key": request.get("prompt_cache_key"),
+        "usage": usage, "chatd": {"items_omitted": request.get("items_omitted", 0)},
+    }
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+# -- routes ---------------------------------------------------------------------------------------
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    """Generate a response to `input`, after a chain of responses or a conversation's items; whole or streamed."""
+    state, tenant = request.app[STATE], request[TENANT]
+    req = parse_response(await read_json(request), state)
+    state.check_model(req.gen.model)
+    state.check_store_writable()
+    conversation = previous = None
+    if req.conversation_id is not None:
+        conversation = await state.store.get_conversation(tenant.id, req.conversation_id)
+        if conversation is None:
+            raise APIError(404, f"no conversation {req.conversation_id!r}", "conversation", "not_found")
+    if req.previous_response_id is not None:
+        previous = await _previous(state, request.app[TURNS], tenant, req.previous_response_id)
+    turns = request.app[TURNS]
+    job = ResponseTurn(state, tenant, req, conversation, previous)
+    try:
+        reply, _ = await turns.start(tenant, job)
+    except ParamError as exc:  # named as the client named it
+        if exc.param == "max_tokens":
+            raise APIError(400, str(exc).replace("max_tokens", "max_output_tokens"), "max_output_tokens") from None
+        raise APIError(400, str(exc), "input" if exc.param == "prompt" else exc.param) from None
+    if req.gen.stream:
+        return await _stream(request, state, turns, reply, 0, cancel_on_leave=not req.store)
+    try:
+        async for _ in reply.follow(len(reply.events), 3600.0):  # returns when the reply has ended
+            pass
+    finally:
+        if not req.store and not reply.done:  # nobody can come back for it
+            turns.cancel_reply(reply.message_id)
+    message = reply.message
+    if message.status == "error":
+        raise APIError(500, f"generation failed: {reply.error}")
+    if message.status == "partial" and reply.stopped_by is None:
+        raise reply.interruption()  # the server is stopping
+    return json_response(response_object(state, job.record, message, stopped_by=reply.stopped_by))
+
+
+async def get_response(request: web.Request) -> web.StreamResponse:
+    """A stored response; `?stream=true` replays its events (after `starting_after`), live while it runs."""
+    state, tenant, turns = request.app[STATE], request[TENANT], request.app[TURNS]
+    record = await _own_response(state, tenant, request.match_info["response_id"])
+    output = await _output(state, record)
+    reply = turns.reply(record.output_message_id)
+    if request.query.get("stream", "false").lower() == "true":
+        raw = request.query.get("starting_after", "-1")
+        try:
+            after = int(raw)
+        except ValueError:
+            raise APIError(400, f"starting_after must be an integer, got {shown(raw)}", "starting_after") from None
+        if reply is None:
+            reply = _replay(state, record, output)
+        if after < -1 or after >= len(reply.events) and reply.done:
+            raise APIError(400, f"starting_after {after} is beyond this response's events", "starting_after")
+        return await _stream(request, state, turns, reply, after + 1, cancel_on_leave=False)
+    if reply is not None and reply.done:
+        output = reply.message
+    live = reply is not None and not reply.done
+    return json_response(response_object(state, record, output, live=live,
+                                         stopped_by=reply.stopped_by if reply else None,
+                                         error=reply.error if reply else None))
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    """The items a stored response was given, newest first (`order=asc`: oldest first)."""
+    state, tenant = request.app[STATE], request[TENANT]
+    record = await _own_response(state, tenant, request.match_info["response_id"])
+    limit, after, order = page_params(request.query)
+    inputs = [m for m in await state.store.response_messages(record.id) if m.id != record.output_message_id]
+    if order == "desc":
+        inputs.reverse()
+    start = 0
+    if after is not None:
+        ids = [m.id for m in inputs]
+        if after not in ids:
+            raise APIError(400, f"after names no input item of this response: {shown(after)}", "after")
+        start = ids.index(after) + 1
+    page = inputs[start:start + limit]
+    return json_response(item_page([item_json(m) for m in page], start + limit < len(inputs)))
+
+
+async def cancel_response(request: web.Request) -> web.Response:
+    """Stop a response being generated; the response as saved (`cancelled`, with what was generated)."""
+    state, tenant, turns = request.app[STATE], request[TENANT], request.app[TURNS]
+    record = await _own_response(state, tenant, request.match_info["response_id"])
+    reply = turns.cancel_reply(record.output_message_id)
+    if reply is not None:
+        async for _ in reply.follow(len(reply.events), state.heartbeat_seconds):  # returns once the reply is saved
+            pass
+        return json_response(response_object(state, record, reply.message, stopped_by=reply.stopped_by,
+                                             error=reply.error))
+    return json_response(response_object(state, record, await _output(state, record)))
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    """Delete a stored response (purged after the retention period); one being generated is stopped."""
+    state, tenant = request.app[STATE], request[TENANT]
+    response_id = request.match_info["response_id"]
+    record = await _own_response(state, tenant, response_id)
+    if not await state.store.delete_response(tenant.id, record.id):
+        raise _not_found(response_id)
+    request.app[TURNS].cancel_reply(record.output_message_id, "delete")
+    return json_response({"id": record.id, "object": "response", "deleted": True})
+
+
+# -- lookups and streams --------------------------------------------------------------------------
+
+
+async def _own_response(state: ServerState, tenant: Tenant, response_id: str) -> Response:
+    """The tenant's stored response; anything else (another tenant's, deleted, store=false) is a 404."""
+    record = await state.store.get_response(tenant.id, response_id)
+    if record is None:
+        raise _not_found(response_id)
+    if not record.stored:
+        raise APIError(404, f"response {response_id!r} was created with store=false: it was not kept", "response_id",
+                       "not_found")
+    return record
+
+
+async def _previous(state: ServerState, turns: Turns, tenant: Tenant, response_id: str) -> Response:
+    """The response a new one continues: the tenant's, stored, and finished."""
+    record = await state.store.get_response(tenant.id, response_id)
+    if record is None:
+        raise APIError(404, f"no response {response_id!r}", "previous_response_id", "not_found")
+    if not record.stored:
+        raise APIError(400, f"response {response_id!r} was created with store=false, so it cannot be continued: send "
+                            "its history as input, or create it with store=true", "previous_response_id")
+    reply = turns.reply(record.output_message_id)
+    if reply is not None and not reply.done:
+        raise APIError(409, f"response {response_id!r} is still being generated; continue it once it has finished",
+                       "previous_response_id", "response_in_progress")
+    return record
+
+
+async def _output(state: ServerState, record: Response) -> Message | None:
+    messages = await state.store.response_messages(record.id)
+    return next((m for m in messages if m.id == record.output_message_id), None)
+
+
+def _replay(state: ServerState, record: Response, output: Message | None) -> ReplyStream:
+    """A finished response's events rebuilt from its rows (after a restart, or once its stream left memory)."""
+    reply = ReplyStream(record.conversation_id, record.output_message_id, named=True)
+    if output is None:  # its conversation's items were deleted
+        raise APIError(404, f"response {record.id} has no output to stream", "response_id", "not_found")
+    events = ResponseEvents(state, record, output)
+    for payload in [*events.opening(), *events.text(output.content), *events.closing(output, None, reply)]:
+        reply.publish(payload)
+    reply.finish(output)
+    return reply
+
+
+async def _stream(request: web.Request, state: ServerState, turns: Turns, reply: ReplyStream, after: int, *,
+                  cancel_on_leave: bool) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    try:
+        async for event in reply.follow(after, state.heartbeat_seconds):
+            await send(request, response, event)
+    except (SlowClient, ConnectionError) as exc:  # a stored reply goes on and is saved; only this follower is dropped
+        if isinstance(exc, SlowClient):
+            drop_slow_client(request, exc)
+        if cancel_on_leave:
+            turns.cancel_reply(reply.message_id)
+        return response
+    await response.write_eof()
+    return response
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"no response {response_id!r}", "response_id", "not_found")
