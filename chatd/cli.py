@@ -4,13 +4,20 @@ Subcommands: `serve` (the OpenAI-compatible server), `bench` (load-test a server
 (stream one completion to the terminal), `chat` (chat in the terminal, in-process or with a
 server), `demo-model DIR` (build the random-weight demo model), `keys create|list|revoke` (API
 keys in the store). Each subcommand imports what it runs only when it runs: `chatd keys list`
-loads neither the engine, the HTTP server nor the load generator.
+loads neither the engine, the HTTP server nor the load generator. `chatd --version` prints the
+installed version.
+
+A shared API key comes from --api-key or else the CHATD_API_KEY environment variable, for
+`serve` (the key callers must send) and `chat --url` (the key it sends) alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
+import logging
+import os
 import sys
 import time
 import uuid
@@ -19,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from chatd.bench import add_parser as add_bench_parser
-from chatd.config import load_config, store_path
+from chatd.config import DTYPES, LOG_LEVELS, Config, load_config, store_path
 from chatd.logs import setup_logging
 from chatd.store.db import TIERS, Store
 
@@ -27,6 +34,8 @@ if TYPE_CHECKING:
     from chatd.engine import LLMEngine
 
 T = TypeVar("T")
+
+API_KEY_ENV = "CHATD_API_KEY"
 
 
 def _load_engine(args: argparse.Namespace) -> LLMEngine:
@@ -62,7 +71,8 @@ def _chat(args: argparse.Namespace) -> int:
     from chatd.chat import Chat, EngineBackend, HTTPBackend
 
     if args.url:
-        backend = HTTPBackend(args.url, args.api_key, args.model, args.max_tokens, args.temperature,
+        api_key = args.api_key or os.environ.get(API_KEY_ENV)
+        backend = HTTPBackend(args.url, api_key, args.model, args.max_tokens, args.temperature,
                               with_usage=args.verbose)
     else:
         backend = EngineBackend(_load_engine(args), args.max_tokens, args.temperature)
@@ -72,7 +82,15 @@ def _chat(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from chatd.http.serve import serve
 
-    overrides: dict[str, dict] = {"model": {}, "server": {}}
+    config = serve_config(args)
+    setup_logging(config.server.log_json, getattr(logging, config.server.log_level.upper()))
+    asyncio.run(serve(config))
+    return 0
+
+
+def serve_config(args: argparse.Namespace) -> Config:
+    """The server's config: the config file, with `chatd serve`'s flags (and CHATD_API_KEY) over it."""
+    overrides: dict[str, dict] = {"model": {}, "server": {}, "auth": {}}
     if args.model:
         overrides["model"]["path"] = args.model
     if args.device:
@@ -87,10 +105,18 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["model"]["cuda_graphs"] = False
     if args.allowed_origins is not None:
         overrides["server"]["allowed_origins"] = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
-    config = load_config(args.config, overrides)
-    setup_logging(config.server.log_json)
-    asyncio.run(serve(config))
-    return 0
+    if args.served_model_name:
+        overrides["server"]["model_name"] = tuple(args.served_model_name)
+    if args.max_model_len is not None:
+        overrides["model"]["max_model_len"] = args.max_model_len
+    if args.dtype:
+        overrides["model"]["dtype"] = args.dtype
+    if args.log_level:
+        overrides["server"]["log_level"] = args.log_level
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    if api_key:
+        overrides["auth"]["api_key"] = api_key
+    return load_config(args.config, overrides)
 
 
 def _demo_model(args: argparse.Namespace) -> int:
@@ -147,6 +173,7 @@ def _when(timestamp: float | None) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chatd", description="A self-hosted LLM chat server you can read end to end.")
+    parser.add_argument("--version", action="version", version=f"chatd {importlib.metadata.version('chatd')}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
@@ -157,6 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated browser origins allowed to call the API (CORS), e.g. https://a.example")
     serve.add_argument("--attention-backend", help="auto | flash-attn | torch-varlen | triton | sdpa")
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graphs)")
+    serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                       help="the model ids requests may name; the first is the one replies show (default: the model "
+                            "folder's name)")
+    serve.add_argument("--max-model-len", type=_positive_int, metavar="TOKENS",
+                       help="the context window, prompt and reply, in tokens (default: the model's own)")
+    serve.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default auto: float32 on CPU, bfloat16 on CUDA)")
+    serve.add_argument("--log-level", choices=LOG_LEVELS, help="the least severe log lines written (default info)")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help=f"one key every caller must send as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; "
+                            "prefer it: a flag shows in `ps`)")
     serve.set_defaults(func=_serve)
 
     add_bench_parser(sub)
@@ -175,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "with --url, the model name sent to the server (default: none)")
     chat.add_argument("--url", help="an OpenAI-compatible server to chat with, e.g. http://127.0.0.1:8000 "
                                     "(default: load the model in this process)")
-    chat.add_argument("--api-key", help="the server's API key (with --url)")
+    chat.add_argument("--api-key", help=f"the server's API key (with --url; default: ${API_KEY_ENV})")
     chat.add_argument("--system", help="a system prompt, kept across /reset")
     chat.add_argument("--max-tokens", type=int,
                       help="the most tokens a reply may have (default: what the context window leaves)")
@@ -209,6 +246,16 @@ def _add_model_flags(parser: argparse.ArgumentParser,
     parser.add_argument("--model", help=model_help)
     parser.add_argument("--config", help="path to a config.toml")
     parser.add_argument("--device", help="auto | cpu | cuda[:N]")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

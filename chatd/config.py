@@ -16,12 +16,16 @@ from pathlib import Path
 from typing import Any
 
 
+# The weights' dtypes a config may name; which ones a device takes is checked when the model loads.
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to load and how."""
 
     path: str = ""  # local folder or Hugging Face hub id; empty = the demo model
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"  # one of DTYPES
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: int = 0  # 0 = the model's own context length
     attention_backend: str = "auto"  # auto | flash-attn | torch-varlen | triton | sdpa
@@ -31,6 +35,13 @@ class ModelConfig:
     # false: message content is tokenized as plain text, so a `<|im_end|>` typed by a user stays
     # text; true: the rendered template is tokenized as a whole (content can forge turns).
     special_tokens_in_messages: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"setting model.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len < 0:
+            raise ValueError(f"setting model.max_model_len must be 0 (the model's own) or a number of tokens, "
+                             f"got {self.max_model_len}")
 
 
 PREFIX_CACHE_SCOPES = ("tenant", "global")
@@ -67,6 +78,8 @@ class SchedulerConfig:
 
 # An origin as browsers send it in `Origin`: scheme://host[:port], nothing after.
 ORIGIN = re.compile(r"\*|[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
+# The least severe log lines `chatd serve` writes, as Python's logging names them (lower case).
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
@@ -75,11 +88,14 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    model_name: str = ""  # the id clients send as `model`; empty = the model folder's name
+    # The ids clients may send as `model`: the first is the one replies and usage name, the others
+    # are aliases. Empty = the model folder's name. config.toml takes one string or a list.
+    model_name: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
     heartbeat_seconds: float = 15.0  # SSE comment sent on a stream idle this long
     shutdown_grace_seconds: float = 30.0  # on SIGINT/SIGTERM, in-flight requests get this long
     log_json: bool = False  # one JSON object per log line
+    log_level: str = "info"  # one of LOG_LEVELS
     max_messages: int = 2048  # a chat request (or conversation history) with more messages gets 400
     header_timeout_seconds: float = 30.0  # a connection must send a whole request head this soon (or is closed)
     body_timeout_seconds: float = 60.0  # the body must arrive this soon after the head (else 408, closed)
@@ -89,6 +105,12 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if any(not name.strip() for name in self.model_name):
+            raise ValueError(f"setting server.model_name takes non-empty names, got {list(self.model_name)!r}")
+        if len(set(self.model_name)) != len(self.model_name):
+            raise ValueError(f"setting server.model_name names a model twice: {list(self.model_name)!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"setting server.log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         for origin in self.allowed_origins:
             if not ORIGIN.fullmatch(origin):
                 raise ValueError(f"setting server.allowed_origins takes origins like \"https://chat.example.com\" "
@@ -106,12 +128,27 @@ class StoreConfig:
     retry_seconds: float = 5.0  # while writes fail: how often they are retried (and the Retry-After)
 
 
+# What an API key may hold: it travels in an HTTP header, so visible ASCII, no spaces.
+API_KEY = re.compile(r"[\x21-\x7e]+")
+
+
 @dataclass(frozen=True)
 class AuthConfig:
-    """Who may call the API."""
+    """Who may call the API: anyone (the default), holders of one shared key, or keys from the store."""
 
-    enabled: bool = False  # off: every request is the one local user; on: a valid API key is required
-    local_tier: str = "paid"  # the local user's tier while auth is off
+    enabled: bool = False  # on: each request needs a key from `chatd keys create` (the key database)
+    local_tier: str = "paid"  # the local user's tier while the key database is off
+    # One key shared by every caller, without the key database (as `vllm serve --api-key`).
+    # Never shown: not in repr, logs, nor error messages.
+    api_key: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        if self.api_key and not API_KEY.fullmatch(self.api_key):
+            raise ValueError("setting auth.api_key (--api-key, CHATD_API_KEY) must be visible ASCII characters "
+                             "without spaces: it is sent in an HTTP header")
+        if self.api_key and self.enabled:
+            raise ValueError("settings auth.enabled = true (API keys from `chatd keys create`) and auth.api_key "
+                             "(one shared key: --api-key, CHATD_API_KEY) exclude each other; use one of them")
 
 
 @dataclass(frozen=True)
@@ -156,6 +193,9 @@ class Config:
         return self.prices.get(model_name, Price())
 
 
+# Settings that take one string or a list of strings; a lone "" means none.
+ONE_OR_MORE = {("server", "model_name")}
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
@@ -191,6 +231,9 @@ def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:
             if key not in known:
                 raise ValueError(f"unknown setting {name}.{key}; known: {', '.join(known)}")
             expected = type(getattr(cls(), key))
+            if (name, key) in ONE_OR_MORE and isinstance(value, str):
+                value = (value,) if value else ()
+                section_values = {**section_values, key: value}
             if expected is float and isinstance(value, int) and not isinstance(value, bool):
                 section_values = {**section_values, key: float(value)}
             elif expected is tuple:

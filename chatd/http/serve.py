@@ -80,11 +80,13 @@ async def _serve(config: Config, store: Store, ledger: Ledger, sock: socket.sock
     if tokenizer is None:
         await async_engine.stop()
         raise ValueError("chatd serve needs a model with a tokenizer")
+    names = config.server.model_name or (model.name,)
     state = ServerState(
         engine=async_engine,
         tokenizer=tokenizer,
         model=model,
-        model_name=config.server.model_name or model.name,
+        model_name=names[0],
+        model_aliases=names[1:],
         store=store,
         local_tenant=await store.local_tenant(config.auth.local_tier),
         ledger=ledger,
@@ -116,6 +118,9 @@ async def _serve(config: Config, store: Store, ledger: Ledger, sock: socket.sock
     try:
         await _warm_up(async_engine, state)
         state.ready = True
+        log.info("auth: %s", _auth_mode(config))
+        if state.model_aliases:
+            log.info("model %s is also served as %s", state.model_name, ", ".join(state.model_aliases))
         log.info(
             "ready: model %s, dtype %s, device %s, attention %s, %d KV blocks, http://%s:%d",
             state.model_name, model.dtype, model.device, model.attention_backend, model.num_kv_blocks,
@@ -163,6 +168,15 @@ async def _drain(engine: AsyncEngine, grace: float) -> None:
         if stats.num_running == 0 and stats.num_waiting == 0:
             return
         await asyncio.sleep(0.05)
+
+
+def _auth_mode(config: Config) -> str:
+    """Who may call, for the log; the shared key itself is never logged."""
+    if config.auth.enabled:
+        return "API keys from the store (chatd keys create)"
+    if config.auth.api_key:
+        return "one shared API key is set; every caller is the local user"
+    return "off; every caller is the local user"
 
 
 def _malformed_requests_at_debug(record: logging.LogRecord) -> bool:

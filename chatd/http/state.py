@@ -16,6 +16,7 @@ from chatd.config import Config
 from chatd.engine import EngineClient, ModelInfo, Tokenizer
 from chatd.http.errors import APIError
 from chatd.http.metrics import ServerMetrics
+from chatd.http.protocol import shown
 from chatd.store.db import Store, Tenant
 from chatd.store.ledger import Ledger, cannot_write_now
 
@@ -31,11 +32,12 @@ class ServerState:
     engine: EngineClient
     tokenizer: Tokenizer
     model: ModelInfo  # what the engine loaded
-    model_name: str  # the name it is served under ([server] model_name, or the model folder's name)
+    model_name: str  # the name it is served under ([server] model_name's first, or the model folder's name)
     store: Store
-    local_tenant: Tenant  # who every request is while auth is off
+    local_tenant: Tenant  # who every request is while the key database is off (shared key or none)
     ledger: Ledger  # usage and finished replies, written in order even when the store must wait
     config: Config = field(default_factory=Config)
+    model_aliases: tuple[str, ...] = ()  # other names a request may use ([server] model_name's others)
     ready: bool = False
     stopping: bool = False  # set at shutdown: replies cut short now are partial, not failed
     metrics: ServerMetrics = field(init=False)
@@ -55,6 +57,11 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.model.max_model_len
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may give as `model`, the served name first."""
+        return (self.model_name, *self.model_aliases)
+
     # -- prompts: sized before tokenizing, tokenized off the event loop ------------------------
 
     @property
@@ -68,11 +75,12 @@ class ServerState:
             raise APIError(400, f"{param} has {num_chars} characters; the context window of {self.max_model_len} tokens "
                                 f"holds at most {self.max_prompt_chars} characters of text", param, "context_length_exceeded")
 
-    async def encode_chat(self, messages: list[dict], param: str = "messages") -> list[int]:
+    async def encode_chat(self, messages: list[dict], param: str = "messages",
+                          add_generation_prompt: bool = True) -> list[int]:
         """Render messages with the chat template and tokenize them, in a worker thread."""
         self.check_text_size(sum(len(m["content"]) for m in messages), param)
         try:
-            return await self.off_loop(self.tokenizer.encode_chat, messages)
+            return await self.off_loop(self.tokenizer.encode_chat, messages, add_generation_prompt)
         except ValueError as exc:
             raise APIError(400, f"cannot render messages with this model's chat template: {exc}", param) from exc
 
@@ -151,16 +159,20 @@ class ServerState:
                         "store_unavailable", headers={"Retry-After": str(self.ledger.retry_after)})
 
     def check_model(self, model: str | None) -> None:
-        """A request may name the served model or leave it out; any other name is a 404."""
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}", "model", "model_not_found")
+        """A request may name the served model, one of its aliases, or leave it out; any other name is a 404."""
+        if model is not None and model not in self.model_names:
+            served = ", ".join(repr(name) for name in self.model_names)
+            raise APIError(404, f"the model {shown(model)} does not exist; this server serves {served}", "model",
+                           "model_not_found")
 
-    def model_card(self) -> dict:
+    def model_card(self, name: str | None = None) -> dict:
+        """The model as OpenAI describes one, under `name` (default: the served name); `root` is the served name."""
         return {
-            "id": self.model_name,
+            "id": name or self.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "chatd",
+            "root": self.model_name,
             "context_length": self.max_model_len,
             "chatd": self.model.details(),
         }

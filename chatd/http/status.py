@@ -1,5 +1,5 @@
-"""The small routes that report and change nothing: the model served (`/v1/models`), a caller's
-usage (`/v1/usage`), health, readiness and metrics.
+"""The small routes that report and change nothing: the model served (`/v1/models`,
+`/v1/models/{model}`), a caller's usage (`/v1/usage`), health, readiness and metrics.
 
 They read the engine's health and stats and the store's totals; they never generate. The
 generating routes are completions.py and conversations.py.
@@ -20,9 +20,22 @@ from chatd.http.wire import json_response
 
 
 async def models(request: web.Request) -> web.Response:
-    """The one model this server serves, as OpenAI lists models."""
+    """The one model this server serves, as OpenAI lists models: a card per name it answers to.
+
+    One card per alias (as vLLM lists --served-model-name), not one card with an alias field:
+    OpenAI's model object has none, and SDK users and UIs pick a model from the listed ids, so
+    every name a request may use must be an id. `root` on each card says they are one model.
+    """
     state = request.app[STATE]
-    return json_response({"object": "list", "data": [state.model_card()]})
+    return json_response({"object": "list", "data": [state.model_card(name) for name in state.model_names]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """One model's card by any of its names (`client.models.retrieve`); 404 model_not_found otherwise."""
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    state.check_model(name)
+    return json_response(state.model_card(name))
 
 
 async def usage(request: web.Request) -> web.Response:

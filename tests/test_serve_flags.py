@@ -1,0 +1,133 @@
+"""`chatd --version` and the flags of `chatd serve` that vLLM's, Ollama's and llama.cpp's users
+expect (cli.py): each lands in its config setting over the config file, --api-key wins over
+CHATD_API_KEY, and a bad value is refused with a message naming the flag or setting. The
+server itself is replaced by a recorder; tests/http/ runs the settings in a real server."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import subprocess
+import sys
+
+import pytest
+
+import chatd.http.serve
+from chatd.cli import build_parser, main, serve_config
+from chatd.config import build_config
+
+KEY = "sk-local-0123456789"
+
+
+@pytest.fixture
+def served(monkeypatch) -> list:
+    """The configs `chatd serve` would have served, in order; logging is restored afterwards."""
+    configs = []
+
+    async def record(config) -> None:
+        configs.append(config)
+
+    monkeypatch.setattr(chatd.http.serve, "serve", record)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "level", root.level)
+    monkeypatch.delenv("CHATD_API_KEY", raising=False)
+    return configs
+
+
+def test_version_prints_the_installed_version_and_exits_0():
+    done = subprocess.run([sys.executable, "-m", "chatd", "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"chatd {importlib.metadata.version('chatd')}"
+
+
+def test_serve_flags_land_in_their_settings(served):
+    assert main(["serve", "--served-model-name", "qwen3-8b", "gpt-4o-mini", "--max-model-len", "512",
+                 "--dtype", "bfloat16", "--log-level", "error", "--api-key", KEY]) == 0
+    [config] = served
+    assert config.server.model_name == ("qwen3-8b", "gpt-4o-mini")
+    assert (config.model.max_model_len, config.model.dtype, config.server.log_level) == (512, "bfloat16", "error")
+    assert config.auth.api_key == KEY and not config.auth.enabled
+    assert logging.getLogger().level == logging.ERROR
+    assert KEY not in repr(config)  # a config printed in a log or a traceback does not show the key
+
+
+def test_flags_win_over_the_config_file_and_the_environment(tmp_path, monkeypatch):
+    path = tmp_path / "config.toml"
+    path.write_text('[server]\nmodel_name = "from-file"\nlog_level = "warning"\n[model]\nmax_model_len = 128\n'
+                    'dtype = "float32"\n[auth]\napi_key = "file-key"\n')
+
+    def config_of(*flags: str):
+        return serve_config(build_parser().parse_args(["serve", "--config", str(path), *flags]))
+
+    monkeypatch.delenv("CHATD_API_KEY", raising=False)
+    from_file = config_of()
+    assert from_file.server.model_name == ("from-file",) and from_file.model.max_model_len == 128
+    assert (from_file.model.dtype, from_file.server.log_level, from_file.auth.api_key) == ("float32", "warning", "file-key")
+    monkeypatch.setenv("CHATD_API_KEY", "env-key")
+    assert config_of().auth.api_key == "env-key"
+    flagged = config_of("--api-key", "flag-key", "--served-model-name", "a", "--max-model-len", "64", "--dtype", "auto",
+                        "--log-level", "debug")
+    assert flagged.auth.api_key == "flag-key"
+    assert (flagged.server.model_name, flagged.model.max_model_len, flagged.model.dtype, flagged.server.log_level) == (
+        ("a",), 64, "auto", "debug")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    (["--log-level", "verbose"], "argument --log-level: invalid choice: 'verbose'"),
+    (["--max-model-len", "0"], "argument --max-model-len: must be at least 1, got 0"),
+    (["--max-model-len", "4k"], "argument --max-model-len: must be a whole number, got '4k'"),
+    (["--served-model-name"], "argument --served-model-name: expected at least one argument"),
+])
+def test_bad_flag_values_exit_2_naming_the_flag(flags, message, served, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+    assert served == []
+
+
+@pytest.mark.parametrize(("flags", "env", "message"), [
+    (["--served-model-name", "a", "a"], None, "server.model_name names a model twice"),
+    (["--served-model-name", "a", " "], None, "server.model_name takes non-empty names"),
+    (["--api-key", "two words"], None, "auth.api_key (--api-key, CHATD_API_KEY) must be visible ASCII"),
+    ([], "key\n", "auth.api_key (--api-key, CHATD_API_KEY) must be visible ASCII"),
+])
+def test_bad_settings_exit_2_naming_the_setting(flags, env, message, served, capsys, monkeypatch):
+    if env is not None:
+        monkeypatch.setenv("CHATD_API_KEY", env)
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert served == []
+
+
+def test_a_shared_key_and_the_key_database_are_refused_together(tmp_path, served, capsys, monkeypatch):
+    path = tmp_path / "config.toml"
+    path.write_text("[auth]\nenabled = true\n")
+    monkeypatch.setenv("CHATD_API_KEY", KEY)
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "auth.enabled = true" in err and "auth.api_key" in err and "CHATD_API_KEY" in err
+    assert KEY not in err
+    monkeypatch.delenv("CHATD_API_KEY")
+    assert main(["serve", "--config", str(path)]) == 0  # the key database alone is fine
+    assert served[0].auth.enabled and not served[0].auth.api_key
+
+
+def test_model_name_in_config_takes_one_name_or_a_list():
+    assert build_config({"server": {"model_name": "qwen3-8b"}}).server.model_name == ("qwen3-8b",)
+    assert build_config({"server": {"model_name": ""}}).server.model_name == ()  # the folder's name, as before
+    both = build_config({"server": {"model_name": ["qwen3-8b", "Qwen/Qwen3-8B"]}})
+    assert both.server.model_name == ("qwen3-8b", "Qwen/Qwen3-8B")
+    with pytest.raises(ValueError, match="server.model_name must be a list of strings"):
+        build_config({"server": {"model_name": ["qwen3-8b", 8]}})
+
+
+def test_model_settings_are_checked_when_read():
+    with pytest.raises(ValueError, match="model.dtype must be one of auto, float32, float16, bfloat16, got 'fp16'"):
+        build_config({"model": {"dtype": "fp16"}})
+    with pytest.raises(ValueError, match="model.max_model_len must be 0 .* got -1"):
+        build_config({"model": {"max_model_len": -1}})
+    with pytest.raises(ValueError, match="server.log_level must be one of debug, info, warning, error, got 'INFO'"):
+        build_config({"server": {"log_level": "INFO"}})
