@@ -2,9 +2,10 @@
 
 It streams chat or text completions at one or more concurrency levels and reports time to
 first token (TTFT), inter-token latency (ITL), end-to-end latency and throughput. Multi-turn
-sessions either resend their growing history to /chat/completions (stateless, as OpenAI) or,
-with `conversations`, drive chatd's conversations API, where the server keeps the history and
-the client posts only each new user message; per turn it reports TTFT and, from `usage`, how
+sessions either resend their growing history to /chat/completions (stateless, as OpenAI) or
+keep it on the server, the client posting only each new user message: with `conversations`
+through chatd's conversations API, with `responses` through OpenAI's Responses API chained by
+`previous_response_id`. Per turn it reports TTFT and, from `usage`, how
 many prompt tokens the server took from its prefix cache and how many it had to compute.
 
     options.py   BenchOptions: what to send, how hard, for how long; the flags that fill it
@@ -38,7 +39,7 @@ def run_command(args: argparse.Namespace) -> int:
     from chatd.bench.report import format_level
 
     options = options_from_args(args)
-    mode = "conversations" if options.conversations else options.endpoint
+    mode = "conversations" if options.conversations else "responses" if options.responses else options.endpoint
     print(f"bench {options.url} ({mode}), concurrency {','.join(map(str, options.concurrency))}")
     result = asyncio.run(run_bench(options, on_level=lambda level: print(format_level(level), flush=True)))
     if args.json:

@@ -1,8 +1,9 @@
 """The load generator of `chatd bench`: plans sessions, streams their requests, times every chunk.
 
 Multi-turn sessions either resend their growing history to /chat/completions (stateless, as
-OpenAI) or, with `conversations`, drive chatd's conversations API, where the server keeps the
-history and the client posts only each new user message.
+OpenAI), or keep it on the server and send only each new user message: with `conversations`
+through chatd's conversations API, with `responses` through OpenAI's Responses API (each turn
+continues the last by `previous_response_id`).
 
 It talks HTTP with aiohttp rather than the openai SDK, to time every streamed chunk and to
 tolerate servers whose streams bend the OpenAI shape (`transformers serve`: no `data: [DONE]`,
@@ -46,10 +47,17 @@ class StreamEvent:
     done: bool = False  # `[DONE]`: nothing more will come
     usage: dict | None = None
     error: str | None = None
+    response_id: str | None = None  # the Responses API's response id, from its events
+
+
+# What ends a Responses API stream, and its events that carry the whole response.
+RESPONSE_ENDS = {"response.completed", "response.incomplete"}
+RESPONSE_FAILURES = {"response.failed", "error"}
 
 
 def parse_event(payload: bytes) -> StreamEvent:
-    """Decode the payload of one `data:` line; anything unreadable is an error event."""
+    """Decode the payload of one `data:` line (a chat or completion chunk, or a Responses API
+    event); anything unreadable is an error event."""
     if payload == b"[DONE]":
         return StreamEvent(finished=True, done=True)
     try:
@@ -58,6 +66,8 @@ def parse_event(payload: bytes) -> StreamEvent:
         return StreamEvent(error=payload.decode(errors="replace")[:300])
     if not isinstance(data, dict):  # transformers serve sends mid-stream errors as a bare string
         return StreamEvent(error=str(data)[:300])
+    if isinstance(data.get("type"), str) and (data["type"].startswith("response.") or data["type"] == "error"):
+        return _response_event(data)
     if data.get("error") or data.get("object") == "error":
         error = data.get("error") or data
         message = error.get("message", error) if isinstance(error, dict) else error
@@ -69,6 +79,23 @@ def parse_event(payload: bytes) -> StreamEvent:
         finished = finished or bool(choice.get("finish_reason"))
     usage = data.get("usage")
     return StreamEvent(text=text, finished=finished, usage=usage if isinstance(usage, dict) else None)
+
+
+def _response_event(data: dict) -> StreamEvent:
+    """A Responses API event, its usage in chat's names (prompt, cached and completion tokens)."""
+    kind, response = data["type"], data.get("response") if isinstance(data.get("response"), dict) else {}
+    if kind in RESPONSE_FAILURES:
+        error = response.get("error") or data
+        return StreamEvent(error=str(error.get("message", error) if isinstance(error, dict) else error)[:300])
+    if kind == "response.output_text.delta":
+        return StreamEvent(text=str(data.get("delta") or ""))
+    usage = response.get("usage")
+    if isinstance(usage, dict):
+        details = usage.get("input_tokens_details")
+        usage = {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens"),
+                 "prompt_tokens_details": details if isinstance(details, dict) else None}
+    finished = kind in RESPONSE_ENDS
+    return StreamEvent(finished=finished, done=finished, usage=usage, response_id=response.get("id"))
 
 
 async def send_request(
@@ -95,6 +122,7 @@ async def send_request(
                 if event.error is not None:
                     record.error = event.error
                     return ""
+                record.response_id = event.response_id or record.response_id
                 if event.text:
                     chunk_times.append(clock())
                     pieces.append(event.text)
@@ -176,6 +204,8 @@ async def run_session(
     """Send one conversation turn by turn; a failed turn ends it, as it would for a user."""
     if options.conversations:
         return await run_conversation(http, options, index, turns, clock)
+    if options.responses:
+        return await run_responses(http, options, index, turns, clock)
     url = options.url.rstrip("/") + ("/chat/completions" if options.endpoint == "chat" else "/completions")
     history: list[dict] = []
     records = []
@@ -213,8 +243,45 @@ async def run_conversation(
             if not record.ok:
                 break
     finally:
-        await delete_conversation(http, f"{conversations_url}/{conversation_id}", options.timeout)
+        await delete_made(http, f"{conversations_url}/{conversation_id}", options.timeout)
     return records
+
+
+async def run_responses(
+    http: aiohttp.ClientSession, options: BenchOptions, index: int, turns: list[tuple[str, int]], clock
+) -> list[RequestRecord]:
+    """One session through the Responses API: each turn sends its new user message and continues the
+    previous turn's response by previous_response_id. The responses are deleted at the end (not timed)."""
+    url = options.url.rstrip("/") + "/responses"
+    records: list[RequestRecord] = []
+    try:
+        for turn, (prompt, max_tokens) in enumerate(turns, start=1):
+            record = RequestRecord(session=index, turn=turn, max_tokens=max_tokens)
+            body = {**make_response_body(options, prompt, max_tokens)}
+            if records:
+                body["previous_response_id"] = records[-1].response_id
+            records.append(record)
+            await send_request(http, url, body, record, options.timeout, clock)
+            if not record.ok:
+                break
+            if record.response_id is None:
+                record.ok, record.error = False, "the stream named no response id to continue"
+                break
+    finally:
+        for record in records:
+            if record.response_id is not None:
+                await delete_made(http, f"{url}/{record.response_id}", options.timeout)
+    return records
+
+
+def make_response_body(options: BenchOptions, content: str, max_tokens: int) -> dict:
+    """The body of one Responses API turn: the new user message and OpenAI's Responses fields."""
+    body: dict = {"input": content, "max_output_tokens": max_tokens, "temperature": options.temperature, "stream": True}
+    if options.model is not None:
+        body["model"] = options.model
+    if options.ignore_eos:
+        body["ignore_eos"] = True
+    return body
 
 
 async def create_conversation(
@@ -242,8 +309,8 @@ async def create_conversation(
     return conversation_id, None
 
 
-async def delete_conversation(http: aiohttp.ClientSession, url: str, timeout: float) -> None:
-    """DELETE a conversation the bench made; a failure here does not change any measurement."""
+async def delete_made(http: aiohttp.ClientSession, url: str, timeout: float) -> None:
+    """DELETE a conversation (or response) the bench made; a failure here does not change any measurement."""
     try:
         async with asyncio.timeout(timeout), http.delete(url) as response:
             await response.read()

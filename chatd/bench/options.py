@@ -28,6 +28,7 @@ class BenchOptions:
     timeout: float = 300.0  # seconds, per request
     api_key: str | None = None
     conversations: bool = False  # chatd's /conversations API: the server keeps each session's history
+    responses: bool = False  # OpenAI's /responses API, each turn continuing the last by previous_response_id
 
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
@@ -40,8 +41,11 @@ class BenchOptions:
                 raise ValueError(f"{name}: need 1 <= MIN <= MAX, got MIN={low} MAX={high}")
         if self.endpoint not in ("chat", "completions"):
             raise ValueError(f"endpoint: must be 'chat' or 'completions', got {self.endpoint!r}")
-        if self.conversations and self.endpoint != "chat":
-            raise ValueError(f"conversations: the API is chat only; endpoint must be 'chat', got {self.endpoint!r}")
+        for name in ("conversations", "responses"):
+            if getattr(self, name) and self.endpoint != "chat":
+                raise ValueError(f"{name}: the API is chat only; endpoint must be 'chat', got {self.endpoint!r}")
+        if self.conversations and self.responses:
+            raise ValueError("conversations and responses: choose one API for the sessions")
         if self.multi_turn < 1:
             raise ValueError(f"multi_turn: must be at least 1, got {self.multi_turn}")
         if self.timeout <= 0:
@@ -76,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "only the new user message while the server keeps the history. Default: each turn sends the whole "
              "history to /chat/completions",
     )
+    parser.add_argument(
+        "--responses", action="store_true",
+        help="use OpenAI's Responses API: each turn sends only the new user message and continues the previous "
+             "turn's response by previous_response_id (the server keeps the history); responses are deleted at the end",
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (chatd, vLLM): exact lengths")
     parser.add_argument("--seed", type=int, default=0)
@@ -90,5 +99,5 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         url=args.url, model=args.model, concurrency=args.concurrency, num_requests=args.num_requests,
         prompt_tokens=tuple(args.prompt_tokens), output_tokens=tuple(args.output_tokens), endpoint=args.endpoint,
         multi_turn=args.multi_turn, temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed,
-        timeout=args.timeout, api_key=args.api_key, conversations=args.conversations,
+        timeout=args.timeout, api_key=args.api_key, conversations=args.conversations, responses=args.responses,
     )

@@ -32,6 +32,7 @@ class RequestRecord:
     num_prompt_tokens: int | None = None  # usage.prompt_tokens when the server sent usage
     num_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: from the prefix cache
     num_prefill_tokens: int | None = None  # prompt tokens the server computed: prompt - cached, when both are known
+    response_id: str | None = None  # the Responses API's id of this turn's response (the next turn continues it)
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
