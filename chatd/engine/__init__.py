@@ -9,6 +9,7 @@ Public names (the rest is internal; `chatd.http` imports only these):
     ModelInfo        what the loaded model is (name, context, dtype, ...)      engine.py
     SamplingParams, RequestOutput, CompletionOutput, FinishReason, ParamError  params.py
     MAX_LOGPROBS     the most top_logprobs a request may ask for                params.py
+    MAX_N            the most choices (n) a request may ask for                  params.py
     EngineStats      counters for metrics                                      core/scheduler.py
     Tokenizer        chat template, tokens, incremental detokenizer            tokenizer.py
 
@@ -34,12 +35,13 @@ from chatd.engine.async_engine import AsyncEngine, EngineClient, RequestHandle, 
 from chatd.engine.core.scheduler import EngineStats
 from chatd.engine.engine import LLMEngine, ModelInfo
 from chatd.engine.llm import LLM
-from chatd.engine.params import MAX_LOGPROBS, CompletionOutput, FinishReason, ParamError, RequestOutput, SamplingParams
+from chatd.engine.params import MAX_LOGPROBS, MAX_N, CompletionOutput, FinishReason, ParamError, RequestOutput, SamplingParams
 from chatd.engine.tokenizer import Tokenizer
 
 __all__ = [
     "LLM",
     "MAX_LOGPROBS",
+    "MAX_N",
     "AsyncEngine",
     "CompletionOutput",
     "EngineClient",
