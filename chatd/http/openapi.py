@@ -1,10 +1,11 @@
 """This server's OpenAPI 3.1 document (`GET /openapi.json`), generated from what the handlers use.
 
 Paths and methods come from the route table, each summary from its handler's docstring. A body
-that protocol.py parses is built from the very field set it checks against, each field's schema
-taken from FIELD_SCHEMAS: a field with none is an error at build time, not a gap in the document.
-Other bodies and every response shape are declared once here, in OPERATIONS and COMPONENTS, and
-tests/http/test_openapi.py checks live responses against them.
+that protocol.py or responses.py parses is built from the very field set it checks against, each
+field's schema taken from FIELD_SCHEMAS: a field with none is an error at build time, not a gap in
+the document, and so is a route with no response schema. Other bodies and every response shape
+are declared once here, in OPERATIONS and COMPONENTS, and tests/http/test_openapi.py checks live
+responses, streamed events and errors against them.
 
 It knows nothing of the engine; it reads the app only for its routes and the served model's name.
 """
@@ -24,13 +25,18 @@ from aiohttp import web
 import chatd
 from chatd.engine import MAX_LOGPROBS
 from chatd.engine.params import MAX_N
+from chatd.http import responses
 from chatd.http.auth import is_guarded
+from chatd.http.conversations import MAX_NEW_ITEMS
+from chatd.http.items import MAX_PAGE, TEXT_PARTS
+from chatd.http.items import ROLES as ITEM_ROLES
 from chatd.http.protocol import (
-    CHAT_FIELDS, COMPLETION_FIELDS, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS, MAX_PROMPTS,
-    MAX_STOP, ROLES, SERVICE_TIERS, TURN_FIELDS, UNSUPPORTED, VERBOSITIES,
+    CHAT_FIELDS, COMPLETION_FIELDS, MAX_METADATA_DEPTH, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS,
+    MAX_PROMPTS, MAX_STOP, ROLES, SERVICE_TIERS, TURN_FIELDS, UNSUPPORTED, VERBOSITIES,
 )
 from chatd.http.state import STATE
 from chatd.http.tokens import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
+from chatd.store.db import STATUSES
 
 Schema = dict[str, Any]
 Route = tuple[str, str, Callable]  # (method, path, handler), as app.ROUTES lists them
@@ -64,8 +70,34 @@ MESSAGE = {
 TOKEN_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
 NOT_EMPTY_STRING = {"type": "string", "minLength": 1}
 PENALTY = {"type": "number", "minimum": -2, "maximum": 2}
+# Messages as the Responses and Conversations APIs send them (items.py): text only. An earlier
+# response's output item may come back as it came, with its id, status and annotations.
+ITEM_PART = {
+    "type": "object",
+    "properties": {"type": {"enum": list(TEXT_PARTS)}, "text": {"type": "string"},
+                   "annotations": {"description": "accepted back, ignored"},
+                   "logprobs": {"description": "accepted back, ignored"}},
+    "required": ["type", "text"],
+    "additionalProperties": False,
+}
+INPUT_ITEM = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "message", "description": "chatd takes message items only (no tool calls, reasoning, references)"},
+        "role": {"enum": list(ITEM_ROLES), "description": "developer is read as system"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": ITEM_PART}],
+                    "description": "a string, or text parts (joined)"},
+        "id": {"description": "accepted back, ignored"}, "status": {"description": "accepted back, ignored"},
+        "phase": {"description": "accepted back, ignored"},
+    },
+    "required": ["role", "content"],
+    "additionalProperties": False,
+}
+# A conversation's or a response's metadata (protocol._metadata): any object, kept and returned.
+KEPT_METADATA = {"type": "object", "description": f"any JSON object, at most the server's `max_metadata_bytes` as JSON "
+                                                  f"and {MAX_METADATA_DEPTH} levels deep; kept and returned"}
 
-# Every field of a body checked against a field set (protocol.py's, tokens.py's), by name. A field
+# Every field of a body checked against a field set (protocol.py's, tokens.py's, ...), by name. A field
 # a set allows that is missing here makes build_document raise: it is documented before it is served.
 FIELD_SCHEMAS: dict[str, Schema] = {
     "model": {"type": "string", "description": "the served model's name; may be left out"},
@@ -111,19 +143,47 @@ FIELD_SCHEMAS: dict[str, Schema] = {
     "safety_identifier": {"type": "string", "description": "accepted, not used"},
     "add_generation_prompt": {"type": "boolean", "default": True, "description": "end with the assistant's turn opening"},
     "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}, "description": "token ids of the served model"},
+    # Conversations (protocol.parse_new_conversation, conversations.create_items) and responses (responses.py).
+    "title": {"type": "string", "description": "at most the server's `max_title_chars`"},
+    "system_prompt": {"type": "string", "description": "the conversation's system message, before every turn"},
+    "items": {"type": "array", "items": INPUT_ITEM, "minItems": 1, "maxItems": MAX_NEW_ITEMS,
+              "description": "messages added in order; each at most the server's `max_message_chars`"},
+    "input": {"anyOf": [NOT_EMPTY_STRING, {"type": "array", "items": INPUT_ITEM, "minItems": 1,
+                                           "maxItems": responses.MAX_INPUT_ITEMS}],
+              "description": "a user message, or message items (at most the server's `max_messages`)"},
+    "instructions": {"type": "string", "description": "this response's system message; not carried to the next"},
+    "max_output_tokens": {"type": "integer", "minimum": 1, "description": "the reply's length limit in tokens"},
+    "previous_response_id": {"type": "string", "description": "continue this stored, finished response's chain"},
+    "conversation": {"anyOf": [{"type": "string"}, {"type": "object", "properties": {"id": {"type": "string"}}}],
+                     "description": "continue this conversation (its id, or an object with it); the response's "
+                                    "input and output are added to it"},
+    "truncation": {"enum": ["auto", "disabled"], "default": "disabled",
+                   "description": "auto: leave out the oldest turns of too long a history; disabled: a 400"},
+    "text": {"type": "object", "properties": {
+        "format": nullable({"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}),
+        "verbosity": nullable({"enum": list(VERBOSITIES)}),
+    }, "description": "only text output; verbosity is accepted, not used"},
+    "tools": {"type": "array", "maxItems": 0, "description": "not supported (tool calling): only an empty list"},
+    "tool_choice": {"enum": ["none", "auto"], "description": "there are no tools to call"},
+    "parallel_tool_calls": {"type": "boolean", "description": "accepted; there are no tools"},
+    "include": {"type": "array", "maxItems": 0, "description": "not supported: items carry only their text"},
+    "reasoning": {"type": "object", "additionalProperties": {"type": "null"},
+                  "description": "chatd's models take no reasoning options: only nulls"},
+    "background": {"const": False, "description": "not supported: stream, or wait for the response"},
 }
 
 
 @dataclass(frozen=True)
 class Fields:
-    """A body checked against a field set (protocol.py's, tokens.py's): the set, the fields it
-    requires or of which it requires exactly one, and the schemas that differ in this body from
-    FIELD_SCHEMAS (a completion's logprobs is a count, a chat's a boolean)."""
+    """A body checked against a field set (protocol.py's, tokens.py's, responses.py's): the set, the
+    fields it requires, or of which it requires exactly one or at least one, and the schemas that
+    differ in this body from FIELD_SCHEMAS (a completion's logprobs is a count, a chat's a boolean)."""
 
     allowed: Iterable[str]
     required: tuple[str, ...] = ()
     overrides: Mapping[str, Schema] = field(default_factory=dict)
     exactly_one_of: tuple[str, ...] = ()
+    at_least_one_of: tuple[str, ...] = ()
     description: str = ""
 
 
@@ -149,6 +209,8 @@ def body_schema(fields: Fields, model_name: str) -> Schema:
         body["required"] = list(fields.required)
     if fields.exactly_one_of:
         body["oneOf"] = [{"required": [name]} for name in fields.exactly_one_of]
+    if fields.at_least_one_of:
+        body["anyOf"] = [{"required": [name]} for name in fields.at_least_one_of]
     if fields.description:
         body["description"] = fields.description
     return body
@@ -186,6 +248,84 @@ TOKEN_LOGPROB = {"token": {"type": "string"}, "logprob": {"type": "number"}, "by
 ASSISTANT = _object({"role": {"const": "assistant"}, "content": {"type": "string"}})
 TEXT_CHOICE = {"text": {"type": "string"}}
 STORE_STATUS = _object({"writable": {"type": "boolean"}, "pending_writes": COUNT, "error": nullable({"type": "string"})})
+STRING = {"type": "string"}
+UNIX_SECONDS = {"type": "integer", "description": "unix seconds"}
+NOTHING = {"type": "array", "maxItems": 0}
+
+
+def _page(item: str) -> Schema:
+    """A page of a list, as OpenAI lists items (items.item_page)."""
+    return _object({"object": {"const": "list"}, "data": {"type": "array", "items": ref(item)},
+                    "first_id": nullable(STRING), "last_id": nullable(STRING), "has_more": {"type": "boolean"}})
+
+
+# conversations.py's shapes: OpenAI's conversation object with chatd's extras, and chatd's messages.
+CONVERSATION = {"id": STRING, "object": {"const": "conversation"}, "created_at": UNIX_SECONDS,
+                "updated_at": UNIX_SECONDS, "model": STRING, "title": nullable(STRING),
+                "system_prompt": nullable(STRING), "metadata": {"type": "object"}}
+CONVERSATION_MESSAGE = {
+    **_object({"id": STRING, "object": {"const": "conversation.message"}, "role": {"enum": list(ITEM_ROLES)},
+               "content": STRING, "status": {"enum": list(STATUSES), "description": "partial: cut short, or still "
+                                                                                 "being generated"},
+               "created_at": UNIX_SECONDS, "finish_reason": nullable(FINISH_REASON), "usage": ref("Usage"),
+               "cost": {"type": "number", "description": "USD"}},
+              ["id", "object", "role", "content", "status", "created_at"]),
+    "if": {"properties": {"role": {"const": "assistant"}}},
+    "then": {"required": ["finish_reason", "usage", "cost"]},
+    "description": "chatd's message; an assistant's also says how it ended, its usage and its cost",
+}
+MESSAGES_OMITTED = _object({"messages_omitted": {**COUNT, "description": "the oldest messages left out of the prompt"}})
+# Items (items.item_json): a message with one text part, output_text for the assistant's.
+INPUT_TEXT = _object({"type": {"const": "input_text"}, "text": STRING})
+OUTPUT_TEXT = _object({"type": {"const": "output_text"}, "text": STRING, "annotations": NOTHING, "logprobs": NOTHING})
+
+# responses.py's shapes: its `response` object (response_object) and its stream's events (ResponseEvents).
+RESPONSE_STATUSES = ["in_progress", "completed", "incomplete", "cancelled", "failed"]
+RESPONSE = {
+    "id": STRING, "object": {"const": "response"}, "created_at": UNIX_SECONDS, "status": {"enum": RESPONSE_STATUSES},
+    "completed_at": nullable({**UNIX_SECONDS, "description": "once it has ended"}),
+    "error": nullable(_object({"code": {"const": "server_error"}, "message": STRING})),
+    "incomplete_details": nullable(_object({"reason": {"const": "max_output_tokens"}})),
+    "instructions": nullable(STRING), "max_output_tokens": nullable(COUNT), "model": STRING,
+    "output": {"type": "array", "items": ref("ConversationItem"), "maxItems": 1,
+               "description": "the reply's message; empty until it begins"},
+    "parallel_tool_calls": {"type": "boolean"}, "previous_response_id": nullable(STRING),
+    "conversation": nullable(_object({"id": STRING})),
+    "temperature": nullable({"type": "number"}), "top_p": nullable({"type": "number"}),
+    "tool_choice": {"enum": ["none", "auto"]}, "tools": NOTHING,
+    "text": _object({"format": _object({"type": {"const": "text"}}), "verbosity": {"enum": list(VERBOSITIES)}}, ["format"]),
+    "truncation": {"enum": ["auto", "disabled"]},
+    "reasoning": _object({"effort": {"type": "null"}, "summary": {"type": "null"}}),
+    "background": {"const": False}, "service_tier": {"const": "default"}, "store": {"type": "boolean"},
+    "metadata": {"type": "object"}, "user": nullable(STRING), "safety_identifier": nullable(STRING),
+    "prompt_cache_key": nullable(STRING), "usage": nullable(ref("ResponseUsage")),
+    "chatd": _object({"items_omitted": {**COUNT, "description": "the oldest items left out (truncation: auto)"}}),
+}
+AT_PART = {"item_id": STRING, "output_index": {"const": 0}, "content_index": {"const": 0}}
+
+
+def _event(kind: str, **properties: Schema) -> Schema:
+    """One of a Responses stream's events: its `type` (also its SSE `event:` name) and sequence_number from 0."""
+    return _object({"type": {"const": kind}, "sequence_number": COUNT, **properties})
+
+
+def _response_as(*statuses: str) -> Schema:
+    return {"allOf": [ref("Response"), {"properties": {"status": {"enum": list(statuses)}}}]}
+
+
+RESPONSE_EVENTS = [
+    _event("response.created", response=_response_as("in_progress")),
+    _event("response.in_progress", response=_response_as("in_progress")),
+    _event("response.output_item.added", output_index={"const": 0}, item=ref("ConversationItem")),
+    _event("response.content_part.added", **AT_PART, part=OUTPUT_TEXT),
+    _event("response.output_text.delta", **AT_PART, delta=STRING, logprobs=NOTHING),
+    _event("response.output_text.done", **AT_PART, text=STRING, logprobs=NOTHING),
+    _event("response.content_part.done", **AT_PART, part=OUTPUT_TEXT),
+    _event("response.output_item.done", output_index={"const": 0}, item=ref("ConversationItem")),
+    _event("response.completed", response=_response_as("completed")),
+    _event("response.incomplete", response=_response_as("incomplete", "cancelled")),
+    _event("response.failed", response=_response_as("failed")),
+]
 
 COMPONENTS: dict[str, Schema] = {
     "Error": _object({"error": _object({"message": {"type": "string"}, "type": {"type": "string"},
@@ -221,6 +361,30 @@ COMPONENTS: dict[str, Schema] = {
                          _object({"status": {"const": "engine stopped"}, "error": {"type": "string"}})]},
     "Ready": {"anyOf": [_object({"status": {"enum": ["ready", "warming up"]}}),
                         _object({"status": {"const": "store cannot write"}, "store": STORE_STATUS})]},
+    "Conversation": _object(CONVERSATION),
+    "ConversationWithMessages": _object({**CONVERSATION, "messages": {"type": "array", "items": ref("ConversationMessage")}}),
+    "ConversationList": {**_page("Conversation"), "description": "newest first"},
+    "ConversationDeleted": _object({"id": STRING, "object": {"const": "conversation.deleted"}, "deleted": {"const": True}}),
+    "ConversationMessage": CONVERSATION_MESSAGE,
+    "ConversationReply": {"allOf": [ref("ChatCompletion"), _object({"conversation_id": STRING, "chatd": MESSAGES_OMITTED})],
+                          "description": "a chat completion whose id is the reply's message id"},
+    "ConversationReplyChunk": {"allOf": [ref("ChatCompletionChunk"),
+                                         _object({"conversation_id": STRING, "chatd": MESSAGES_OMITTED}, ["conversation_id"])],
+                               "description": "a chat completion chunk whose id is the reply's message id; the first "
+                                              "says how many messages were left out"},
+    "ConversationItem": _object({
+        "type": {"const": "message"}, "id": STRING, "status": {"enum": ["completed", "in_progress", "incomplete"]},
+        "role": {"enum": list(ITEM_ROLES)},
+        "content": {"type": "array", "items": {"anyOf": [INPUT_TEXT, OUTPUT_TEXT]}, "maxItems": 1,
+                    "description": "one text part (output_text for the assistant's); none in response.output_item.added"},
+    }),
+    "ConversationItemList": _page("ConversationItem"),
+    "Response": _object(RESPONSE),
+    "ResponseUsage": _object({"input_tokens": COUNT, "input_tokens_details": _object({"cached_tokens": COUNT}),
+                              "output_tokens": COUNT, "output_tokens_details": _object({"reasoning_tokens": COUNT}),
+                              "total_tokens": COUNT}),
+    "ResponseStreamEvent": {"oneOf": RESPONSE_EVENTS, "description": "the events of a Responses stream, by `type`"},
+    "ResponseDeleted": _object({"id": STRING, "object": {"const": "response"}, "deleted": {"const": True}}),
 }
 
 
@@ -231,28 +395,57 @@ class Operation(TypedDict, total=False):
     """What OPERATIONS says about one route beyond its table entry and docstring."""
 
     request: Schema | Fields | None  # the JSON body
-    response: Schema  # the 200's body
+    body_optional: bool  # the body may be left out
+    response: Schema  # the 200's body (a route that only streams has none)
     stream: Schema | None  # each SSE `data:` when the request asks for a stream
+    events: Schema  # the event stream itself, when not SSE_CHUNKS
     content_type: str  # the 200's, when not application/json
     query: dict[str, Schema]  # query parameters, all optional
+    headers: dict[str, Schema]  # request headers it reads, all optional
     statuses: dict[int, Schema]  # other statuses whose JSON body is not the error shape
 
 
 # protocol.py's bodies: a field it does not implement is refused, never ignored.
 REFUSED = f"Unknown fields are refused, and so are these, which chatd does not implement: {', '.join(sorted(UNSUPPORTED))}."
-TEXT = {"type": "string"}
+RESPONSE_REFUSED = ("Unknown fields are refused, and so are these, which chatd does not implement: "
+                    f"{', '.join(sorted(responses.UNSUPPORTED))}. Give previous_response_id or conversation, not both.")
 TIMESTAMP = {"type": "string", "description": "unix seconds or an ISO 8601 date (UTC unless it says)"}
+PAGE = {"limit": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 20},
+        "after": {"type": "string", "description": "the last id of the page before"}}
+ORDERED_PAGE = {**PAGE, "order": {"enum": ["asc", "desc"], "default": "desc", "description": "desc: newest first"}}
+# The SSE streams: the `data:` of each event is documented as the operation's x-sse-data.
+SSE_CHUNKS = {"type": "string", "description": "server-sent events: each `data:` is one JSON object (x-sse-data), "
+                                               "the last `data: [DONE]`"}
+SSE_REPLY = {"type": "string", "description": "server-sent events, each with an `id:` (1, 2, ...; reconnect to "
+                                              "`.../messages/{message_id}/stream` with Last-Event-ID): each `data:` is "
+                                              "one JSON object (x-sse-data), the last `data: [DONE]`, or an error "
+                                              "object when the reply failed or was cut short"}
+SSE_NAMED = {"type": "string", "description": "server-sent events as Responses streams them: each has an `event:` "
+                                              "line naming it (its data's `type`), an `id:` (its sequence_number + 1) "
+                                              "and one `data:` JSON object (x-sse-data). There is no `data: [DONE]`: "
+                                              "the stream ends after response.completed, response.incomplete or "
+                                              "response.failed"}
+
+
+def or_error(schema: Schema) -> Schema:
+    """An event of a stream that sends an error, as one more event, when it fails after it began."""
+    return {"anyOf": [schema, ref("Error")]}
+
+
+CONVERSATION_PATH = "/v1/conversations/{conversation_id}"
+RESPONSE_PATH = "/v1/responses/{response_id}"
+REPLY_CHUNK = or_error(ref("ConversationReplyChunk"))
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/chat/completions"): {"request": Fields(CHAT_FIELDS, ("messages",), description=REFUSED),
-                                       "response": ref("ChatCompletion"), "stream": ref("ChatCompletionChunk")},
+                                       "response": ref("ChatCompletion"), "stream": or_error(ref("ChatCompletionChunk"))},
     ("POST", "/v1/completions"): {
         "request": Fields(COMPLETION_FIELDS, ("prompt",), {
             "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "description": "alternatives per token"},
             "max_tokens": {**FIELD_SCHEMAS["max_tokens"], "default": 16},
             "store": {"const": False, "description": "not supported: conversations are stored by /v1/conversations"},
         }, description=REFUSED),
-        "response": ref("TextCompletion"), "stream": ref("TextCompletionChunk"),
+        "response": ref("TextCompletion"), "stream": or_error(ref("TextCompletionChunk")),
     },
     ("GET", "/v1/models"): {"response": ref("ModelList")},
     ("GET", "/v1/models/{model}"): {"response": ref("Model")},
@@ -260,15 +453,60 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "period": {"enum": ["day", "month"], "default": "month", "description": "the current UTC day or month"},
         "start": TIMESTAMP, "end": TIMESTAMP,
     }},
-    ("POST", "/v1/conversations/{conversation_id}/messages"): {
+    ("POST", "/v1/conversations"): {
+        # protocol.parse_new_conversation's fields, and the items create_conversation takes first.
+        "request": Fields({"model", "title", "system_prompt", "metadata", "items"}, overrides={"metadata": KEPT_METADATA}),
+        "body_optional": True, "response": ref("Conversation"),
+    },
+    ("GET", "/v1/conversations"): {"response": ref("ConversationList"), "query": PAGE},
+    ("GET", CONVERSATION_PATH): {"response": ref("ConversationWithMessages")},
+    ("POST", CONVERSATION_PATH): {
+        "request": Fields({"title", "metadata"}, overrides={"metadata": {**KEPT_METADATA, "description": "replaces it"}},
+                          at_least_one_of=("title", "metadata"), description="title: null clears it"),
+        "response": ref("Conversation"),
+    },
+    ("DELETE", CONVERSATION_PATH): {"response": ref("ConversationDeleted")},
+    ("POST", CONVERSATION_PATH + "/items"): {"request": Fields({"items", "include"}, ("items",)),
+                                            "response": ref("ConversationItemList")},
+    ("GET", CONVERSATION_PATH + "/items"): {"response": ref("ConversationItemList"), "query": ORDERED_PAGE},
+    ("GET", CONVERSATION_PATH + "/items/{item_id}"): {"response": ref("ConversationItem")},
+    ("DELETE", CONVERSATION_PATH + "/items/{item_id}"): {"response": ref("Conversation")},
+    ("POST", CONVERSATION_PATH + "/messages"): {
         "request": Fields(TURN_FIELDS, ("content",), {"n": {"const": 1, "description": "one reply per message"}},
                           description=REFUSED),
+        "response": ref("ConversationReply"), "stream": REPLY_CHUNK, "events": SSE_REPLY,
     },
-    ("GET", "/"): {"response": TEXT, "content_type": "text/html"},
-    ("GET", "/static/{name}"): {"response": TEXT, "content_type": "*/*"},
+    ("GET", CONVERSATION_PATH + "/messages/{message_id}/stream"): {
+        "stream": REPLY_CHUNK, "events": SSE_REPLY,
+        "query": {"after": {**COUNT, "default": 0, "description": "the last event id received (as Last-Event-ID)"}},
+        "headers": {"Last-Event-ID": {**COUNT, "description": "the last event id received; wins over `after`"}},
+    },
+    ("POST", CONVERSATION_PATH + "/messages/{message_id}/cancel"): {"response": ref("ConversationMessage")},
+    ("POST", "/v1/responses"): {
+        "request": Fields(responses.RESPONSE_FIELDS, ("input",), {
+            "store": {"type": "boolean", "default": True,
+                      "description": "false: keep only a record that it existed (it cannot be retrieved or continued)"},
+            "metadata": KEPT_METADATA,
+            "service_tier": {"enum": list(responses.SERVICE_TIERS), "description": "accepted; the response says default"},
+            "stream_options": {"type": "object", "description": "only with stream: true; accepted, not used"},
+        }, description=RESPONSE_REFUSED),
+        "response": ref("Response"), "stream": ref("ResponseStreamEvent"), "events": SSE_NAMED,
+    },
+    ("GET", RESPONSE_PATH): {
+        "response": ref("Response"), "stream": ref("ResponseStreamEvent"), "events": SSE_NAMED, "query": {
+            "stream": {"type": "boolean", "default": False, "description": "replay its events, live while it runs"},
+            "starting_after": {"type": "integer", "minimum": -1, "default": -1,
+                               "description": "with stream: the sequence_number after which to start"},
+        },
+    },
+    ("DELETE", RESPONSE_PATH): {"response": ref("ResponseDeleted")},
+    ("POST", RESPONSE_PATH + "/cancel"): {"response": ref("Response")},
+    ("GET", RESPONSE_PATH + "/input_items"): {"response": ref("ConversationItemList"), "query": ORDERED_PAGE},
+    ("GET", "/"): {"response": STRING, "content_type": "text/html"},
+    ("GET", "/static/{name}"): {"response": STRING, "content_type": "*/*"},
     ("GET", "/health"): {"response": ref("Health"), "statuses": {503: ref("Health")}},
     ("GET", "/ready"): {"response": ref("Ready"), "statuses": {503: ref("Ready")}},
-    ("GET", "/metrics"): {"response": TEXT, "content_type": "text/plain"},
+    ("GET", "/metrics"): {"response": STRING, "content_type": "text/plain"},
     ("POST", "/tokenize"): {
         "request": Fields(TOKENIZE_FIELDS, overrides={"prompt": {"type": "string"}}, exactly_one_of=("prompt", "messages")),
         "response": ref("Tokenized"),
@@ -276,11 +514,6 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/detokenize"): {"request": Fields(DETOKENIZE_FIELDS, ("tokens",)), "response": ref("Detokenized")},
     ("GET", "/openapi.json"): {"response": {"type": "object", "description": "this document"}},
 }
-# Routes whose responses are not described yet, by path prefix; any other route must be.
-UNDOCUMENTED_FOR_NOW = ("/v1/conversations", "/v1/responses")
-UNDESCRIBED = {"type": "object", "description": "not described yet"}
-
-SSE = {"type": "string", "description": "server-sent events: each `data:` is one JSON object (x-sse-data), the last `data: [DONE]`"}
 ERROR_RESPONSE = {"description": "OpenAI's error shape", "content": {"application/json": {"schema": ref("Error")}}}
 # {name} or aiohttp's {name:regex} in a route's path; OpenAPI's template is {name}.
 PATH_PARAMETER = re.compile(r"\{(\w+)(?::[^}]*)?\}")
@@ -325,21 +558,28 @@ def _operation(method: str, path: str, handler: Callable, entry: Operation, mode
                   for name in PATH_PARAMETER.findall(path)]
     parameters += [{"name": name, "in": "query", "required": False, "schema": schema}
                    for name, schema in entry.get("query", {}).items()]
+    parameters += [{"name": name, "in": "header", "required": False, "schema": schema}
+                   for name, schema in entry.get("headers", {}).items()]
     if parameters:
         operation["parameters"] = parameters
     request = entry.get("request")
     if isinstance(request, Fields):
         request = body_schema(request, model_name)
     if request is not None:
-        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": request}}}
-    content = {entry.get("content_type", "application/json"): {"schema": entry.get("response", UNDESCRIBED)}}
-    if entry.get("stream") is not None:  # an error after the stream began is sent as one more event
-        content["text/event-stream"] = {"schema": SSE, "x-sse-data": {"anyOf": [entry["stream"], ref("Error")]}}
-    responses = {"200": {"description": "OK", "content": content}}
+        operation["requestBody"] = {"required": not entry.get("body_optional", False),
+                                    "content": {"application/json": {"schema": request}}}
+    if "response" not in entry and entry.get("stream") is None:
+        raise UndocumentedError(f"{method} {path}: openapi.OPERATIONS has no response schema for it")
+    content = {}
+    if "response" in entry:
+        content[entry.get("content_type", "application/json")] = {"schema": entry["response"]}
+    if entry.get("stream") is not None:
+        content["text/event-stream"] = {"schema": entry.get("events", SSE_CHUNKS), "x-sse-data": entry["stream"]}
+    statuses = {"200": {"description": "OK", "content": content}}
     for status, schema in entry.get("statuses", {}).items():
-        responses[str(status)] = {"description": "not available", "content": {"application/json": {"schema": schema}}}
-    responses["4XX"] = responses["5XX"] = {"$ref": "#/components/responses/Error"}
-    operation["responses"] = responses
+        statuses[str(status)] = {"description": "not available", "content": {"application/json": {"schema": schema}}}
+    statuses["4XX"] = statuses["5XX"] = {"$ref": "#/components/responses/Error"}
+    operation["responses"] = statuses
     if is_guarded(path):  # a bearer key when auth is on, nothing when it is off
         operation["security"] = [{"apiKey": []}, {}]
     return operation
