@@ -34,21 +34,31 @@ async def create_conversation(request: web.Request) -> web.Response:
     """A new conversation: optional first items (at most 20), metadata, and chatd's title and system prompt."""
     state, tenant = request.app[STATE], request[TENANT]
     state.check_store_writable()
-    body = await read_json(request) if request.can_read_body else None
-    items = []
-    if isinstance(body, dict) and body.get("items") is not None:
-        items = parse_items(body.pop("items"), "items", allow_string=False, limit=MAX_NEW_ITEMS)
-        _check_item_sizes(state, items)
-    fields = parse_new_conversation(body, state.config.conversations)
+    items, fields = parse_conversation(await read_json(request) if request.can_read_body else None, state)
     state.check_model(fields.pop("model"))
     conversation = await state.store.create_conversation(tenant.id, model=state.model_name, items=items, **fields)
     return json_response(_conversation_json(conversation))
 
 
+def parse_conversation(body, state: ServerState) -> tuple[list[tuple[str, str]], dict]:
+    """A `POST /v1/conversations` body: its first items (role, text), and the fields
+    parse_new_conversation takes (model, title, system_prompt, metadata)."""
+    items = []
+    if isinstance(body, dict) and "items" in body:
+        body = dict(body)
+        given = body.pop("items")
+        if given is not None:
+            items = parse_items(given, "items", allow_string=False, limit=MAX_NEW_ITEMS)
+            _check_item_sizes(state, items)
+    return items, parse_new_conversation(body, state.config.conversations)
+
+
 async def list_conversations(request: web.Request) -> web.Response:
     """The caller's conversations, newest first, a page of `limit` after the id `after`."""
     state, tenant = request.app[STATE], request[TENANT]
-    limit, after, _ = page_params(request.query)
+    limit, after, order = page_params(request.query)
+    if order != "desc":
+        raise APIError(400, "conversations are listed newest first only: order must be desc", "order")
     try:
         conversations, has_more = await state.store.list_conversations(tenant.id, limit=limit, after=after)
     except LookupError:
@@ -152,7 +162,7 @@ async def create_items(request: web.Request) -> web.Response:
     unknown = sorted(set(body) - {"items", "include"})
     if unknown:
         raise APIError(400, f"unknown field {unknown[0]!r}", unknown[0])
-    if body.get("include"):
+    if body.get("include") is not None and body["include"] != []:
         raise APIError(400, "include is not supported by chatd (items carry only their text)", "include")
     items = parse_items(body.get("items"), "items", allow_string=False, limit=MAX_NEW_ITEMS)
     _check_item_sizes(state, items)

@@ -23,8 +23,7 @@ import orjson
 from aiohttp import web
 
 import chatd
-from chatd.engine import MAX_LOGPROBS
-from chatd.engine.params import MAX_N
+from chatd.engine import MAX_LOGPROBS, MAX_N
 from chatd.http import responses
 from chatd.http.auth import is_guarded
 from chatd.http.conversations import MAX_NEW_ITEMS

@@ -33,7 +33,7 @@ from chatd.http.auth import TENANT
 from chatd.http.errors import APIError
 from chatd.http.history import render_history
 from chatd.http.items import item_json, item_page, page_params, parse_items
-from chatd.http.protocol import GenerationRequest, _get, _metadata, _object, _request, shown
+from chatd.http.protocol import SERVICE_TIERS, GenerationRequest, _get, _metadata, _object, _request, shown
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import TURNS, ReplyEvents, ReplyStream, Turns, conversation_not_found
 from chatd.http.wire import SlowClient, drop_slow_client, json_response, read_json, send
@@ -51,7 +51,6 @@ RESPONSE_FIELDS = {
 # Fields of OpenAI's that would change the answer, and what chatd would have to support for them.
 UNSUPPORTED = {"prompt": "stored prompts", "max_tool_calls": "tool calling", "top_logprobs": "logprobs on responses",
                "context_management": "context management", "prompt_cache_retention": "prompt cache retention"}
-SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 MAX_INPUT_ITEMS = 2048
 
 
@@ -83,7 +82,7 @@ def parse_response(body, state: ServerState) -> ResponseRequest:
     _check_tools(body)
     if _get(body, "background", bool, False):
         raise APIError(400, "background responses are not supported by chatd; stream, or wait for the response", "background")
-    if body.get("include"):
+    if _get(body, "include", list, []):
         raise APIError(400, "include is not supported by chatd (outputs carry only their text)", "include")
     reasoning = _get(body, "reasoning", dict, {})
     if any(v is not None for v in reasoning.values()):
