@@ -1,9 +1,10 @@
 """The OpenAI routes `/v1/chat/completions` and `/v1/completions`, whole or streamed.
 
-A handler parses the body (protocol.py), hands the request to the engine, and answers with its
-merged deltas in OpenAI's shapes (openai_format.py). A stream writes one SSE event per delta it
-receives; a slow reader gets bigger merged deltas and never holds the engine back. When the
-request ends, however it ends, it is logged, observed in the metrics and its usage billed.
+A handler parses the body (protocol.py), hands the request to the engine (a completion's list of
+prompts as one engine request each), and answers with its merged deltas in OpenAI's shapes
+(openai_format.py). A stream writes one SSE event per delta it receives, from whichever prompt's
+request sent it; a slow reader gets bigger merged deltas and never holds the engine back. When
+the request ends, however it ends, it is logged, observed in the metrics and its usage billed, once.
 
 It keeps no history: server-side conversations are conversations.py and turns.py.
 """
@@ -11,18 +12,19 @@ It keeps no history: server-side conversations are conversations.py and turns.py
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
-from chatd.engine import ParamError, RequestOutput
+from chatd.engine import ParamError, RequestHandle, RequestOutput
 from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, APIError, error_body
-from chatd.http.openai_format import ChunkFormat, merged_with, output_usage, token_usage, whole_response
-from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion
+from chatd.http.openai_format import ChunkFormat, merged_with, output_usage, whole_response
+from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion, shown
 from chatd.http.state import STATE, ServerState
 from chatd.http.wire import DONE, SlowClient, drop_slow_client, json_response, read_json, send, sse_event
 
@@ -66,70 +68,158 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
     state.check_store_writable()
     tenant = request[TENANT]
     timing = _Timing()
-    prompt = await state.encode_chat(gen.messages) if chat else await state.encode_prompt(gen.prompt)
+    if chat:
+        prompts = {"messages": await state.encode_chat(gen.messages)}
+    else:
+        prompts = {name: await state.encode_prompt(prompt, name) for name, prompt in gen.prompts.items()}
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
     created = int(time.time())
-    # The engine names the request itself; the client's X-Request-Id is only logged and echoed.
-    try:
-        results = state.engine.generate(prompt, gen.params, priority=gen.priority, **state.cache_scope(tenant, prompt))
-    except ParamError as exc:  # named as the client named it: chat sends messages, not a prompt
-        if chat and exc.param == "prompt":
-            raise APIError(400, str(exc), "messages", "context_length_exceeded") from None
-        if exc.param == "max_tokens" and gen.max_tokens_field != "max_tokens":
-            raise APIError(400, str(exc).replace("max_tokens", gen.max_tokens_field), gen.max_tokens_field) from None
-        raise
-    merged: RequestOutput | None = None
-    writer: _ChunkWriter | None = None
+    # The engine names each request itself; the client's X-Request-Id is only logged and echoed.
+    replies = _Replies(_start(state, tenant, gen, prompts), gen.params.n)
+    # OpenAI's chat replies say which service tier served them when the request named one; chatd has one.
+    echoed = {"service_tier": "default"} if chat and gen.service_tier is not None else None
     try:
         if gen.stream:
-            writer = _ChunkWriter(state, response_id, created, chat, gen)
-            await writer.stream(request, results, timing)
+            writer = _ChunkWriter(state, ChunkFormat(state, response_id, created, chat, gen.include_usage, echoed), gen)
+            await writer.stream(request, replies, timing)
             return writer.response
-        async for out in results:
+        async for _ in replies:
             timing.tokens_arrived()
-            merged = merged_with(merged, out)
-        if merged.error:
-            raise APIError(500, f"generation failed: {merged.error}")
-        return json_response(whole_response(state, merged, response_id, created, chat))
+        error = next((out.error for out in replies.outputs if out.error), None)
+        if error:
+            raise APIError(500, f"generation failed: {error}")
+        return json_response(whole_response(state, replies.outputs, response_id, created, chat, echoed))
     finally:
-        if writer is not None:
-            merged = writer.merged  # what was generated, even if the client left before it was sent
-        results.abort()  # a no-op when it finished; otherwise (disconnect, error, timeout) frees it now
-        _log_and_observe(state, request[REQUEST_ID], response_id, merged, timing)
-        if merged is not None:
-            _record_usage(state, tenant, "chat.completions" if chat else "completions", merged)
+        replies.abort()  # a no-op for those finished; otherwise (disconnect, error, timeout) frees them now
+        _log_and_observe(state, request[REQUEST_ID], response_id, replies.merged, timing, gen)
+        if replies.outputs:  # what was generated, even if the client left before it was sent
+            _record_usage(state, tenant, "chat.completions" if chat else "completions", replies.outputs)
+
+
+def _start(state: ServerState, tenant, gen: GenerationRequest, prompts: dict[str, list[int]]) -> list[RequestHandle]:
+    """Queue one engine request per prompt. One the engine refuses ends those queued before it,
+    and the error names the prompt as the client sent it."""
+    streams: list[RequestHandle] = []
+    for name, prompt in prompts.items():
+        try:
+            streams.append(state.engine.generate(prompt, gen.params, priority=gen.priority, **state.cache_scope(tenant, prompt)))
+        except ParamError as exc:
+            for stream in streams:
+                stream.abort()
+            raise _refusal(exc, name, len(prompt) >= state.max_model_len, gen) from None
+    return streams
+
+
+def _refusal(exc: ParamError, name: str, too_long: bool, gen: GenerationRequest) -> APIError:
+    """The engine's refusal in the client's terms: chat sent `messages`, a batch `prompt[3]`, and
+    the reply's length may have been `max_completion_tokens`."""
+    message = str(exc)
+    if message.startswith("prompt"):  # "prompt has 3000 tokens; ...", "prompt (3000 tokens) + max_tokens ..."
+        message = name + message[len("prompt"):]
+    if exc.param == "prompt":
+        return APIError(400, message, name, "context_length_exceeded" if too_long else None)
+    if exc.param == "max_tokens" and gen.max_tokens_field != "max_tokens":
+        return APIError(400, message.replace("max_tokens", gen.max_tokens_field), gen.max_tokens_field)
+    return APIError(400, message, exc.param)
+
+
+class _Replies:
+    """The engine requests of one API request (a completion has one per prompt), read as one.
+
+    Deltas come as they arrive from any of them, each choice numbered as OpenAI numbers a batch's:
+    prompt k's choice i is k * n + i. Each request has at most one read waiting, so a slow client
+    still gets merged deltas. Every delta read is kept, merged per prompt: what was generated,
+    sent or not, is what is billed.
+    """
+
+    def __init__(self, streams: list[RequestHandle], n: int) -> None:
+        self.streams, self.n = streams, n
+        self.merged: list[RequestOutput | None] = [None] * len(streams)
+        self._iterators = [stream.__aiter__() for stream in streams]
+        self._reads: dict[int, asyncio.Future] = {}  # prompt index -> the read of its next delta
+        self._arrived: collections.deque[int] = collections.deque()  # prompts whose read is done, in order
+        self._wakeup = asyncio.Event()
+        if len(streams) > 1:
+            for k in range(len(streams)):
+                self._read(k)
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """Each prompt's output so far, merged; prompts with none yet are left out."""
+        return [out for out in self.merged if out is not None]
+
+    def __aiter__(self) -> _Replies:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if len(self._iterators) == 1:  # nobody to wait beside: read the one request directly
+            return self._took(0, await self._iterators[0].__anext__())
+        while True:
+            while not self._arrived:
+                if not self._reads:
+                    raise StopAsyncIteration
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            k = self._arrived.popleft()
+            try:
+                out = self._reads.pop(k).result()
+            except StopAsyncIteration:
+                continue  # that prompt's request has ended
+            if not out.finished:
+                self._read(k)
+            return self._took(k, out)
+
+    def abort(self) -> None:
+        """End every request that has not finished (a no-op for those that have), and the reads waiting on them."""
+        for read in self._reads.values():
+            read.cancel()
+        for stream in self.streams:
+            stream.abort()
+
+    def _read(self, k: int) -> None:
+        read = asyncio.ensure_future(self._iterators[k].__anext__())
+        read.add_done_callback(lambda _: self._read_done(k))
+        self._reads[k] = read
+
+    def _read_done(self, k: int) -> None:
+        self._arrived.append(k)
+        self._wakeup.set()
+
+    def _took(self, k: int, out: RequestOutput) -> RequestOutput:
+        if k:  # prompt 0's choices keep the engine's numbers
+            offset = k * self.n
+            out = replace(out, outputs=[replace(c, index=offset + c.index) for c in out.outputs])
+        self.merged[k] = merged_with(self.merged[k], out)
+        return out
 
 
 class _ChunkWriter:
     """Writes one request's deltas as OpenAI chunks over SSE."""
 
-    def __init__(self, state: ServerState, response_id: str, created: int, chat: bool, gen: GenerationRequest) -> None:
-        self.state, self.gen = state, gen
-        self.format = ChunkFormat(state, response_id, created, chat, gen.include_usage)
+    def __init__(self, state: ServerState, chunk_format: ChunkFormat, gen: GenerationRequest) -> None:
+        self.state, self.format, self.gen = state, chunk_format, gen
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        self.merged: RequestOutput | None = None  # every delta that arrived, sent or not: what is billed
 
-    async def stream(self, request: web.Request, results, timing: _Timing) -> None:
+    async def stream(self, request: web.Request, replies: _Replies, timing: _Timing) -> None:
         """Write every delta; a client that leaves or stops reading ends it early (unfinished)."""
         try:
             await self.response.prepare(request)
-            await self._write_all(request, results, timing)
+            await self._write_all(request, replies, timing)
         except SlowClient as exc:
             drop_slow_client(request, exc)
         except ConnectionError:
-            pass  # the client went away; the caller aborts what is left of its request
+            pass  # the client went away; the caller aborts what is left of its requests
 
-    async def _write_all(self, request: web.Request, results, timing: _Timing) -> None:
+    async def _write_all(self, request: web.Request, replies: _Replies, timing: _Timing) -> None:
         for chunk in self.format.role_chunks(self.gen.params.n):
             await send(request, self.response, sse_event(chunk))
-        iterator = results.__aiter__()
+        iterator = replies.__aiter__()
         while True:
             try:
                 out = await _next_with_heartbeats(iterator, request, self.response, self.state.heartbeat_seconds)
             except StopAsyncIteration:
                 break
-            self.merged = merged_with(self.merged, out)
             if out.error:
                 await send(request, self.response, sse_event(error_body(500, f"generation failed: {out.error}")))
                 return
@@ -137,8 +227,8 @@ class _ChunkWriter:
             chunk = self.format.delta_chunk(out)
             if chunk is not None:
                 await send(request, self.response, sse_event(chunk))
-        if self.merged is not None and self.gen.include_usage:
-            await send(request, self.response, sse_event(self.format.usage_chunk(self.merged)))
+        if replies.outputs and self.gen.include_usage:
+            await send(request, self.response, sse_event(self.format.usage_chunk(*replies.outputs)))
         await send(request, self.response, sse_event(DONE))
         await self.response.write_eof()
 
@@ -157,18 +247,20 @@ async def _next_with_heartbeats(iterator, request: web.Request, response: web.St
             task.cancel()
 
 
-def _log_and_observe(state: ServerState, request_id: str, response_id: str, out: RequestOutput | None, timing: _Timing) -> None:
+def _log_and_observe(state: ServerState, request_id: str, response_id: str, merged: list[RequestOutput | None],
+                     timing: _Timing, gen: GenerationRequest) -> None:
+    """One log line and one observation for the API request, however many prompts it had."""
     end = time.perf_counter()
-    if out is None:
-        reason = "abort"
-    elif out.error:
+    outputs = [out for out in merged if out is not None]
+    if any(out.error for out in outputs):
         reason = "error"
-    elif not out.finished:
+    elif len(outputs) < len(merged) or not all(out.finished for out in outputs):
         reason = "abort"
     else:
-        reasons = {c.finish_reason.value for c in out.outputs if c.finish_reason}
+        reasons = {c.finish_reason.value for out in outputs for c in out.outputs if c.finish_reason}
         reason = "length" if reasons == {"length"} else "stop"
-    usage = output_usage(out) if out is not None else token_usage(0, 0, 0)
+    usage = output_usage(*outputs)
+    queue_times = [out.queue_time for out in outputs if out.queue_time is not None]
     ttft = None if timing.first_token is None else timing.first_token - timing.start
     state.metrics.observe_request(
         finish_reason=reason,
@@ -177,20 +269,28 @@ def _log_and_observe(state: ServerState, request_id: str, response_id: str, out:
         cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
         ttft=ttft,
         e2e=end - timing.start,
-        queue_time=None if out is None else out.queue_time,
+        queue_time=min(queue_times, default=None),  # when the first of its requests started, as ttft
         inter_token_latencies=timing.inter_token,
     )
     log.info(
         "request finished",
         extra={"request_id": request_id, "response_id": response_id, "finish_reason": reason, "prompt_tokens": usage["prompt_tokens"],
                "completion_tokens": usage["completion_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-               "ttft_s": None if ttft is None else round(ttft, 4), "e2e_s": round(end - timing.start, 4)},
+               "ttft_s": None if ttft is None else round(ttft, 4), "e2e_s": round(end - timing.start, 4),
+               **({"prompts": len(merged)} if len(merged) > 1 else {}),
+               **({"prompt_cache_key": _loggable(gen.prompt_cache_key)} if gen.prompt_cache_key is not None else {})},
     )
 
 
-def _record_usage(state: ServerState, tenant, endpoint: str, out: RequestOutput) -> None:
-    """Hand a usage event to the ledger, which writes it even if the client went away or the store must wait."""
-    usage = output_usage(out)
+def _loggable(text: str) -> str:
+    """A client's string as a log line may carry it: printable and short, else quoted and cut."""
+    return text if text.isprintable() and len(text) <= 128 else shown(text)
+
+
+def _record_usage(state: ServerState, tenant, endpoint: str, outputs: list[RequestOutput]) -> None:
+    """Hand one usage event for the whole API request (every prompt's) to the ledger, which writes
+    it even if the client went away or the store must wait."""
+    usage = output_usage(*outputs)
     prompt, cached, completion = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]
     state.ledger.record_usage(tenant.id, endpoint=endpoint, model=state.model_name, prompt_tokens=prompt,
                               cached_tokens=cached, completion_tokens=completion,

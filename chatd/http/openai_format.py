@@ -40,9 +40,10 @@ class ChunkFormat:
         choices = [self._choice(c) for c in out.outputs if c.text or c.finish_reason or c.logprobs]
         return self.chunk(choices) if choices else None
 
-    def usage_chunk(self, merged: RequestOutput) -> dict:
-        """The last chunk of a stream that asked for `include_usage`: no choices, the whole usage."""
-        return {**self._envelope([]), "usage": output_usage(merged)}
+    def usage_chunk(self, *merged: RequestOutput) -> dict:
+        """The last chunk of a stream that asked for `include_usage`: no choices, the whole usage
+        (of every prompt's request, when a completion had several)."""
+        return {**self._envelope([]), "usage": output_usage(*merged)}
 
     def chunk(self, choices: list[dict]) -> dict:
         """A chunk around the given choices (with `usage: null` when the stream asked for usage)."""
@@ -67,10 +68,12 @@ class ChunkFormat:
         }
 
 
-def whole_response(state: ServerState, out: RequestOutput, response_id: str, created: int, chat: bool) -> dict:
-    """A finished request as one `chat.completion` or `text_completion`."""
+def whole_response(state: ServerState, outputs: list[RequestOutput], response_id: str, created: int, chat: bool,
+                   extra: dict | None = None) -> dict:
+    """A finished request as one `chat.completion` or `text_completion`: the choices of each of its
+    engine requests (a completion has one per prompt, its choices already numbered), usage summed."""
     choices = []
-    for c in out.outputs:
+    for c in (c for out in outputs for c in out.outputs):
         logprobs = _logprobs(state, c.logprobs, chat) if c.logprobs else None
         finish = finish_reason(c.finish_reason)
         if chat:
@@ -82,8 +85,9 @@ def whole_response(state: ServerState, out: RequestOutput, response_id: str, cre
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": state.model_name,
+        **(extra or {}),
         "choices": choices,
-        "usage": output_usage(out),
+        "usage": output_usage(*outputs),
     }
 
 
@@ -104,9 +108,12 @@ def token_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) 
     }
 
 
-def output_usage(out: RequestOutput) -> dict:
-    """The `usage` of a request's (merged) output, every choice's tokens counted."""
-    return token_usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
+def output_usage(*outputs: RequestOutput) -> dict:
+    """The `usage` of (merged) outputs, every choice's tokens counted: one request's, or the sum
+    over a completion's prompts."""
+    return token_usage(sum(len(out.prompt_token_ids) for out in outputs),
+                       sum(len(c.token_ids) for out in outputs for c in out.outputs),
+                       sum(out.num_cached_tokens for out in outputs))
 
 
 def _logprobs(state: ServerState, logprobs, chat: bool) -> dict:

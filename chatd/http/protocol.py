@@ -1,14 +1,18 @@
 """OpenAI request bodies in, engine inputs out: field types, ranges and the fields chatd refuses.
 
 A field chatd does not implement is refused with a 400 that says so, never silently ignored.
-Range checks on sampling values live in SamplingParams.validate; this module checks types
-and OpenAI-specific rules (stop lists, logprobs pairing, stream_options).
+Fields that change nothing chatd computes are accepted and type-checked, as OpenAI checks them:
+`user`, `safety_identifier`, `metadata`, `service_tier` (chatd serves every request one way),
+`prompt_cache_key` (only logged: chatd's prefix cache finds shared prefixes by itself) and, on
+chat, `verbosity` and `store` (chatd keeps no chat completions to retrieve; state lives in
+conversations). Range checks on sampling values live in SamplingParams.validate; this module
+checks types and OpenAI-specific rules (stop lists, logprobs pairing, stream_options).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -39,11 +43,19 @@ SAMPLING_FIELDS = {
     "stream", "stream_options", "user", "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority",
     "min_tokens", "model", "logit_bias", "store", "metadata", "service_tier",
 }
-CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+                                 "prompt_cache_key", "safety_identifier", "verbosity"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs"}
 TURN_FIELDS = (SAMPLING_FIELDS - {"store", "metadata"}) | {"content", "role", "max_completion_tokens", "logprobs", "top_logprobs"}
 ROLES = {"system", "user", "assistant", "developer"}
 MAX_STOP = 4
+# A completion may batch prompts; each is its own engine request (with n choices each).
+MAX_PROMPTS = 64
+# The values OpenAI's SDK knows; chatd serves each request the same way and says "default".
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
+VERBOSITIES = ("low", "medium", "high")
+# OpenAI's limits on a completion's metadata: tags for the caller, never read by the model.
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 # Conversation metadata is stored as JSON by orjson, which writes at most 254 levels; real
 # metadata is a flat map of tags, so the limit is far below that.
 MAX_METADATA_DEPTH = 32
@@ -55,7 +67,7 @@ class GenerationRequest:
     """What a view needs to run one request. Parsing never tokenizes: the view does, off the event loop."""
 
     model: str | None
-    prompt: str | list[int] | None  # a completion's text or token ids; None for chat
+    prompt: str | list[int] | None  # one prompt's text or token ids; None for chat and completions (`prompts`)
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -63,6 +75,10 @@ class GenerationRequest:
     user: str | None
     messages: list[dict] | None = None  # chat: the messages to render with the chat template
     max_tokens_field: str = "max_tokens"  # the name the client gave its reply's length, for errors
+    # A completion's prompts by the name errors give each: {"prompt": ...}, or {"prompt[0]": ..., ...} for a list.
+    prompts: dict[str, str | list[int]] = field(default_factory=dict)
+    prompt_cache_key: str | None = None  # logged with the request; chatd's prefix cache needs no hint
+    service_tier: str | None = None  # set when the client named one: the reply then says which served it
 
 
 @dataclass
@@ -74,9 +90,17 @@ class TurnRequest:
 
 
 def parse_chat(body: Any, max_messages: int, defaults: Mapping[str, float] = MappingProxyType({})) -> GenerationRequest:
-    """Validate a /v1/chat/completions body; its messages are rendered later, off the event loop."""
+    """Validate a /v1/chat/completions body; its messages are rendered later, off the event loop.
+
+    `store` may be true or false: chatd keeps no chat completion to retrieve either way (a
+    conversation, /v1/conversations, is where the server keeps state).
+    """
     body = _object(body)
     _check_fields(body, CHAT_FIELDS)
+    verbosity = _get(body, "verbosity", str, None)
+    if verbosity is not None and verbosity not in VERBOSITIES:
+        raise APIError(400, f"verbosity must be one of {', '.join(VERBOSITIES)}; got {shown(verbosity)}", "verbosity")
+    _request_metadata(body)
     response_format = _get(body, "response_format", dict, None)
     if response_format is not None and response_format.get("type") != "text":
         raise APIError(400, f"response_format {shown(response_format.get('type'))} is not supported by chatd; only 'text'",
@@ -86,7 +110,7 @@ def parse_chat(body: Any, max_messages: int, defaults: Mapping[str, float] = Map
         raise APIError(400, "messages must be a non-empty list", "messages")
     if len(messages) > max_messages:
         raise APIError(400, f"messages has {len(messages)} entries; the limit is {max_messages}", "messages")
-    gen = _request(body, None, _chat_max_tokens(body), _chat_logprobs(body), defaults)
+    gen = _request(body, None, _chat_max_tokens(body), _chat_logprobs(body), defaults, store_allowed=True)
     gen.messages = [_message(m, i) for i, m in enumerate(messages)]
     gen.max_tokens_field = _max_tokens_field(body)
     return gen
@@ -186,29 +210,77 @@ def _chat_logprobs(body: dict) -> int | None:
 
 def parse_completion(body: Any, max_model_len: int,
                      defaults: Mapping[str, float] = MappingProxyType({})) -> GenerationRequest:
-    """Validate a /v1/completions body (prompt: a string or a list of token ids)."""
+    """Validate a /v1/completions body. A prompt is text or token ids; `prompt` is one, or a list of
+    them (OpenAI's batched prompts), each its own engine request."""
     body = _object(body)
     _check_fields(body, COMPLETION_FIELDS)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) >= max_model_len:  # before a pass over a list of maybe a million
-        raise APIError(400, f"prompt has {len(prompt)} tokens; the context window is {max_model_len} tokens and must "
-                            "leave room for at least one generated token", "prompt", "context_length_exceeded")
-    if isinstance(prompt, str):
-        pass
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        pass
-    else:
-        raise APIError(400, "prompt must be a string or a list of token ids (batched prompts are not supported)", "prompt")
+    prompts = _prompts(body.get("prompt"), max_model_len)
     logprobs = _get(body, "logprobs", int, None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
-    return _request(body, prompt, _get(body, "max_tokens", int, 16), logprobs, defaults)
+    _request_metadata(body)
+    gen = _request(body, None, _get(body, "max_tokens", int, 16), logprobs, defaults)
+    gen.prompts = prompts
+    return gen
+
+
+def _prompts(prompt: Any, max_model_len: int) -> dict[str, str | list[int]]:
+    """A completion's prompts by the name errors give each: a string or token ids is "prompt"; a
+    list of strings or of token-id lists is "prompt[0]", "prompt[1]", ..."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if not isinstance(prompt, list):
+        raise APIError(400, "prompt must be a string, a list of token ids, or a list of strings or token-id lists", "prompt")
+    if not prompt:
+        raise APIError(400, "prompt must not be an empty list", "prompt")
+    if isinstance(prompt[0], int) and not isinstance(prompt[0], bool):  # token ids
+        return {"prompt": _token_ids(prompt, "prompt", max_model_len)}
+    if len(prompt) > MAX_PROMPTS:
+        raise APIError(400, f"prompt is a list of {len(prompt)} prompts; the limit is {MAX_PROMPTS}", "prompt")
+    prompts = {}
+    for i, one in enumerate(prompt):
+        where = f"prompt[{i}]"
+        if isinstance(one, list):
+            prompts[where] = _token_ids(one, where, max_model_len)
+        elif isinstance(one, str):
+            prompts[where] = one
+        else:
+            raise APIError(400, f"{where} must be a string or a list of token ids, got {shown(one)}", where)
+    return prompts
+
+
+def _token_ids(prompt: list, where: str, max_model_len: int) -> list[int]:
+    """A prompt of token ids, its length checked before its elements."""
+    if len(prompt) >= max_model_len:  # before a pass over a list of maybe a million
+        raise APIError(400, f"{where} has {len(prompt)} tokens; the context window is {max_model_len} tokens and must "
+                            "leave room for at least one generated token", where, "context_length_exceeded")
+    for j, token in enumerate(prompt):
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise APIError(400, f"{where}[{j}] must be a token id (an integer), got {shown(token)}", f"{where}[{j}]")
+    return prompt
+
+
+def _request_metadata(body: dict) -> None:
+    """A request's `metadata`, checked as OpenAI checks it: at most 16 string values under short keys."""
+    metadata = _get(body, "metadata", dict, {})
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise APIError(400, f"metadata has {len(metadata)} keys; the limit is {MAX_METADATA_KEYS}", "metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise APIError(400, f"metadata key {shown(key)} has {len(key)} characters; the limit is {MAX_METADATA_KEY_CHARS}",
+                           "metadata")
+        if not isinstance(value, str):
+            raise APIError(400, f"metadata values must be strings; {shown(key)} is {shown(value)}", "metadata")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise APIError(400, f"metadata value of {shown(key)} has {len(value)} characters; the limit is "
+                                f"{MAX_METADATA_VALUE_CHARS}", "metadata")
 
 
 def _request(body: dict, prompt: str | list[int], max_tokens: int | None, logprobs: int | None,
-             defaults: Mapping[str, float]) -> GenerationRequest:
+             defaults: Mapping[str, float], store_allowed: bool = False) -> GenerationRequest:
     """The request's generation fields. A sampling field left out takes the model's recommended
-    value where it has one (`defaults`, from its generation config), else OpenAI's default."""
+    value where it has one (`defaults`, from its generation config), else OpenAI's default.
+    `store: true` is refused unless `store_allowed` (chat: keeping no copy changes no answer)."""
     stream = _get(body, "stream", bool, False)
     stream_options = _get(body, "stream_options", dict, None)
     if stream_options is not None and not stream:
@@ -217,8 +289,12 @@ def _request(body: dict, prompt: str | list[int], max_tokens: int | None, logpro
     logit_bias = _get(body, "logit_bias", dict, None)
     if logit_bias:
         raise APIError(400, "logit_bias is not supported by chatd", "logit_bias")
-    if _get(body, "store", bool, False):
+    if _get(body, "store", bool, False) and not store_allowed:
         raise APIError(400, "store is not supported by chatd (conversations live in /v1/conversations)", "store")
+    service_tier = _get(body, "service_tier", str, None)
+    if service_tier is not None and service_tier not in SERVICE_TIERS:
+        raise APIError(400, f"service_tier must be one of {', '.join(SERVICE_TIERS)}; got {shown(service_tier)}", "service_tier")
+    _get(body, "safety_identifier", str, None)  # checked, then unused: chatd has no abuse detection to feed
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -254,6 +330,8 @@ def _request(body: dict, prompt: str | list[int], max_tokens: int | None, logpro
         include_usage=include_usage,
         priority=_get(body, "priority", int, 0),
         user=_get(body, "user", str, None),
+        prompt_cache_key=_get(body, "prompt_cache_key", str, None),
+        service_tier=service_tier,
     )
 
 
@@ -268,7 +346,14 @@ def _message(message: Any, index: int) -> dict:
     if set(message) - {"role", "content", "name"}:
         extra = sorted(set(message) - {"role", "content", "name"})
         raise APIError(400, f"{where} has fields chatd does not support: {', '.join(extra)}", where)
-    return {"role": "system" if role == "developer" else role, "content": content}
+    # OpenAI's developer messages are instructions, what chat templates call system messages.
+    rendered = {"role": "system" if role == "developer" else role, "content": content}
+    name = message.get("name")
+    if name is not None:  # the participant's name: templates that render names show it
+        if not isinstance(name, str):
+            raise APIError(400, f"{where}.name must be a string, got {shown(name)}", f"{where}.name")
+        rendered["name"] = name
+    return rendered
 
 
 def _content(content: Any, where: str) -> str:
