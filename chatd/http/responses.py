@@ -52,6 +52,9 @@ RESPONSE_FIELDS = {
 UNSUPPORTED = {"prompt": "stored prompts", "max_tool_calls": "tool calling", "top_logprobs": "logprobs on responses",
                "context_management": "context management", "prompt_cache_retention": "prompt cache retention"}
 MAX_INPUT_ITEMS = 2048
+# An idle stream's keep-alive: a comment line with no blank line after it. The openai SDK reads a
+# blank line after an event that had an `id:` as one more (empty) event, and fails parsing it as JSON.
+KEEP_ALIVE = b": keep-alive\n"
 
 
 @dataclass
@@ -111,8 +114,8 @@ def parse_response(body, state: ServerState) -> ResponseRequest:
     if max_output_tokens is not None and max_output_tokens < 1:
         raise APIError(400, f"max_output_tokens must be an integer >= 1, got {max_output_tokens}", "max_output_tokens")
     conversation = body.get("conversation")
-    if isinstance(conversation, dict):
-        conversation = conversation.get("id")
+    if isinstance(conversation, dict) and isinstance(conversation.get("id"), str):  # else a 400, not no conversation
+        conversation = conversation["id"]
     if conversation is not None and not isinstance(conversation, str):
         raise APIError(400, "conversation must be a conversation id or an object with its id", "conversation")
     previous = _get(body, "previous_response_id", str, None)
@@ -333,6 +336,12 @@ async def get_response(request: web.Request) -> web.StreamResponse:
             raise APIError(400, f"starting_after must be an integer, got {shown(raw)}", "starting_after") from None
         if reply is None:
             reply = _replay(state, record, output)
+            # Rebuilt, its text is one delta: past the opening events its numbers are not the ones the
+            # client saw, and the events after its `starting_after` would miss or repeat text.
+            if after >= REPLAY_EXACT_EVENTS and output.content:
+                raise APIError(400, f"the events of response {record.id} are no longer kept (stream_replay_seconds), only "
+                                    f"its text: stream it from the start (starting_after below {REPLAY_EXACT_EVENTS}) or "
+                                    "retrieve it whole", "starting_after")
         if after < -1 or after >= len(reply.events) and reply.done:
             raise APIError(400, f"starting_after {after} is beyond this response's events", "starting_after")
         return await _stream(request, state, turns, reply, after + 1, cancel_on_leave=False)
@@ -420,6 +429,9 @@ async def _output(state: ServerState, record: Response) -> Message | None:
     return next((m for m in messages if m.id == record.output_message_id), None)
 
 
+REPLAY_EXACT_EVENTS = 4  # the opening events, numbered the same in a rebuilt replay as in the original stream
+
+
 def _replay(state: ServerState, record: Response, output: Message | None) -> ReplyStream:
     """A finished response's events rebuilt from its rows (after a restart, or once its stream left memory)."""
     reply = ReplyStream(record.conversation_id, record.output_message_id, named=True)
@@ -438,7 +450,7 @@ async def _stream(request: web.Request, state: ServerState, turns: Turns, reply:
     await response.prepare(request)
     try:
         async for event in reply.follow(after, state.heartbeat_seconds):
-            await send(request, response, event)
+            await send(request, response, KEEP_ALIVE if event.startswith(b":") else event)
     except (SlowClient, ConnectionError) as exc:  # a stored reply goes on and is saved; only this follower is dropped
         if isinstance(exc, SlowClient):
             drop_slow_client(request, exc)
