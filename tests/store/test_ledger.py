@@ -189,7 +189,8 @@ async def test_stop_logs_every_write_it_could_not_make_and_leaves_no_task(store,
         dict(tenant_id=alice, endpoint="chat.completions", model="m", prompt_tokens=10, cached_tokens=2,
              completion_tokens=1, cost=0.25, conversation_id=None, message_id=None, created_at=START),
         dict(tenant_id=alice, message_id=reply.id, content=LONG_REPLY, status="complete", finish_reason="stop",
-             prompt_tokens=10, cached_tokens=0, completion_tokens=2, cost=0.5, model="m", finished_at=START + 1),
+             prompt_tokens=10, cached_tokens=0, completion_tokens=2, cost=0.5, model="m", endpoint="conversations",
+             finished_at=START + 1),
     ]
     assert any(m.startswith("2 billing writes could not be saved") for m in messages)
     assert asyncio.all_tasks() == {asyncio.current_task()}
