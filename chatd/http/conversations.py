@@ -162,7 +162,8 @@ async def create_items(request: web.Request) -> web.Response:
     unknown = sorted(set(body) - {"items", "include"})
     if unknown:
         raise APIError(400, f"unknown field {unknown[0]!r}", unknown[0])
-    if body.get("include") is not None and body["include"] != []:
+    # The openai SDK sends include in the query, as `include[]=...`.
+    if body.get("include") is not None and body["include"] != [] or {"include", "include[]"} & set(request.query):
         raise APIError(400, "include is not supported by chatd (items carry only their text)", "include")
     items = parse_items(body.get("items"), "items", allow_string=False, limit=MAX_NEW_ITEMS)
     _check_item_sizes(state, items)

@@ -122,6 +122,6 @@ def page_params(query: Mapping[str, str], default_order: str = "desc") -> tuple[
     order = query.get("order", default_order)
     if order not in ("asc", "desc"):
         raise APIError(400, f"order must be asc or desc, got {shown(order)}", "order")
-    if query.getall("include", []) if hasattr(query, "getall") else query.get("include"):
+    if any(query.get(name) for name in ("include", "include[]")):  # the openai SDK sends `include[]=...`
         raise APIError(400, "include is not supported by chatd (items carry only their text)", "include")
     return limit, query.get("after"), order

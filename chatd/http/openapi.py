@@ -153,7 +153,8 @@ FIELD_SCHEMAS: dict[str, Schema] = {
     "instructions": {"type": "string", "description": "this response's system message; not carried to the next"},
     "max_output_tokens": {"type": "integer", "minimum": 1, "description": "the reply's length limit in tokens"},
     "previous_response_id": {"type": "string", "description": "continue this stored, finished response's chain"},
-    "conversation": {"anyOf": [{"type": "string"}, {"type": "object", "properties": {"id": {"type": "string"}}}],
+    "conversation": {"anyOf": [{"type": "string"},
+                               {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]}],
                      "description": "continue this conversation (its id, or an object with it); the response's "
                                     "input and output are added to it"},
     "truncation": {"enum": ["auto", "disabled"], "default": "disabled",
@@ -298,7 +299,9 @@ RESPONSE = {
     "background": {"const": False}, "service_tier": {"const": "default"}, "store": {"type": "boolean"},
     "metadata": {"type": "object"}, "user": nullable(STRING), "safety_identifier": nullable(STRING),
     "prompt_cache_key": nullable(STRING), "usage": nullable(ref("ResponseUsage")),
-    "chatd": _object({"items_omitted": {**COUNT, "description": "the oldest items left out (truncation: auto)"}}),
+    "chatd": _object({"items_omitted": {**COUNT, "description": "the oldest items left out (truncation: auto)"},
+                      "output_deleted": {"type": "boolean", "description": "its output item was deleted from its "
+                                                                           "conversation"}}),
 }
 AT_PART = {"item_id": STRING, "output_index": {"const": 0}, "content_index": {"const": 0}}
 

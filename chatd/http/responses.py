@@ -52,9 +52,6 @@ RESPONSE_FIELDS = {
 UNSUPPORTED = {"prompt": "stored prompts", "max_tool_calls": "tool calling", "top_logprobs": "logprobs on responses",
                "context_management": "context management", "prompt_cache_retention": "prompt cache retention"}
 MAX_INPUT_ITEMS = 2048
-# An idle stream's keep-alive: a comment line with no blank line after it. The openai SDK reads a
-# blank line after an event that had an `id:` as one more (empty) event, and fails parsing it as JSON.
-KEEP_ALIVE = b": keep-alive\n"
 
 
 @dataclass
@@ -121,6 +118,10 @@ def parse_response(body, state: ServerState) -> ResponseRequest:
     previous = _get(body, "previous_response_id", str, None)
     if conversation is not None and previous is not None:
         raise APIError(400, "give previous_response_id or conversation, not both", "previous_response_id")
+    store = _get(body, "store", bool, True)
+    if conversation is not None and not store:
+        raise APIError(400, "a response with store=false adds nothing to a conversation: leave out conversation, "
+                            "or store it", "store")
     instructions = _get(body, "instructions", str, None)
     gen = _request({k: body[k] for k in SAMPLING if k in body}, [], max_output_tokens, None, state.model.sampling_defaults)
     gen.max_tokens_field = "max_output_tokens"
@@ -131,8 +132,7 @@ def parse_response(body, state: ServerState) -> ResponseRequest:
             "parallel_tool_calls": _get(body, "parallel_tool_calls", bool, True),
             "tool_choice": body.get("tool_choice") or "auto",
             "safety_identifier": body.get("safety_identifier"), "prompt_cache_key": body.get("prompt_cache_key")}
-    return ResponseRequest(inputs, gen, instructions, _get(body, "store", bool, True), truncation, previous,
-                           conversation, echo)
+    return ResponseRequest(inputs, gen, instructions, store, truncation, previous, conversation, echo)
 
 
 def _check_tools(body: dict) -> None:
@@ -237,10 +237,13 @@ class ResponseEvents:
 
 
 def response_object(state: ServerState, record: Response, output: Message | None, *, live: bool = False,
-                    stopped_by: str | None = None, error: str | None = None) -> dict:
-    """A response as OpenAI's `response` object; `output` None or `live`: still being generated."""
+                    stopped_by: str | None = None, error: str | None = None, output_deleted: bool = False) -> dict:
+    """A response as OpenAI's `response` object; `output` None or `live`: still being generated, unless
+    `output_deleted` (its output item was deleted from its conversation: it ended, how is no longer known)."""
     request = record.request
     status, incomplete, failure, usage = "in_progress", None, None, None
+    if output_deleted:
+        status = "incomplete"
     if output is not None and not live:
         usage = {"input_tokens": output.prompt_tokens, "input_tokens_details": {"cached_tokens": output.cached_tokens},
                  "output_tokens": output.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
@@ -257,8 +260,8 @@ def response_object(state: ServerState, record: Response, output: Message | None
     items = []
     if output is not None:
         item = item_json(output, live)
-        if status == "cancelled":
-            item["status"] = "incomplete"
+        if status in ("cancelled", "incomplete"):
+            item["status"] = "incomplete"  # as OpenAI marks an output cut short (max_output_tokens included)
         items = [item]
     return {
         "id": record.id, "object": "response", "created_at": int(record.created_at), "status": status,
@@ -274,7 +277,7 @@ def response_object(state: ServerState, record: Response, output: Message | None
         "reasoning": {"effort": None, "summary": None}, "background": False, "service_tier": "default",
         "store": record.stored, "metadata": request.get("metadata", {}), "user": request.get("user"),
         "safety_identifier": request.get("safety_identifier"), "prompt_cache_key": request.get("prompt_cache_key"),
-        "usage": usage, "chatd": {"items_omitted": request.get("items_omitted", 0)},
+        "usage": usage, "chatd": {"items_omitted": request.get("items_omitted", 0), "output_deleted": output_deleted},
     }
 
 
@@ -350,7 +353,8 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     live = reply is not None and not reply.done
     return json_response(response_object(state, record, output, live=live,
                                          stopped_by=reply.stopped_by if reply else None,
-                                         error=reply.error if reply else None))
+                                         error=reply.error if reply else None,
+                                         output_deleted=output is None and reply is None))
 
 
 async def list_input_items(request: web.Request) -> web.Response:
@@ -381,7 +385,8 @@ async def cancel_response(request: web.Request) -> web.Response:
             pass
         return json_response(response_object(state, record, reply.message, stopped_by=reply.stopped_by,
                                              error=reply.error))
-    return json_response(response_object(state, record, await _output(state, record)))
+    output = await _output(state, record)
+    return json_response(response_object(state, record, output, output_deleted=output is None))
 
 
 async def delete_response(request: web.Request) -> web.Response:
@@ -450,7 +455,7 @@ async def _stream(request: web.Request, state: ServerState, turns: Turns, reply:
     await response.prepare(request)
     try:
         async for event in reply.follow(after, state.heartbeat_seconds):
-            await send(request, response, KEEP_ALIVE if event.startswith(b":") else event)
+            await send(request, response, event)
     except (SlowClient, ConnectionError) as exc:  # a stored reply goes on and is saved; only this follower is dropped
         if isinstance(exc, SlowClient):
             drop_slow_client(request, exc)

@@ -88,7 +88,9 @@ class ReplyStream:
             try:
                 await asyncio.wait_for(changed.wait(), heartbeat)
             except TimeoutError:
-                yield b": keep-alive\n\n"
+                # A lone comment line: with a blank line after it, a client that keeps the last `id:`
+                # (the openai SDK) reads an empty event and fails to parse it.
+                yield b": keep-alive\n"
 
     def interruption(self) -> APIError:
         """Why this reply was cut short: a client's delete or cancel (409) or the server stopping (503)."""

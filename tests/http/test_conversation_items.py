@@ -184,6 +184,10 @@ def test_bad_items_are_refused_by_field_and_write_nothing(server):
     with pytest.raises(openai.BadRequestError) as error:
         sdk.conversations.create(metadata="not an object")
     assert error.value.param == "metadata"
+    with pytest.raises(openai.BadRequestError) as error:  # the SDK sends include in the query: not ignored
+        sdk.conversations.items.create(conversation.id, items=[message("user", "hi")],
+                                       include=["message.output_text.logprobs"])
+    assert error.value.param == "include"
     assert count_rows(server) == rows
     assert [i.content[0].text for i in sdk.conversations.items.list(conversation.id).data] == ["only me"]
 

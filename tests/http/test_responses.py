@@ -330,6 +330,7 @@ def test_bad_input_is_refused_and_writes_nothing(server):
         (openai.BadRequestError, {"previous_response_id": first.id, "conversation": "conv_x"}, "previous_response_id"),
         (openai.BadRequestError, {"conversation": {}}, "conversation"),  # not: no conversation at all
         (openai.BadRequestError, {"conversation": {"id": None}}, "conversation"),
+        (openai.BadRequestError, {"conversation": "conv_x", "store": False}, "store"),  # it would add nothing there
         (openai.BadRequestError, {"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
         (openai.BadRequestError, {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
          "text.format"),
@@ -385,3 +386,13 @@ def test_another_tenants_responses_and_conversations_do_not_exist(server):
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server['url']}/v1", api_key="wrong", max_retries=0).responses.retrieve(mine.id)
+
+
+def test_a_response_whose_output_item_was_deleted_has_ended(server):
+    """Deleting a response's output from its conversation does not leave it `in_progress` for a client that polls."""
+    conversation = client(server).conversations.create()
+    response = create(server, input="hi", conversation=conversation.id)
+    client(server).conversations.items.delete(response.output[0].id, conversation_id=conversation.id)
+    # Its events leave memory at once here (stream_replay_seconds = 0): only the rows speak for it.
+    again = client(server).responses.retrieve(response.id)
+    assert (again.status, again.output, again.model_extra["chatd"]["output_deleted"]) == ("incomplete", [], True)
