@@ -1,18 +1,21 @@
-"""Multi-turn chat: chatd's conversations API (prefix cache on) next to stateless chat (cache off).
+"""Multi-turn chat: chatd's conversations API and OpenAI's Responses API (prefix cache on) next to
+stateless chat (cache off).
 
 One run builds one random-weight model folder as `serve.py` does (its helpers, imported), then
-runs the same planned sessions twice, one `chatd serve` at a time on a free 127.0.0.1 port:
+runs the same planned sessions in each mode, one `chatd serve` at a time on a free 127.0.0.1 port:
 
 1. prefix cache on, `chatd.bench` in conversations mode: per session one conversation, each turn
    posting only the new user message; the server renders its stored history, and the prefix
    cache should serve the earlier turns, so a turn computes little more than its new message;
-2. the server restarted with `[cache] enable_prefix_caching = false`, the same sessions sent
+2. prefix cache on, `chatd.bench` in responses mode: each turn a `POST /v1/responses` with only
+   the new user message and the previous turn's `previous_response_id`;
+3. the server restarted with `[cache] enable_prefix_caching = false`, the same sessions sent
    statelessly to /v1/chat/completions, each turn carrying the whole history, all of it computed.
 
-Both runs send the same user messages with the same max_tokens, greedy and EOS ignored. It
+All runs send the same user messages with the same max_tokens, greedy and EOS ignored. It
 prints, per turn, the prompt tokens the server computed (`usage`: prompt - cached) and TTFT p50
 in each mode, and the ratios turn-N TTFT / turn-1 TTFT per mode and stateless / conversations
-at the last turn. It knows nothing of chatd's internals; it reads what the server reports.
+(and / responses) at the last turn. It knows nothing of chatd's internals; it reads what the server reports.
 
     python benchmarks/conversations.py --json conversations.json       # ~1.5 min on 2 cores
     python benchmarks/conversations.py --sessions 2 --concurrency 2 --turns 3 \
@@ -42,15 +45,17 @@ from chatd.bench.load import run_bench  # noqa: E402
 from chatd.bench.options import BenchOptions  # noqa: E402
 from chatd.bench.report import format_level  # noqa: E402
 
-# name -> (prefix caching on the server, conversations API in the client). The first two are
-# the comparison; the others (only with --modes) tell the API's share from the cache's.
+# name -> (prefix caching on the server, the API the client drives: "conversations", "responses" or
+# "chat"). The first three are the comparison; the others (only with --modes) tell the API's share
+# from the cache's.
 MODES = {
-    "conversations": (True, True),
-    "stateless": (False, False),
-    "stateless_cached": (True, False),
-    "conversations_uncached": (False, True),
+    "conversations": (True, "conversations"),
+    "responses": (True, "responses"),
+    "stateless": (False, "chat"),
+    "stateless_cached": (True, "chat"),
+    "conversations_uncached": (False, "conversations"),
 }
-DEFAULT_MODES = ("conversations", "stateless")
+DEFAULT_MODES = ("conversations", "responses", "stateless")
 
 
 def write_config(path: Path, args, prefix_caching: bool) -> None:
@@ -61,10 +66,15 @@ def write_config(path: Path, args, prefix_caching: bool) -> None:
     )
 
 
-def warm_up(url: str, conversations: bool) -> None:
-    """One short untimed turn through the path the mode uses (the conversations one writes to SQLite)."""
+def warm_up(url: str, api: str) -> None:
+    """One short untimed turn through the path the mode uses (the server-side ones write to SQLite)."""
     body = {"max_tokens": 4, "temperature": 0}
-    if not conversations:
+    if api == "responses":
+        status, text = http_json(url + "/responses", {"input": "hello", "max_output_tokens": 4, "temperature": 0})
+        if status != 200:
+            raise RuntimeError(f"warm-up response answered {status}: {text[:300]}")
+        return
+    if api == "chat":
         messages = [{"role": "user", "content": "hello"}]
         status, text = http_json(url + "/chat/completions", {**body, "messages": messages})
         if status != 200:
@@ -80,7 +90,7 @@ def warm_up(url: str, conversations: bool) -> None:
 
 
 def run_mode(args, name: str, model_dir: Path, work: Path) -> dict:
-    prefix_caching, conversations = MODES[name]
+    prefix_caching, api = MODES[name]
     config_path = work / f"{name}.toml"
     write_config(config_path, args, prefix_caching)
     port = free_port()
@@ -93,17 +103,19 @@ def run_mode(args, name: str, model_dir: Path, work: Path) -> dict:
     try:
         server.wait_until(lambda: "ready:" in server.log_path.read_text(errors="replace"), args.start_timeout)
         url = f"http://{HOST}:{port}/v1"
-        warm_up(url, conversations)
+        warm_up(url, api)
         options = BenchOptions(
             url=url, concurrency=(args.concurrency,), num_requests=args.sessions,
             prompt_tokens=tuple(args.prompt_tokens), output_tokens=tuple(args.output_tokens), multi_turn=args.turns,
-            temperature=0.0, ignore_eos=True, seed=args.seed, timeout=args.timeout, conversations=conversations,
+            temperature=0.0, ignore_eos=True, seed=args.seed, timeout=args.timeout,
+            conversations=api == "conversations", responses=api == "responses",
         )
-        print(f"[{name}] prefix cache {'on' if prefix_caching else 'off'}, "
-              f"{'conversations API' if conversations else 'stateless /chat/completions'}", flush=True)
+        what = {"conversations": "conversations API", "responses": "Responses API, previous_response_id chains",
+                "chat": "stateless /chat/completions"}[api]
+        print(f"[{name}] prefix cache {'on' if prefix_caching else 'off'}, {what}", flush=True)
         level = asyncio.run(run_bench(options)).levels[0]
         print("\n".join(f"[{name}] {line}" for line in format_level(level).splitlines()), flush=True)
-        return {"prefix_caching": prefix_caching, "conversations": conversations, "summary": level.summary(),
+        return {"prefix_caching": prefix_caching, "api": api, "summary": level.summary(),
                 "requests": [asdict(record) for record in level.requests]}
     finally:
         server.stop()
@@ -120,9 +132,9 @@ def compare(report: dict) -> dict:
     last = report["args"]["turns"]
     ratios = {f"{name}_ttft_turn{last}_over_turn1": _ratio(by_turn.get(last), by_turn.get(1))
               for name, by_turn in ttft.items()}
-    if "stateless" in ttft and "conversations" in ttft:
-        ratios[f"stateless_over_conversations_ttft_turn{last}"] = _ratio(
-            ttft["stateless"].get(last), ttft["conversations"].get(last))
+    for kept in ("conversations", "responses"):
+        if "stateless" in ttft and kept in ttft:
+            ratios[f"stateless_over_{kept}_ttft_turn{last}"] = _ratio(ttft["stateless"].get(last), ttft[kept].get(last))
     return ratios
 
 
@@ -135,14 +147,17 @@ def print_table(report: dict) -> None:
     print("\nper turn (token counts: means over sessions; prefill = prompt - cached, what the server computed)")
     by_turn = {name: {t["turn"]: t for t in s["turns"]} for name, s in runs.items()}
     if runs.keys() & set(DEFAULT_MODES):
-        print("| turn | conv. prompt | conv. cached | conv. prefill | conv. TTFT p50 ms "
-              "| stateless prompt | stateless prefill | stateless TTFT p50 ms |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| turn | conv. prompt | conv. cached | conv. prefill | conv. TTFT p50 ms | resp. cached | resp. prefill "
+              "| resp. TTFT p50 ms | stateless prompt | stateless prefill | stateless TTFT p50 ms |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for turn in range(1, report["args"]["turns"] + 1):
             conv = by_turn.get("conversations", {}).get(turn, {})
+            resp = by_turn.get("responses", {}).get(turn, {})
             stateless = by_turn.get("stateless", {}).get(turn, {})
             print(f"| {turn} | {tokens(conv.get('prompt_tokens_mean'))} | {tokens(conv.get('cached_tokens_mean'))} | "
                   f"{tokens(conv.get('prefill_tokens_mean'))} | {ms(conv.get('ttft_p50'))} | "
+                  f"{tokens(resp.get('cached_tokens_mean'))} | {tokens(resp.get('prefill_tokens_mean'))} | "
+                  f"{ms(resp.get('ttft_p50'))} | "
                   f"{tokens(stateless.get('prompt_tokens_mean'))} | {tokens(stateless.get('prefill_tokens_mean'))} | "
                   f"{ms(stateless.get('ttft_p50'))} |")
     for name in runs.keys() - set(DEFAULT_MODES):  # diagnostics, one line each
