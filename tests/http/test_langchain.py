@@ -50,3 +50,15 @@ def test_chat_openai_invokes_and_streams_with_usage(base_url):
     counts = ("input_tokens", "output_tokens", "total_tokens")
     assert [streamed[k] for k in counts] == [reply.usage_metadata[k] for k in counts]
     assert streamed["input_token_details"]["cache_read"] > 0  # the same prompt again: its blocks were cached
+
+
+def test_chat_openai_through_the_responses_api(base_url):
+    """`use_responses_api=True` sends the chat as Responses input items; the reply and its stream agree."""
+    chat = langchain_openai.ChatOpenAI(base_url=base_url, use_responses_api=True, **SETTINGS)
+    messages = [("system", "You are terse."), ("user", "Tell me about the prefix cache.")]
+    reply = chat.invoke(messages)
+    assert reply.text and reply.usage_metadata["output_tokens"] <= 8
+    assert reply.response_metadata["id"].startswith("resp_")
+    chunks = list(chat.stream(messages))
+    assert "".join(chunk.text for chunk in chunks) == reply.text
+    assert sum(chunks[1:], chunks[0]).usage_metadata["input_token_details"]["cache_read"] > 0
