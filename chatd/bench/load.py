@@ -185,12 +185,13 @@ def make_turn_body(options: BenchOptions, content: str, max_tokens: int) -> dict
 
 
 def _sampling_fields(options: BenchOptions, max_tokens: int) -> dict:
-    fields: dict = {
-        "max_tokens": max_tokens,
-        "temperature": options.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    return {"max_tokens": max_tokens, "temperature": options.temperature, "stream": True,
+            "stream_options": {"include_usage": True}, **_optional_fields(options)}
+
+
+def _optional_fields(options: BenchOptions) -> dict:
+    """`model` and `ignore_eos`, only when asked for: not every server knows them."""
+    fields: dict = {}
     if options.model is not None:
         fields["model"] = options.model
     if options.ignore_eos:
@@ -257,7 +258,7 @@ async def run_responses(
     try:
         for turn, (prompt, max_tokens) in enumerate(turns, start=1):
             record = RequestRecord(session=index, turn=turn, max_tokens=max_tokens)
-            body = {**make_response_body(options, prompt, max_tokens)}
+            body = make_response_body(options, prompt, max_tokens)
             if records:
                 body["previous_response_id"] = records[-1].response_id
             records.append(record)
@@ -276,12 +277,8 @@ async def run_responses(
 
 def make_response_body(options: BenchOptions, content: str, max_tokens: int) -> dict:
     """The body of one Responses API turn: the new user message and OpenAI's Responses fields."""
-    body: dict = {"input": content, "max_output_tokens": max_tokens, "temperature": options.temperature, "stream": True}
-    if options.model is not None:
-        body["model"] = options.model
-    if options.ignore_eos:
-        body["ignore_eos"] = True
-    return body
+    return {"input": content, "max_output_tokens": max_tokens, "temperature": options.temperature, "stream": True,
+            **_optional_fields(options)}
 
 
 async def create_conversation(

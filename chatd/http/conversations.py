@@ -21,7 +21,7 @@ from chatd.http.openai_format import token_usage
 from chatd.http.protocol import parse_conversation_update, parse_new_conversation, parse_turn, shown
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import TURNS, MessageTurn, ReplyStream, conversation_not_found, stored_reply
-from chatd.http.wire import SlowClient, drop_slow_client, json_response, read_json, send
+from chatd.http.wire import json_response, read_json, stream_events
 from chatd.store.db import Conversation, Message, Tenant
 
 MAX_NEW_ITEMS = 20  # items one request may add, as OpenAI's Conversations API allows
@@ -233,17 +233,8 @@ async def _own_item(state: ServerState, conversation: Conversation, item_id: str
 
 
 async def _stream(request: web.Request, state: ServerState, reply: ReplyStream, after: int, headers: dict) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
-    await response.prepare(request)
-    try:
-        async for event in reply.follow(after, state.heartbeat_seconds):
-            await send(request, response, event)
-    except SlowClient as exc:  # the reply goes on and is saved; only this follower is dropped
-        drop_slow_client(request, exc)
-        return response
-    except ConnectionError:  # this follower went away; the reply goes on
-        return response
-    await response.write_eof()
+    """Follow a reply from event `after`; a follower that leaves is only dropped: the reply goes on and is saved."""
+    response, _ = await stream_events(request, reply.follow(after, state.heartbeat_seconds), headers)
     return response
 
 

@@ -36,7 +36,7 @@ from chatd.http.items import item_json, item_page, page_params, parse_items
 from chatd.http.protocol import SERVICE_TIERS, GenerationRequest, _get, _metadata, _object, _request, shown
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import TURNS, ReplyEvents, ReplyStream, Turns, conversation_not_found
-from chatd.http.wire import SlowClient, drop_slow_client, json_response, read_json, send
+from chatd.http.wire import json_response, read_json, stream_events
 from chatd.store.db import Conversation, Message, Tenant
 from chatd.store.records import Response
 
@@ -451,18 +451,11 @@ def _replay(state: ServerState, record: Response, output: Message | None) -> Rep
 
 async def _stream(request: web.Request, state: ServerState, turns: Turns, reply: ReplyStream, after: int, *,
                   cancel_on_leave: bool) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    try:
-        async for event in reply.follow(after, state.heartbeat_seconds):
-            await send(request, response, event)
-    except (SlowClient, ConnectionError) as exc:  # a stored reply goes on and is saved; only this follower is dropped
-        if isinstance(exc, SlowClient):
-            drop_slow_client(request, exc)
-        if cancel_on_leave:
-            turns.cancel_reply(reply.message_id)
-        return response
-    await response.write_eof()
+    """Follow a reply from event `after`. A stored one goes on and is saved when its follower leaves;
+    with `cancel_on_leave` (store=false: nobody can come back for it) it is stopped."""
+    response, whole = await stream_events(request, reply.follow(after, state.heartbeat_seconds))
+    if not whole and cancel_on_leave:
+        turns.cancel_reply(reply.message_id)
     return response
 
 

@@ -15,6 +15,7 @@ import struct
 import sys
 import termios
 import zlib
+from collections.abc import AsyncIterator
 
 import orjson
 from aiohttp import web
@@ -114,6 +115,25 @@ async def send(request: web.Request, response: web.StreamResponse, data: bytes) 
             await response.write(data)
     except TimeoutError:
         raise SlowClient(f"the client took no output for {limits.send_timeout_seconds:g} s (send_timeout_seconds)") from None
+
+
+async def stream_events(request: web.Request, events: AsyncIterator[bytes],
+                        headers: dict[str, str] | None = None) -> tuple[web.StreamResponse, bool]:
+    """Write ready SSE events to the client as they come; the response, and whether the client
+    took them all (False: it went away, or stopped reading and was dropped)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **(headers or {})})
+    await response.prepare(request)
+    try:
+        async for event in events:
+            await send(request, response, event)
+    except SlowClient as exc:
+        drop_slow_client(request, exc)
+        return response, False
+    except ConnectionError:
+        return response, False
+    await response.write_eof()
+    return response, True
 
 
 def _untaken_bytes(transport) -> int:
