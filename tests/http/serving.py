@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -49,3 +50,21 @@ def stop_server(proc: subprocess.Popen) -> None:
         assert proc.wait(timeout=30) == 0, "chatd serve should exit 0 on SIGTERM"
     finally:
         proc.kill()
+
+
+@contextlib.contextmanager
+def tenants_server(root: Path, config_text: str = "", names: tuple[str, ...] = ("alice", "bob")):
+    """chatd serve on the demo model with auth on, its store at root/chatd.db and a key per tenant
+    in `names`; yields {"url", "keys", "db", "model_dir", "log"}. `config_text` adds sections."""
+    from chatd.engine.models.demo import build_demo_model
+
+    model_dir = build_demo_model(root / "demo")
+    db = root / "chatd.db"
+    config = f'[store]\ndb_path = "{db}"\n[auth]\nenabled = true\n{config_text}'
+    (root / "config.toml").write_text(config)
+    keys = {name: create_key(root / "config.toml", name) for name in names}
+    proc, url, log_path = start_server(root, model_dir, config)
+    try:
+        yield {"url": url, "keys": keys, "db": db, "model_dir": model_dir, "log": log_path}
+    finally:
+        stop_server(proc)

@@ -13,8 +13,7 @@ import httpx
 import openai
 import pytest
 
-from chatd.engine.models.demo import build_demo_model
-from tests.http.serving import create_key, start_server, stop_server
+from tests.http.serving import tenants_server
 
 MAX_MESSAGE_CHARS = 2000
 
@@ -22,17 +21,10 @@ MAX_MESSAGE_CHARS = 2000
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """chatd serve with auth on and keys for alice and bob."""
-    root = tmp_path_factory.mktemp("conversation_items")
-    model_dir = build_demo_model(root / "demo")
-    db = root / "chatd.db"
-    config = (f'[store]\ndb_path = "{db}"\n[auth]\nenabled = true\n'
-              f"[conversations]\nmax_message_chars = {MAX_MESSAGE_CHARS}\nsave_interval_seconds = 0.05\n"
-              "[server]\nheartbeat_seconds = 0.5\n")
-    (root / "config.toml").write_text(config)
-    keys = {name: create_key(root / "config.toml", name) for name in ("alice", "bob")}
-    proc, url, _ = start_server(root, model_dir, config)
-    yield {"url": url, "keys": keys, "db": db}
-    stop_server(proc)
+    with tenants_server(tmp_path_factory.mktemp("conversation_items"),
+                        f"[conversations]\nmax_message_chars = {MAX_MESSAGE_CHARS}\nsave_interval_seconds = 0.05\n"
+                        "[server]\nheartbeat_seconds = 0.5\n") as server:
+        yield server
 
 
 def client(server, who: str = "alice") -> openai.OpenAI:

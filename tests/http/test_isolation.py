@@ -14,9 +14,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from chatd.engine.models.demo import build_demo_model
 from chatd.engine import Tokenizer
-from tests.http.serving import create_key, start_server, stop_server
+from tests.http.serving import tenants_server
 
 SHARED_SYSTEM = "You are the shared assistant of this service. Answer briefly and politely, in plain words."
 
@@ -24,16 +23,10 @@ SHARED_SYSTEM = "You are the shared assistant of this service. Answer briefly an
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """chatd serve with auth on, a shared system prompt, and keys for alice and bob."""
-    root = tmp_path_factory.mktemp("isolation")
-    model_dir = build_demo_model(root / "demo")
-    config = (f'[store]\ndb_path = "{root / "chatd.db"}"\n[auth]\nenabled = true\n'
-              f"[cache]\nnum_blocks = 4096\nshared_system_prompts = [{json.dumps(SHARED_SYSTEM)}]\n"
-              "[server]\nheartbeat_seconds = 0.5\n")
-    (root / "config.toml").write_text(config)
-    keys = {name: create_key(root / "config.toml", name) for name in ("alice", "bob")}
-    proc, url, _ = start_server(root, model_dir, config)
-    yield {"url": url, "keys": keys, "model_dir": model_dir}
-    stop_server(proc)
+    with tenants_server(tmp_path_factory.mktemp("isolation"),
+                        f"[cache]\nnum_blocks = 4096\nshared_system_prompts = [{json.dumps(SHARED_SYSTEM)}]\n"
+                        "[server]\nheartbeat_seconds = 0.5\n") as server:
+        yield server
 
 
 def client(server, who: str) -> openai.AsyncOpenAI:

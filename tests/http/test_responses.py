@@ -15,9 +15,8 @@ import pytest
 
 from chatd.engine import Tokenizer
 from chatd.engine.llm import LLM
-from chatd.engine.models.demo import build_demo_model
 from chatd.engine.params import SamplingParams
-from tests.http.serving import create_key, start_server, stop_server
+from tests.http.serving import tenants_server
 
 BLOCK = 16  # KV block size (the default)
 MAX_MODEL_LEN = 512
@@ -31,17 +30,10 @@ EVENTS_AFTER_TEXT = ["response.output_text.done", "response.content_part.done", 
 def server(tmp_path_factory):
     """chatd serve with auth on, a 512-token window, finished streams rebuilt from their rows, and keys
     for alice and bob."""
-    root = tmp_path_factory.mktemp("responses")
-    model_dir = build_demo_model(root / "demo")
-    db = root / "chatd.db"
-    config = (f'[store]\ndb_path = "{db}"\n[auth]\nenabled = true\n[model]\nmax_model_len = {MAX_MODEL_LEN}\n'
-              f"[server]\nheartbeat_seconds = {HEARTBEAT}\n"
-              "[conversations]\nstream_replay_seconds = 0\n")  # a finished response's events leave memory at once
-    (root / "config.toml").write_text(config)
-    keys = {name: create_key(root / "config.toml", name) for name in ("alice", "bob")}
-    proc, url, _ = start_server(root, model_dir, config)
-    yield {"url": url, "keys": keys, "db": db, "model_dir": model_dir}
-    stop_server(proc)
+    with tenants_server(tmp_path_factory.mktemp("responses"),
+                        f"[model]\nmax_model_len = {MAX_MODEL_LEN}\n[server]\nheartbeat_seconds = {HEARTBEAT}\n"
+                        "[conversations]\nstream_replay_seconds = 0\n") as server:  # events leave memory at once
+        yield server
 
 
 @pytest.fixture(scope="module")
