@@ -92,7 +92,7 @@ INPUT_ITEM = {
     "required": ["role", "content"],
     "additionalProperties": False,
 }
-# A conversation's or a response's metadata (protocol._metadata): any object, kept and returned.
+# A conversation's metadata (protocol._metadata): any object, kept and returned.
 KEPT_METADATA = {"type": "object", "description": f"any JSON object, at most the server's `max_metadata_bytes` as JSON "
                                                   f"and {MAX_METADATA_DEPTH} levels deep; kept and returned"}
 
@@ -488,7 +488,6 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "request": Fields(responses.RESPONSE_FIELDS, ("input",), {
             "store": {"type": "boolean", "default": True,
                       "description": "false: keep only a record that it existed (it cannot be retrieved or continued)"},
-            "metadata": KEPT_METADATA,
             "service_tier": {"enum": list(responses.SERVICE_TIERS), "description": "accepted; the response says default"},
             "stream_options": {"type": "object", "description": "only with stream: true; accepted, not used"},
         }, description=RESPONSE_REFUSED),

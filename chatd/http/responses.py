@@ -33,7 +33,7 @@ from chatd.http.auth import TENANT
 from chatd.http.errors import APIError
 from chatd.http.history import render_history
 from chatd.http.items import item_json, item_page, page_params, parse_items
-from chatd.http.protocol import SERVICE_TIERS, GenerationRequest, _get, _metadata, _object, _request, shown
+from chatd.http.protocol import SERVICE_TIERS, GenerationRequest, _get, _object, _request, _request_metadata, shown
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import TURNS, ReplyEvents, ReplyStream, Turns, conversation_not_found
 from chatd.http.wire import json_response, read_json, stream_events
@@ -125,7 +125,8 @@ def parse_response(body, state: ServerState) -> ResponseRequest:
     instructions = _get(body, "instructions", str, None)
     gen = _request({k: body[k] for k in SAMPLING if k in body}, [], max_output_tokens, None, state.model.sampling_defaults)
     gen.max_tokens_field = "max_output_tokens"
-    metadata = _metadata(body, state.config.conversations)
+    _request_metadata(body)  # as OpenAI: at most 16 string values under short keys
+    metadata = _get(body, "metadata", dict, {})
     echo = {"max_output_tokens": max_output_tokens, "temperature": gen.params.temperature, "top_p": gen.params.top_p,
             "metadata": metadata, "user": gen.user, "truncation": truncation,
             "text": {"format": {"type": "text"}, "verbosity": verbosity or "medium"},

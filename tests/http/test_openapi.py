@@ -185,7 +185,7 @@ COMPANIONS = {"top_logprobs": {"logprobs": True}, "stream_options": {"stream": T
 PARSER_BUGS: dict = {}  # (operation, field) -> values a parser takes against its documentation (none now)
 # Values of every JSON type, at and past the limits the schemas document.
 CANDIDATES = [None, True, False, 0, 1, 2, -1, 1.5, 2.5, -2.5, 17, 21, 2**63, "x", "", "low", "auto",
-              ["x"], [1], [], {}, {"type": "text"}, {"k": "v"}]
+              ["x"], [1], [], {}, {"type": "text"}, {"k": "v"}, {"k": 1}]
 
 
 def test_every_body_a_parser_checks_is_checked_against_its_parser():
