@@ -8,6 +8,7 @@ Public names (the rest is internal; `chatd.http` imports only these):
     LLMEngine        the synchronous engine: add_request, abort, step          engine.py
     ModelInfo        what the loaded model is (name, context, dtype, ...)      engine.py
     SamplingParams, RequestOutput, CompletionOutput, FinishReason, ParamError  params.py
+    StructuredOutput the grammar a request's output must follow (JSON schema...) params.py
     MAX_LOGPROBS     the most top_logprobs a request may ask for                params.py
     MAX_N            the most choices (n) a request may ask for                  params.py
     EngineStats      counters for metrics                                      core/scheduler.py
@@ -18,6 +19,7 @@ Reading order, following one request in:
     params.py          what a request asks for and what comes back               (no torch)
     tokenizer.py       chat template -> token ids; token ids -> text and stop strings
                        (chat_tokens.py: control tokens typed inside messages stay text)
+    grammar.py         structured output: a request's grammar and each step's token mask
     async_engine.py    AsyncEngine.generate queues it; the engine thread steps
     engine.py          LLMEngine.step: schedule -> execute -> postprocess -> detokenize
     core/              no torch: sequence.py (one choice), block_manager.py (the paged KV pool
@@ -35,7 +37,16 @@ from chatd.engine.async_engine import AsyncEngine, EngineClient, RequestHandle, 
 from chatd.engine.core.scheduler import EngineStats
 from chatd.engine.engine import LLMEngine, ModelInfo
 from chatd.engine.llm import LLM
-from chatd.engine.params import MAX_LOGPROBS, MAX_N, CompletionOutput, FinishReason, ParamError, RequestOutput, SamplingParams
+from chatd.engine.params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    CompletionOutput,
+    FinishReason,
+    ParamError,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutput,
+)
 from chatd.engine.tokenizer import Tokenizer
 
 __all__ = [
@@ -54,5 +65,6 @@ __all__ = [
     "RequestOutput",
     "RequestStream",
     "SamplingParams",
+    "StructuredOutput",
     "Tokenizer",
 ]

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from chatd.engine.engine import EngineStats, LLMEngine, ModelInfo
-from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams
+from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams, StructuredOutput
 from chatd.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("chatd.engine")
@@ -57,6 +57,10 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None:
         """End another reader's request; its reader gets a finished output."""
+
+    def check_structured(self, spec: StructuredOutput) -> None:
+        """Compile a structured-output spec ahead of `generate` (from a worker thread: it may be slow);
+        ParamError naming spec.param if it cannot be compiled."""
 
     def stats(self) -> EngineStats:
         """The engine's counters now."""
@@ -187,6 +191,13 @@ class AsyncEngine:
         """The counters as of the engine thread's last step (or applied command), and the open streams now."""
         assert self._stats is not None, "start() first"
         return dataclasses.replace(self._stats, num_request_streams=len(self._streams))
+
+    def check_structured(self, spec: StructuredOutput) -> None:
+        """Compile a structured-output spec ahead of `generate`; call it from a worker thread (a
+        big schema may take a while). ParamError naming spec.param if it cannot be compiled."""
+        if self.engine is None:
+            raise RuntimeError("the engine is not running")
+        self.engine.check_structured(spec)
 
     def generate(
         self,

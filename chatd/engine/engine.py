@@ -21,7 +21,8 @@ from chatd.config import CacheConfig, Config, SchedulerConfig
 from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.core.scheduler import EngineStats, Scheduler, SchedulerOutput
 from chatd.engine.core.sequence import Sequence, SequenceStatus
-from chatd.engine.params import CompletionOutput, FinishReason, Logprob, ParamError, RequestOutput, SamplingParams
+from chatd.engine.grammar import GrammarCompiler
+from chatd.engine.params import CompletionOutput, FinishReason, Logprob, ParamError, RequestOutput, SamplingParams, StructuredOutput
 from chatd.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("chatd.engine")
@@ -110,6 +111,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
         block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, block_manager, max_model_len, eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -196,9 +198,25 @@ class LLMEngine:
                      cache_salt=cache_salt, num_shared_prefix_tokens=num_shared_prefix_tokens)
             for i in range(params.n)
         ]
+        if params.structured is not None:
+            compiler = self._grammar_compiler(params.structured)
+            for seq in seqs:  # each choice walks its own copy of the compiled grammar
+                seq.grammar = compiler.matcher(params.structured)
         seqs[0].forks = seqs[1:]
         detokenizers = [self._detokenizer(prompt_token_ids, params) for _ in seqs]
         return Request(request_id, prompt_token_ids, params, seqs, detokenizers)
+
+    def check_structured(self, spec: StructuredOutput) -> None:
+        """Compile a structured-output spec now; ParamError (naming spec.param) if it cannot be.
+        Cached, and safe from any thread: a server calls it off its event loop (a big schema
+        can take a while), and the request's own compile is then a copy."""
+        spec.validate()
+        self._grammar_compiler(spec).check(spec)
+
+    def _grammar_compiler(self, spec: StructuredOutput) -> GrammarCompiler:
+        if self.grammars is None:
+            raise ParamError(spec.param, f"{spec.param} needs a tokenizer, and this model has none")
+        return self.grammars
 
     def default_params(self, **fields) -> SamplingParams:
         """SamplingParams with the model's recommended sampling, then `fields` (None leaves one as recommended)."""
@@ -299,7 +317,9 @@ class LLMEngine:
             request.num_cached_tokens = seq.num_cached_tokens
         delta = CompletionOutput(seq.index, token_ids=[token_id], logprobs=None if logprob is None else [logprob])
         detokenizer = request.detokenizers[seq.index]
-        stopped_by_token = seq.finish_reason == FinishReason.STOP  # a stop token's own text is not part of the answer
+        # A stop token's own text is not part of the answer (a grammar's last token is).
+        stopped_by_token = seq.finish_reason == FinishReason.STOP and (
+            token_id in self.scheduler.eos_token_ids or token_id in seq.params.stop_token_ids)
         if detokenizer is not None and not stopped_by_token:
             delta.text, stop_string = detokenizer.step([token_id])
             if stop_string is not None:  # wins over a length limit reached by the same token

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 256  # the most strings a `choice` constraint may list
 
 
 class FinishReason(str, enum.Enum):
@@ -22,6 +23,46 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain a request's output to a grammar: exactly one of the kinds below.
+
+    The engine compiles it (engine/grammar.py) and masks every token the grammar does not
+    allow, so the output always matches: a JSON schema, any JSON object, a regular expression,
+    one of a list of strings, or a Lark grammar (llguidance's dialect, with `%json` for embedded
+    schemas). `param` is the request field it came from, named in errors.
+    """
+
+    json_schema: str | None = None  # the schema as JSON text (property order is the output's order)
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def key(self) -> tuple:
+        """What the compiled grammar depends on (the cache key)."""
+        return (self.json_schema, self.json_object, self.regex, self.choice, self.grammar)
+
+    def validate(self) -> None:
+        kinds = [self.json_schema is not None, self.json_object, self.regex is not None,
+                 self.choice is not None, self.grammar is not None]
+        _check(sum(kinds) == 1, self.param, "must name exactly one of json_schema, json_object, regex, choice, grammar")
+        for name in ("json_schema", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(isinstance(value, str) and value != "", self.param, f"{name} must be a non-empty string")
+        if self.choice is not None:
+            _check(0 < len(self.choice) <= MAX_CHOICES, self.param,
+                   f"choice must list 1 to {MAX_CHOICES} strings, got {len(self.choice)}")
+            _check(all(isinstance(c, str) and c for c in self.choice), self.param, "choice must list non-empty strings")
 
 
 @dataclass(frozen=True)
@@ -44,6 +85,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; k = the sampled token's plus top-k alternatives
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # None = free text
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string from callers; store tuples (hashable, frozen).
@@ -78,6 +120,8 @@ class SamplingParams:
             _check(isinstance(s, str) and s != "", "stop", "stop strings must be non-empty strings")
         if self.logprobs is not None:
             _check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured is not None:
+            self.structured.validate()
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

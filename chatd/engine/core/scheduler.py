@@ -16,12 +16,15 @@ detokenizes. Plain Python, no torch: tested without a model.
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass, field
 
 from chatd.config import SchedulerConfig
 from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.core.sequence import Sequence, SequenceStatus
 from chatd.engine.params import FinishReason
+
+log = logging.getLogger("chatd.engine")
 
 
 @dataclass
@@ -212,6 +215,12 @@ class Scheduler:
         if enough and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token_id
         elif enough and not params.ignore_eos and token_id in self.eos_token_ids:
+            seq.finish_reason = FinishReason.STOP
+        elif seq.grammar is not None and not seq.grammar.accept(token_id):
+            # The mask allows only what the grammar accepts; a refusal is a parser failure.
+            log.error("sequence %s: its grammar refused token %d: %s", seq.request_id, token_id, seq.grammar.error)
+            seq.finish_reason = FinishReason.ERROR
+        elif seq.grammar is not None and seq.grammar.is_terminated:  # the structured output is complete
             seq.finish_reason = FinishReason.STOP
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
                 self.max_model_len is not None and seq.num_tokens >= self.max_model_len):

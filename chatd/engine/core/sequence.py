@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from chatd.engine.params import FinishReason, SamplingParams
 
@@ -48,6 +49,9 @@ class Sequence:
     forks: list[Sequence] = field(default_factory=list)  # choices 1..n-1: forked off this one at its first token
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    # Structured output: a grammar/GrammarMatcher (accept(token_id) -> bool, is_terminated, error);
+    # None for free text. The sampler masks with it, `Scheduler.postprocess` advances it.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -146,7 +146,8 @@ class ModelRunner:
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params
         banned: tuple[int, ...] = ()
-        if seq.num_output_tokens < params.min_tokens:
+        # A grammar decides where structured output ends: min_tokens does not ban its EOS.
+        if seq.num_output_tokens < params.min_tokens and seq.grammar is None:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
         return SamplingRow(
             params=params,
@@ -154,6 +155,7 @@ class ModelRunner:
             output_token_ids=seq.output_token_ids,
             generator=None if params.greedy else self._generator(seq),
             banned_token_ids=banned,
+            grammar=seq.grammar,
         )
 
     def _generator(self, seq: Sequence) -> torch.Generator:

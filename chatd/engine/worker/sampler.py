@@ -1,4 +1,4 @@
-"""Turn one step's logits into tokens: bans, penalties, greedy, temperature, top-k/p, min-p.
+"""Turn one step's logits into tokens: bans, penalties, grammars, greedy, temperature, top-k/p, min-p.
 
 The sampler knows nothing of sequences, blocks or the model: the runner hands it a [B, V]
 logits tensor and one SamplingRow per row, and gets back a token (and maybe logprobs) per
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from chatd.engine.grammar import GrammarMatcher, fill_masks
 from chatd.engine.params import Logprob, SamplingParams
 from chatd.engine.worker.ragged import pad_ragged
 
@@ -32,6 +34,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # per-sequence RNG owned by the runner; None only for greedy
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS while min_tokens is not reached
+    grammar: GrammarMatcher | None = None  # structured output: only tokens it allows may be sampled
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +63,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per SamplingRow"
         raw_logits = logits.float()
         logits = apply_penalties(raw_logits, rows)
+        logits = apply_grammars(logits, rows)
 
         sampled_rows = [i for i, row in enumerate(rows) if not row.greedy]
         if len(sampled_rows) < len(rows):
@@ -123,6 +127,24 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         frequency_t = torch.tensor(frequency, device=device).unsqueeze(1)
         logits = logits - frequency_t * output_counts - presence_t * (output_counts > 0)
     return logits
+
+
+def apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Keep only the tokens each constrained row's grammar allows; other rows are not touched."""
+    # logits: [B, V]; never modified in place (they may be the raw logits kept for logprobs).
+    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if not constrained:
+        return logits
+    vocab_size = logits.shape[1]
+    device = logits.device
+    # Computed on the host while (on CUDA) the forward may still run: uint32 bits -> [C, V] booleans.
+    words = fill_masks([rows[i].grammar for i in constrained], vocab_size)  # [C, words] uint32
+    words = torch.from_numpy(words.view(np.int32)).to(device)
+    bits = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab_size]  # [C, V]
+    index = torch.tensor(constrained, device=device)
+    masked = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits.index_put((index,), masked)
 
 
 def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
