@@ -72,6 +72,7 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
         prompts = {"messages": await state.encode_chat(gen.messages)}
     else:
         prompts = {name: await state.encode_prompt(prompt, name) for name, prompt in gen.prompts.items()}
+    await state.check_structured(gen.params.structured)
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
     created = int(time.time())

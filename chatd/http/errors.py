@@ -7,6 +7,7 @@ exceptions (500, traceback only in the log, next to the request id).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -22,6 +23,16 @@ REQUEST_ID = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") els
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
          408: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error",
          417: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+def shown(value: Any) -> str:
+    """A client's value as an error message quotes it: never the whole of a huge string, never the
+    repr of a nested list or object (a thousand levels deep, repr itself fails)."""
+    if isinstance(value, str):
+        return repr(value if len(value) <= 80 else value[:80] + "...")
+    if isinstance(value, (dict, list)):
+        return "an object" if isinstance(value, dict) else "a list"
+    return orjson.dumps(value).decode()  # null, true, 1.5: as the client wrote it
 
 
 class APIError(Exception):

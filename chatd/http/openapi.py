@@ -46,6 +46,11 @@ def ref(name: str) -> Schema:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
+def _object(properties: Schema, required: Iterable[str] | None = None) -> Schema:
+    """An object with these properties, all required unless `required` says which; extras allowed."""
+    return {"type": "object", "properties": properties, "required": list(properties if required is None else required)}
+
+
 def nullable(schema: Schema) -> Schema:
     """`schema` or null."""
     return {"anyOf": [schema, {"type": "null"}]}
@@ -96,6 +101,13 @@ INPUT_ITEM = {
 KEPT_METADATA = {"type": "object", "description": f"any JSON object, at most the server's `max_metadata_bytes` as JSON "
                                                   f"and {MAX_METADATA_DEPTH} levels deep; kept and returned"}
 
+# Structured output (structured.py): a named JSON schema, in chat's and in Responses' shape.
+_SCHEMA_FORMAT_FIELDS = {"name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+                         "schema": {"type": "object"}, "strict": nullable({"type": "boolean"})}
+JSON_SCHEMA_FORMAT = _object(_SCHEMA_FORMAT_FIELDS, ["name", "schema"])
+TEXT_FORMAT = {"anyOf": [_object({"type": {"enum": ["text", "json_object"]}}, ["type"]),
+                         _object({"type": {"const": "json_schema"}, **_SCHEMA_FORMAT_FIELDS}, ["type", "name", "schema"])]}
+
 # Every field of a body checked against a field set (protocol.py's, tokens.py's, ...), by name. A field
 # a set allows that is missing here makes build_document raise: it is documented before it is served.
 FIELD_SCHEMAS: dict[str, Schema] = {
@@ -127,7 +139,20 @@ FIELD_SCHEMAS: dict[str, Schema] = {
     "logprobs": {"type": "boolean", "description": "return each token's log-probability"},
     "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
                      "description": "alternatives per token; needs logprobs: true"},
-    "response_format": {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]},
+    "response_format": {"anyOf": [
+        _object({"type": {"enum": ["text", "json_object"]}}, ["type"]),
+        _object({"type": {"const": "json_schema"}, "json_schema": JSON_SCHEMA_FORMAT}, ["type", "json_schema"]),
+    ], "description": "json_object: any JSON object; json_schema: JSON valid against the schema, enforced token by token"},
+    "structured_outputs": {"type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False, "properties": {
+        "json": {"type": "object", "description": "a JSON schema (or its JSON text)"}, "regex": NOT_EMPTY_STRING,
+        "choice": {"type": "array", "items": NOT_EMPTY_STRING, "minItems": 1}, "grammar": NOT_EMPTY_STRING,
+        "json_object": {"type": "boolean"}},
+        "description": "chatd (vLLM) extension: output that matches a JSON schema, a regex, one of the choices, or a "
+                       "Lark grammar (llguidance's dialect)"},
+    "guided_json": {"type": "object", "description": "as structured_outputs.json: a JSON schema (or its JSON text)"},
+    "guided_regex": {**NOT_EMPTY_STRING, "description": "as structured_outputs.regex"},
+    "guided_choice": {"type": "array", "items": NOT_EMPTY_STRING, "minItems": 1, "description": "as structured_outputs.choice"},
+    "guided_grammar": {**NOT_EMPTY_STRING, "description": "as structured_outputs.grammar"},
     "ignore_eos": {"type": "boolean", "description": "generate past the end-of-sequence token"},
     "priority": {"type": "integer", "description": "lower is scheduled first"},
     "user": {"type": "string"},
@@ -160,9 +185,9 @@ FIELD_SCHEMAS: dict[str, Schema] = {
     "truncation": {"enum": ["auto", "disabled"], "default": "disabled",
                    "description": "auto: leave out the oldest turns of too long a history; disabled: a 400"},
     "text": {"type": "object", "properties": {
-        "format": nullable({"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}),
+        "format": nullable(TEXT_FORMAT),
         "verbosity": nullable({"enum": list(VERBOSITIES)}),
-    }, "description": "only text output; verbosity is accepted, not used"},
+    }, "description": "format: text, json_object or json_schema (enforced token by token); verbosity is accepted, not used"},
     "tools": {"type": "array", "maxItems": 0, "description": "not supported (tool calling): only an empty list"},
     "tool_choice": {"enum": ["none", "auto"], "description": "there are no tools to call"},
     "parallel_tool_calls": {"type": "boolean", "description": "accepted; there are no tools"},
@@ -220,11 +245,6 @@ def body_schema(fields: Fields, model_name: str) -> Schema:
 
 COUNT = {"type": "integer", "minimum": 0}
 FINISH_REASON = {"enum": ["stop", "length"]}
-
-
-def _object(properties: Schema, required: Iterable[str] | None = None) -> Schema:
-    """An object with these properties, all required unless `required` says which; extras allowed."""
-    return {"type": "object", "properties": properties, "required": list(properties if required is None else required)}
 
 
 def _completion(object_name: str, choice: Schema, chunk: bool) -> Schema:
@@ -293,7 +313,7 @@ RESPONSE = {
     "conversation": nullable(_object({"id": STRING})),
     "temperature": nullable({"type": "number"}), "top_p": nullable({"type": "number"}),
     "tool_choice": {"enum": ["none", "auto"]}, "tools": NOTHING,
-    "text": _object({"format": _object({"type": {"const": "text"}}), "verbosity": {"enum": list(VERBOSITIES)}}, ["format"]),
+    "text": _object({"format": TEXT_FORMAT, "verbosity": {"enum": list(VERBOSITIES)}}, ["format"]),
     "truncation": {"enum": ["auto", "disabled"]},
     "reasoning": _object({"effort": {"type": "null"}, "summary": {"type": "null"}}),
     "background": {"const": False}, "service_tier": {"const": "default"}, "store": {"type": "boolean"},

@@ -19,8 +19,9 @@ from typing import Any
 import orjson
 
 from chatd.config import ConversationsConfig
-from chatd.engine import MAX_LOGPROBS, SamplingParams
-from chatd.http.errors import APIError
+from chatd.engine import MAX_LOGPROBS, SamplingParams, StructuredOutput
+from chatd.http import structured
+from chatd.http.errors import APIError, shown
 
 # Fields that change what the model must do; accepting and ignoring them would give wrong answers.
 UNSUPPORTED = {
@@ -43,6 +44,7 @@ SAMPLING_FIELDS = {
     "stream", "stream_options", "user", "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority",
     "min_tokens", "model", "logit_bias", "store", "metadata", "service_tier",
 }
+SAMPLING_FIELDS |= structured.EXTRA_FIELDS  # chatd's (vLLM's) structured-output extensions
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                                  "prompt_cache_key", "safety_identifier", "verbosity"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs"}
@@ -101,16 +103,14 @@ def parse_chat(body: Any, max_messages: int, defaults: Mapping[str, float] = Map
     if verbosity is not None and verbosity not in VERBOSITIES:
         raise APIError(400, f"verbosity must be one of {', '.join(VERBOSITIES)}; got {shown(verbosity)}", "verbosity")
     _request_metadata(body)
-    response_format = _get(body, "response_format", dict, None)
-    if response_format is not None and response_format.get("type") != "text":
-        raise APIError(400, f"response_format {shown(response_format.get('type'))} is not supported by chatd; only 'text'",
-                       "response_format")
+    output_format = _structured(body, structured.response_format(body.get("response_format")))
     messages = _get(body, "messages", list, None)
     if not messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
     if len(messages) > max_messages:
         raise APIError(400, f"messages has {len(messages)} entries; the limit is {max_messages}", "messages")
-    gen = _request(body, None, _chat_max_tokens(body), _chat_logprobs(body), defaults, store_allowed=True)
+    gen = _request(body, None, _chat_max_tokens(body), _chat_logprobs(body), defaults, store_allowed=True,
+                   output_format=output_format)
     gen.messages = [_message(m, i) for i, m in enumerate(messages)]
     gen.max_tokens_field = _max_tokens_field(body)
     return gen
@@ -128,7 +128,7 @@ def parse_turn(body: Any, max_chars: int, defaults: Mapping[str, float] = Mappin
         raise APIError(400, "content must be a non-empty string", "content")
     if len(content) > max_chars:
         raise APIError(400, f"content has {len(content)} characters; the limit is {max_chars}", "content")
-    gen = _request(body, [], _chat_max_tokens(body), _chat_logprobs(body), defaults)
+    gen = _request(body, [], _chat_max_tokens(body), _chat_logprobs(body), defaults, output_format=_structured(body, None))
     gen.max_tokens_field = _max_tokens_field(body)
     if gen.params.n != 1:
         raise APIError(400, f"a conversation takes one reply per message: n must be 1, got {gen.params.n}", "n")
@@ -219,7 +219,7 @@ def parse_completion(body: Any, max_model_len: int,
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
     _request_metadata(body)
-    gen = _request(body, None, _get(body, "max_tokens", int, 16), logprobs, defaults)
+    gen = _request(body, None, _get(body, "max_tokens", int, 16), logprobs, defaults, output_format=_structured(body, None))
     gen.prompts = prompts
     return gen
 
@@ -276,11 +276,22 @@ def _request_metadata(body: dict) -> None:
                                 f"{MAX_METADATA_VALUE_CHARS}", "metadata")
 
 
+def _structured(body: dict, output_format: StructuredOutput | None) -> StructuredOutput | None:
+    """The request's structured output: its OpenAI format, or chatd's extras, not both."""
+    extra = structured.extras(body)
+    if extra is not None and output_format is not None:
+        raise APIError(400, f"give {output_format.param.split('.')[0]} or {extra.param.split('.')[0]}, not both",
+                       extra.param.split(".")[0])
+    return extra or output_format
+
+
 def _request(body: dict, prompt: str | list[int], max_tokens: int | None, logprobs: int | None,
-             defaults: Mapping[str, float], store_allowed: bool = False) -> GenerationRequest:
+             defaults: Mapping[str, float], store_allowed: bool = False,
+             output_format: StructuredOutput | None = None) -> GenerationRequest:
     """The request's generation fields. A sampling field left out takes the model's recommended
     value where it has one (`defaults`, from its generation config), else OpenAI's default.
-    `store: true` is refused unless `store_allowed` (chat: keeping no copy changes no answer)."""
+    `store: true` is refused unless `store_allowed` (chat: keeping no copy changes no answer).
+    `output_format` is the grammar the reply must follow, if any."""
     stream = _get(body, "stream", bool, False)
     stream_options = _get(body, "stream_options", dict, None)
     if stream_options is not None and not stream:
@@ -320,6 +331,7 @@ def _request(body: dict, prompt: str | list[int], max_tokens: int | None, logpro
         stop=tuple(stop),
         ignore_eos=_get(body, "ignore_eos", bool, False),
         logprobs=logprobs,
+        structured=output_format,
     )
     params.validate()
     return GenerationRequest(
@@ -397,16 +409,6 @@ def _get(body: dict, name: str, types, default):
     if not isinstance(value, types):
         raise APIError(400, f"{name} must be {_type_name(types)}, got {type(value).__name__}", name)
     return value
-
-
-def shown(value: Any) -> str:
-    """A client's value as an error message quotes it: never the whole of a huge string, never the
-    repr of a nested list or object (a thousand levels deep, repr itself fails)."""
-    if isinstance(value, str):
-        return repr(value if len(value) <= 80 else value[:80] + "...")
-    if isinstance(value, (dict, list)):
-        return "an object" if isinstance(value, dict) else "a list"
-    return orjson.dumps(value).decode()  # null, true, 1.5: as the client wrote it
 
 
 def _depth(value: Any) -> int:

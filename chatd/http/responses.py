@@ -33,6 +33,7 @@ from chatd.http.auth import TENANT
 from chatd.http.errors import APIError
 from chatd.http.history import render_history
 from chatd.http.items import item_json, item_page, page_params, parse_items
+from chatd.http import structured
 from chatd.http.protocol import SERVICE_TIERS, GenerationRequest, _get, _object, _request, _request_metadata, shown
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import TURNS, ReplyEvents, ReplyStream, Turns, conversation_not_found
@@ -88,10 +89,7 @@ def parse_response(body, state: ServerState) -> ResponseRequest:
     if any(v is not None for v in reasoning.values()):
         raise APIError(400, "reasoning options are not supported by chatd's models", "reasoning")
     text = _get(body, "text", dict, {})
-    text_format = text.get("format") or {"type": "text"}
-    if not isinstance(text_format, dict) or text_format.get("type") != "text":
-        kind = text_format.get("type") if isinstance(text_format, dict) else text_format
-        raise APIError(400, f"text.format {shown(kind)} is not supported by chatd; only 'text'", "text.format")
+    output_format = structured.text_format(text)
     verbosity = text.get("verbosity")
     if verbosity is not None and verbosity not in ("low", "medium", "high"):
         raise APIError(400, f"text.verbosity must be low, medium or high, got {shown(verbosity)}", "text.verbosity")
@@ -123,13 +121,14 @@ def parse_response(body, state: ServerState) -> ResponseRequest:
         raise APIError(400, "a response with store=false adds nothing to a conversation: leave out conversation, "
                             "or store it", "store")
     instructions = _get(body, "instructions", str, None)
-    gen = _request({k: body[k] for k in SAMPLING if k in body}, [], max_output_tokens, None, state.model.sampling_defaults)
+    gen = _request({k: body[k] for k in SAMPLING if k in body}, [], max_output_tokens, None, state.model.sampling_defaults,
+                   output_format=output_format)
     gen.max_tokens_field = "max_output_tokens"
     _request_metadata(body)  # as OpenAI: at most 16 string values under short keys
     metadata = _get(body, "metadata", dict, {})
     echo = {"max_output_tokens": max_output_tokens, "temperature": gen.params.temperature, "top_p": gen.params.top_p,
             "metadata": metadata, "user": gen.user, "truncation": truncation,
-            "text": {"format": {"type": "text"}, "verbosity": verbosity or "medium"},
+            "text": {"format": text.get("format") or {"type": "text"}, "verbosity": verbosity or "medium"},
             "parallel_tool_calls": _get(body, "parallel_tool_calls", bool, True),
             "tool_choice": body.get("tool_choice") or "auto",
             "safety_identifier": body.get("safety_identifier"), "prompt_cache_key": body.get("prompt_cache_key")}

@@ -13,7 +13,7 @@ from typing import TypeVar
 from aiohttp import web
 
 from chatd.config import Config
-from chatd.engine import EngineClient, ModelInfo, Tokenizer
+from chatd.engine import EngineClient, ModelInfo, StructuredOutput, Tokenizer
 from chatd.http.errors import APIError
 from chatd.http.metrics import ServerMetrics
 from chatd.http.protocol import shown
@@ -90,6 +90,12 @@ class ServerState:
             return prompt
         self.check_text_size(len(prompt), param)
         return await self.off_loop(self.tokenizer.encode, prompt) if prompt else []
+
+    async def check_structured(self, spec: StructuredOutput | None) -> None:
+        """Compile a request's structured output before it is queued, off the event loop (a big
+        schema takes a while); ParamError naming the field if it cannot be compiled."""
+        if spec is not None:
+            await self.off_loop(self.engine.check_structured, spec)
 
     async def off_loop(self, function: Callable[..., T], *args) -> T:
         """Run CPU work on text (templates, tokenizing) in the tokenizing threads."""

@@ -195,6 +195,7 @@ class Turns:
         try:
             try:
                 prompt, omitted = await job.prepare()
+                await state.check_structured(job.gen.params.structured)
                 results = state.engine.generate(prompt, job.gen.params, priority=job.gen.priority,
                                                 **state.cache_scope(tenant, prompt))
             except BaseException as exc:

@@ -1,0 +1,131 @@
+"""Structured output as clients ask for it: OpenAI's `response_format` (chat) and `text.format`
+(Responses), and vLLM's extras (`structured_outputs`, and the older `guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar`), each made into the engine's StructuredOutput.
+
+Only shapes are checked here; whether a schema or grammar compiles is the engine's answer
+(`EngineClient.check_structured`), given off the event loop before anything is queued.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+
+from chatd.engine import StructuredOutput
+from chatd.http.errors import APIError, shown
+
+# A schema is compiled per request (then cached); a bigger one is almost surely a mistake.
+MAX_SCHEMA_BYTES = 64 * 1024
+MAX_FORMAT_NAME_CHARS = 64
+_FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]+")
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+EXTRA_FIELDS = {"structured_outputs", *GUIDED_FIELDS}
+
+
+def response_format(value: Any) -> StructuredOutput | None:
+    """Chat's `response_format`: text (None), json_object, or json_schema {name, schema, strict}."""
+    if value is None:
+        return None
+    fmt = _object(value, "response_format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True, param="response_format")
+    if kind == "json_schema":
+        inner = _object(fmt.get("json_schema"), "response_format.json_schema")
+        return _json_schema(inner, "response_format.json_schema")
+    raise APIError(400, f"response_format.type must be one of text, json_object, json_schema; got {shown(kind)}",
+                   "response_format.type")
+
+
+def text_format(text: Any) -> StructuredOutput | None:
+    """Responses' `text.format`: the same kinds as response_format, with json_schema's fields inline."""
+    if text is None:
+        return None
+    fmt = _object(text, "text").get("format")
+    if fmt is None:
+        return None
+    fmt = _object(fmt, "text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True, param="text.format")
+    if kind == "json_schema":
+        return _json_schema(fmt, "text.format")
+    raise APIError(400, f"text.format.type must be one of text, json_object, json_schema; got {shown(kind)}",
+                   "text.format.type")
+
+
+def extras(body: dict) -> StructuredOutput | None:
+    """chatd's (vLLM's) extensions: `structured_outputs` {json | regex | choice | grammar | json_object},
+    or one of `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`."""
+    given = [name for name in (*GUIDED_FIELDS, "structured_outputs") if body.get(name) is not None]
+    if len(given) > 1:
+        raise APIError(400, f"give one of {', '.join(given)}, not several", given[1])
+    if not given:
+        return None
+    name = given[0]
+    value = body[name]
+    if name == "structured_outputs":
+        spec = _object(value, name)
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if spec.get(k) not in (None, False)]
+        unknown = sorted(set(spec) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise APIError(400, f"{name} has fields chatd does not know: {', '.join(unknown)}", f"{name}.{unknown[0]}")
+        if len(kinds) != 1:
+            raise APIError(400, f"{name} must give exactly one of json, regex, choice, grammar, json_object", name)
+        kind, value, name = kinds[0], spec[kinds[0]], f"{name}.{kinds[0]}"
+    else:
+        kind = name.removeprefix("guided_")
+    if kind == "json_object":
+        return StructuredOutput(json_object=True, param=name)
+    if kind == "json":
+        return StructuredOutput(json_schema=_schema_text(value, name), param=name)
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise APIError(400, f"{name} must be a non-empty list of non-empty strings", name)
+        return StructuredOutput(choice=tuple(value), param=name)
+    if not (isinstance(value, str) and value):
+        raise APIError(400, f"{name} must be a non-empty string", name)
+    if len(value) > MAX_SCHEMA_BYTES:
+        raise APIError(400, f"{name} has {len(value)} characters; the limit is {MAX_SCHEMA_BYTES}", name)
+    return StructuredOutput(regex=value, param=name) if kind == "regex" else StructuredOutput(grammar=value, param=name)
+
+
+def _json_schema(fmt: dict, where: str) -> StructuredOutput:
+    name = fmt.get("name")
+    if not (isinstance(name, str) and _FORMAT_NAME.fullmatch(name) and len(name) <= MAX_FORMAT_NAME_CHARS):
+        raise APIError(400, f"{where}.name must be 1 to {MAX_FORMAT_NAME_CHARS} characters of a-z, A-Z, 0-9, _ and -; "
+                            f"got {shown(name)}", f"{where}.name")
+    strict = fmt.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise APIError(400, f"{where}.strict must be a boolean", f"{where}.strict")
+    if fmt.get("schema") is None:
+        raise APIError(400, f"{where}.schema is required", f"{where}.schema")
+    # strict or not, chatd enforces the schema token by token: the output always validates.
+    return StructuredOutput(json_schema=_schema_text(fmt["schema"], f"{where}.schema"), param=f"{where}.schema")
+
+
+def _schema_text(schema: Any, where: str) -> str:
+    """A JSON schema (an object, or JSON text of one) as compact JSON text, its size checked."""
+    if isinstance(schema, str):
+        try:
+            schema = orjson.loads(schema)
+        except orjson.JSONDecodeError as exc:
+            raise APIError(400, f"{where} is not valid JSON: {exc}", where) from None
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{where} must be a JSON schema object", where)
+    text = orjson.dumps(schema).decode()  # key order kept: it is the order properties are written in
+    if len(text) > MAX_SCHEMA_BYTES:
+        raise APIError(400, f"{where} takes {len(text)} bytes as JSON; the limit is {MAX_SCHEMA_BYTES}", where)
+    return text
+
+
+def _object(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise APIError(400, f"{where} must be an object", where)
+    return value
