@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from chatd.bench import add_parser as add_bench_parser
-from chatd.config import DTYPES, LOG_LEVELS, Config, load_config, store_path
+from chatd.config import DTYPES, LOG_LEVELS, TOOL_PARSERS, Config, load_config, store_path
 from chatd.logs import setup_logging
 from chatd.store.db import TIERS, Store
 
@@ -113,6 +113,8 @@ def serve_config(args: argparse.Namespace) -> Config:
         overrides["model"]["dtype"] = args.dtype
     if args.log_level:
         overrides["server"]["log_level"] = args.log_level
+    if args.tool_call_parser:
+        overrides["model"]["tool_parser"] = args.tool_call_parser
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     if api_key:
         overrides["auth"]["api_key"] = api_key
@@ -190,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=_positive_int, metavar="TOKENS",
                        help="the context window, prompt and reply, in tokens (default: the model's own)")
     serve.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default auto: float32 on CPU, bfloat16 on CUDA)")
+    serve.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
+                       help="how the model's tool calls are read (default auto: from its chat template)")
     serve.add_argument("--log-level", choices=LOG_LEVELS, help="the least severe log lines written (default info)")
     serve.add_argument("--api-key", metavar="KEY",
                        help=f"one key every caller must send as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; "

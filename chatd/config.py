@@ -20,6 +20,9 @@ from typing import Any
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
+TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to load and how."""
@@ -35,8 +38,12 @@ class ModelConfig:
     # false: message content is tokenized as plain text, so a `<|im_end|>` typed by a user stays
     # text; true: the rendered template is tokenized as a whole (content can forge turns).
     special_tokens_in_messages: bool = False
+    # How the model's tool calls are read: auto (from its chat template) | hermes | llama3_json | mistral.
+    tool_parser: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"setting model.tool_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"setting model.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_model_len < 0:

@@ -43,8 +43,9 @@ def test_version_prints_the_installed_version_and_exits_0():
 
 def test_serve_flags_land_in_their_settings(served):
     assert main(["serve", "--served-model-name", "qwen3-8b", "gpt-4o-mini", "--max-model-len", "512",
-                 "--dtype", "bfloat16", "--log-level", "error", "--api-key", KEY]) == 0
+                 "--dtype", "bfloat16", "--log-level", "error", "--api-key", KEY, "--tool-call-parser", "mistral"]) == 0
     [config] = served
+    assert config.model.tool_parser == "mistral"
     assert config.server.model_name == ("qwen3-8b", "gpt-4o-mini")
     assert (config.model.max_model_len, config.model.dtype, config.server.log_level) == (512, "bfloat16", "error")
     assert config.auth.api_key == KEY and not config.auth.enabled
@@ -79,6 +80,7 @@ def test_flags_win_over_the_config_file_and_the_environment(tmp_path, monkeypatc
     (["--max-model-len", "0"], "argument --max-model-len: must be at least 1, got 0"),
     (["--max-model-len", "4k"], "argument --max-model-len: must be a whole number, got '4k'"),
     (["--served-model-name"], "argument --served-model-name: expected at least one argument"),
+    (["--tool-call-parser", "json"], "argument --tool-call-parser: invalid choice: 'json'"),
 ])
 def test_bad_flag_values_exit_2_naming_the_flag(flags, message, served, capsys):
     with pytest.raises(SystemExit) as exited:

@@ -49,12 +49,13 @@ class ControlTokenGuard:
         self._taken_chars = set(_PRIVATE_USE_CHAR.findall("".join(markers) + chat_template))
         self._plain_at_start, self._plain_after_control = _plain_text_tokenizers(spec, set(markers))
 
-    def finds_control_text(self, messages: list[dict]) -> bool:
-        """Whether any string in messages (content, role, text parts) spells a control token."""
+    def finds_control_text(self, messages: Any) -> bool:
+        """Whether any string in messages (content, role, text parts; any structure of them, tools
+        included) spells a control token."""
         pattern = self._control_text
         return pattern is not None and any(pattern.search(text) for text in _strings(messages))
 
-    def encode(self, messages: list[dict], render: Callable[[list[dict]], str]) -> list[int]:
+    def encode(self, messages: Any, render: Callable[[Any], str]) -> list[int]:
         """Token ids of render(messages), with every control token spelled in messages read as plain text."""
         pattern = self._control_text
         texts = list(_strings(messages))

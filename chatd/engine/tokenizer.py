@@ -9,7 +9,6 @@ server needs around it. Message text that spells a control token is tokenized as
 from __future__ import annotations
 
 import json
-from functools import partial
 from pathlib import Path
 
 from chatd.engine.chat_tokens import ControlTokenGuard
@@ -78,8 +77,25 @@ class Tokenizer:
             list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's own chat template; ValueError if it has none or refuses them."""
+    @property
+    def chat_template(self) -> str:
+        """The chat template's source text ("" for none)."""
+        return _template_source(self.hf)
+
+    @property
+    def added_token_ids(self) -> dict[str, int]:
+        """The tokenizer's added tokens (chat markers, tool-call tags) by their text."""
+        return {token.content: token_id for token_id, token in self.hf.added_tokens_decoder.items()}
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (else tools must be described in a message)."""
+        return "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render messages (and the tools the model may call) with the model's own chat template;
+        ValueError if it has none or refuses them."""
         from jinja2 import TemplateError  # transformers' own dependency, imported with it
 
         if not getattr(self.hf, "chat_template", None):
@@ -88,22 +104,27 @@ class Tokenizer:
             )
         try:
             return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except TemplateError as exc:
             # Templates refuse what their model was not trained on (roles that do not alternate,
             # a system turn where none is allowed) with raise_exception: the client's mistake.
             raise ValueError(f"the chat template refused these messages: {exc}") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render messages and tokenize them; control tokens come from the template alone (unless
-        the operator opted out), and the template writes BOS itself, so none is added."""
-        render = partial(self.apply_chat_template, add_generation_prompt=add_generation_prompt)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Render messages (and tools) and tokenize them; control tokens come from the template alone
+        (unless the operator opted out), and the template writes BOS itself, so none is added."""
+        chat = {"messages": messages, "tools": tools}  # a tool's description is client text too
+
+        def render(chat: dict) -> str:
+            return self.apply_chat_template(chat["messages"], add_generation_prompt, chat["tools"])
+
         guard = self._control_token_guard
-        if guard is not None and guard.finds_control_text(messages):
-            return guard.encode(messages, render)
+        if guard is not None and guard.finds_control_text(chat):
+            return guard.encode(chat, render)
         # No control token spelled in any message: the whole rendered text, exactly as always.
-        return self.encode(render(messages), add_special_tokens=False)
+        return self.encode(render(chat), add_special_tokens=False)
 
     def is_continuation_byte(self, token_id: int) -> bool:
         """Whether a token is a byte-fallback token holding a UTF-8 continuation byte (0x80-0xBF)."""

@@ -26,6 +26,7 @@ from chatd.http.errors import REQUEST_ID, APIError, error_body
 from chatd.http.openai_format import ChunkFormat, merged_with, output_usage, whole_response
 from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion, shown
 from chatd.http.state import STATE, ServerState
+from chatd.http.tools import tool_use
 from chatd.http.wire import DONE, SlowClient, drop_slow_client, json_response, read_json, send, sse_event
 
 log = logging.getLogger("chatd.http")
@@ -68,11 +69,20 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
     state.check_store_writable()
     tenant = request[TENANT]
     timing = _Timing()
+    tools = None
     if chat:
-        prompts = {"messages": await state.encode_chat(gen.messages)}
+        tokenizer = state.tokenizer
+        tools = tool_use(gen.tools, gen.messages, state.tool_parser, tokenizer.template_takes_tools, tokenizer.added_token_ids)
+        prompts = {"messages": await state.encode_chat(tools.messages, tools=tools.shown)}
+        await state.check_structured(tools.grammar)
+        if tools.enforced:
+            gen.params = replace(gen.params, structured=tools.grammar)
+        if tools.parser is not None and tools.parser.needs_special_tokens:  # its markers must reach the parser
+            gen.params = replace(gen.params, skip_special_tokens=False)
     else:
         prompts = {name: await state.encode_prompt(prompt, name) for name, prompt in gen.prompts.items()}
     await state.check_structured(gen.params.structured)
+    parser = tools.parser if tools is not None else None
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -82,7 +92,7 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
     echoed = {"service_tier": "default"} if chat and gen.service_tier is not None else None
     try:
         if gen.stream:
-            writer = _ChunkWriter(state, ChunkFormat(state, response_id, created, chat, gen.include_usage, echoed), gen)
+            writer = _ChunkWriter(state, ChunkFormat(state, response_id, created, chat, gen.include_usage, echoed, parser), gen)
             await writer.stream(request, replies, timing)
             return writer.response
         async for _ in replies:
@@ -90,7 +100,7 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
         error = next((out.error for out in replies.outputs if out.error), None)
         if error:
             raise APIError(500, f"generation failed: {error}")
-        return json_response(whole_response(state, replies.outputs, response_id, created, chat, echoed))
+        return json_response(whole_response(state, replies.outputs, response_id, created, chat, echoed, parser))
     finally:
         replies.abort()  # a no-op for those finished; otherwise (disconnect, error, timeout) frees them now
         _log_and_observe(state, request[REQUEST_ID], response_id, replies.merged, timing, gen)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from chatd.engine import FinishReason, RequestOutput
 from chatd.http.state import ServerState
+from chatd.http.tool_calls import ToolCall, ToolCallDelta, ToolCallStream, ToolParser
 
 
 def merged_with(merged: RequestOutput | None, out: RequestOutput) -> RequestOutput:
@@ -23,9 +24,11 @@ class ChunkFormat:
     """Builds one response's OpenAI chunks (`chat.completion.chunk` or `text_completion`) from deltas."""
 
     def __init__(self, state: ServerState, response_id: str, created: int, chat: bool, include_usage: bool,
-                 extra: dict | None = None) -> None:
+                 extra: dict | None = None, tool_parser: ToolParser | None = None) -> None:
         self.state, self.response_id, self.created, self.chat = state, response_id, created, chat
         self.include_usage, self.extra = include_usage, extra or {}
+        self.tool_parser = tool_parser  # set when the model may call tools: its text is read for calls
+        self._tool_streams: dict[int, ToolCallStream] = {}  # per choice
 
     def role_chunks(self, n: int) -> list[dict]:
         """Chat streams open each choice with a chunk that carries the role."""
@@ -38,6 +41,8 @@ class ChunkFormat:
         """The chunk for one (merged) delta; None when it carries nothing to send."""
         # A token with no text yet (half a UTF-8 character) still sends its logprobs.
         choices = [self._choice(c) for c in out.outputs if c.text or c.finish_reason or c.logprobs]
+        # Text held back by a tool-call parser (a marker may be starting) leaves nothing to send.
+        choices = [c for c in choices if not self.chat or c["delta"] or c["finish_reason"] or c["logprobs"]]
         return self.chunk(choices) if choices else None
 
     def usage_chunk(self, *merged: RequestOutput) -> dict:
@@ -52,6 +57,18 @@ class ChunkFormat:
     def _choice(self, c) -> dict:
         finish = finish_reason(c.finish_reason)
         logprobs = _logprobs(self.state, c.logprobs, self.chat) if c.logprobs else None
+        if self.chat and self.tool_parser is not None:
+            stream = self._tool_streams.setdefault(c.index, self.tool_parser.stream())
+            content, calls = stream.feed(c.text) if c.text else ("", [])
+            if c.finish_reason is not None:
+                rest, more = stream.finish()
+                content, calls = content + rest, calls + more
+            delta = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = [_tool_call_delta(call) for call in calls]
+            if finish == "stop" and stream.calls:
+                finish = "tool_calls"
+            return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if self.chat:
             delta = {"content": c.text} if c.text else {}
             return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -69,15 +86,22 @@ class ChunkFormat:
 
 
 def whole_response(state: ServerState, outputs: list[RequestOutput], response_id: str, created: int, chat: bool,
-                   extra: dict | None = None) -> dict:
+                   extra: dict | None = None, tool_parser: ToolParser | None = None) -> dict:
     """A finished request as one `chat.completion` or `text_completion`: the choices of each of its
-    engine requests (a completion has one per prompt, its choices already numbered), usage summed."""
+    engine requests (a completion has one per prompt, its choices already numbered), usage summed.
+    With a `tool_parser`, a chat reply's tool calls become the message's `tool_calls`."""
     choices = []
     for c in (c for out in outputs for c in out.outputs):
         logprobs = _logprobs(state, c.logprobs, chat) if c.logprobs else None
         finish = finish_reason(c.finish_reason)
         if chat:
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs, "finish_reason": finish})
+            message = {"role": "assistant", "content": c.text}
+            if tool_parser is not None:
+                content, calls = tool_parser.parse(c.text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": [tool_call_json(call) for call in calls]}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         else:
             choices.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": finish})
     return {
@@ -89,6 +113,19 @@ def whole_response(state: ServerState, outputs: list[RequestOutput], response_id
         "choices": choices,
         "usage": output_usage(*outputs),
     }
+
+
+def tool_call_json(call: ToolCall) -> dict:
+    """A whole tool call as OpenAI writes it in a message."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _tool_call_delta(delta: ToolCallDelta) -> dict:
+    # A call's first delta names it; the rest carry pieces of its arguments.
+    if delta.id is not None:
+        return {"index": delta.index, "id": delta.id, "type": "function",
+                "function": {"name": delta.name, "arguments": delta.arguments}}
+    return {"index": delta.index, "function": {"arguments": delta.arguments}}
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:

@@ -35,6 +35,7 @@ from chatd.http.protocol import (
 )
 from chatd.http.state import STATE
 from chatd.http.tokens import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
+from chatd.http.tools import MAX_TOOLS
 from chatd.store.db import STATUSES
 
 Schema = dict[str, Any]
@@ -60,19 +61,34 @@ def nullable(schema: Schema) -> Schema:
 
 TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
              "required": ["type", "text"]}
+TOOL_CALL = {"type": "object", "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "properties": {"name": {"type": "string"},
+                                                  "arguments": {"type": "string", "description": "a JSON object"}},
+                 "required": ["name"]}}, "required": ["function"]}
 MESSAGE = {
     "type": "object",
     "properties": {
-        "role": {"enum": sorted(ROLES), "description": "developer is read as system"},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}],
-                    "description": "a string, or text parts (joined)"},
+        "role": {"enum": sorted(ROLES), "description": "developer is read as system; tool: a function's result"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}, {"type": "null"}],
+                    "description": "a string, or text parts (joined); null only beside tool_calls"},
         "name": {"type": "string", "description": "the participant's name"},
+        "tool_calls": {"type": "array", "items": TOOL_CALL, "minItems": 1, "description": "assistant messages only"},
+        "tool_call_id": {"type": "string", "minLength": 1, "description": "tool messages only: the call answered"},
+        "refusal": {"type": "null", "description": "assistant messages only; accepted back"},
     },
-    "required": ["role", "content"],
+    "required": ["role"],
     "additionalProperties": False,
 }
+FUNCTION_TOOL = {"type": "object", "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object", "description": "a JSON schema; a call's arguments always validate against it"},
+        "strict": {"type": "boolean"}}, "required": ["name"]}}, "required": ["type", "function"]}
 TOKEN_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
 NOT_EMPTY_STRING = {"type": "string", "minLength": 1}
+STRING = {"type": "string"}
 PENALTY = {"type": "number", "minimum": -2, "maximum": 2}
 # Messages as the Responses and Conversations APIs send them (items.py): text only. An earlier
 # response's output item may come back as it came, with its id, status and annotations.
@@ -188,9 +204,12 @@ FIELD_SCHEMAS: dict[str, Schema] = {
         "format": nullable(TEXT_FORMAT),
         "verbosity": nullable({"enum": list(VERBOSITIES)}),
     }, "description": "format: text, json_object or json_schema (enforced token by token); verbosity is accepted, not used"},
-    "tools": {"type": "array", "maxItems": 0, "description": "not supported (tool calling): only an empty list"},
-    "tool_choice": {"enum": ["none", "auto"], "description": "there are no tools to call"},
-    "parallel_tool_calls": {"type": "boolean", "description": "accepted; there are no tools"},
+    "tools": {"type": "array", "items": FUNCTION_TOOL, "maxItems": MAX_TOOLS,
+              "description": "functions the model may call, shown to it through its chat template"},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]},
+                              _object({"type": {"const": "function"}, "function": _object({"name": {"type": "string"}})})],
+                    "description": "required or a named function: the reply is a call, enforced by a grammar"},
+    "parallel_tool_calls": {"type": "boolean", "default": True, "description": "false: at most one call"},
     "include": {"type": "array", "maxItems": 0, "description": "not supported: items carry only their text"},
     "reasoning": {"type": "object", "additionalProperties": {"type": "null"},
                   "description": "chatd's models take no reasoning options: only nulls"},
@@ -244,7 +263,7 @@ def body_schema(fields: Fields, model_name: str) -> Schema:
 # -- response shapes ----------------------------------------------------------------------------
 
 COUNT = {"type": "integer", "minimum": 0}
-FINISH_REASON = {"enum": ["stop", "length"]}
+FINISH_REASON = {"enum": ["stop", "length", "tool_calls"]}
 
 
 def _completion(object_name: str, choice: Schema, chunk: bool) -> Schema:
@@ -265,10 +284,17 @@ def _choice(body: Schema, logprobs: str, chunk: bool) -> Schema:
 
 
 TOKEN_LOGPROB = {"token": {"type": "string"}, "logprob": {"type": "number"}, "bytes": {"type": "array", "items": COUNT}}
-ASSISTANT = _object({"role": {"const": "assistant"}, "content": {"type": "string"}})
+ASSISTANT = _object({"role": {"const": "assistant"}, "content": nullable({"type": "string"}),
+                     "tool_calls": {"type": "array", "items": _object({
+                         "id": STRING, "type": {"const": "function"},
+                         "function": _object({"name": STRING, "arguments": STRING})}),
+                         "description": "the functions the reply calls (its content is then null when it says nothing else)"}},
+                    ["role", "content"])
+TOOL_CALL_DELTA = _object({"index": COUNT, "id": STRING, "type": {"const": "function"},
+                           "function": {"type": "object", "properties": {"name": STRING, "arguments": STRING}}},
+                          ["index", "function"])
 TEXT_CHOICE = {"text": {"type": "string"}}
 STORE_STATUS = _object({"writable": {"type": "boolean"}, "pending_writes": COUNT, "error": nullable({"type": "string"})})
-STRING = {"type": "string"}
 UNIX_SECONDS = {"type": "integer", "description": "unix seconds"}
 NOTHING = {"type": "array", "maxItems": 0}
 
@@ -363,7 +389,8 @@ COMPONENTS: dict[str, Schema] = {
     }),
     "ChatCompletion": _completion("chat.completion", _choice({"message": ASSISTANT}, "ChatLogprobs", False), False),
     "ChatCompletionChunk": _completion("chat.completion.chunk", _choice(
-        {"delta": _object(ASSISTANT["properties"], ())}, "ChatLogprobs", True), True),
+        {"delta": _object({**ASSISTANT["properties"], "tool_calls": {"type": "array", "items": TOOL_CALL_DELTA}}, ())},
+        "ChatLogprobs", True), True),
     "TextCompletion": _completion("text_completion", _choice(TEXT_CHOICE, "CompletionLogprobs", False), False),
     "TextCompletionChunk": _completion("text_completion", _choice(TEXT_CHOICE, "CompletionLogprobs", True), True),
     "Model": _object({"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
@@ -510,6 +537,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                       "description": "false: keep only a record that it existed (it cannot be retrieved or continued)"},
             "service_tier": {"enum": list(responses.SERVICE_TIERS), "description": "accepted; the response says default"},
             "stream_options": {"type": "object", "description": "only with stream: true; accepted, not used"},
+            "tools": {"type": "array", "maxItems": 0, "description": "not supported on responses yet: only an empty list"},
+            "tool_choice": {"enum": ["none", "auto"], "description": "there are no tools to call"},
+            "parallel_tool_calls": {"type": "boolean", "description": "accepted; there are no tools"},
         }, description=RESPONSE_REFUSED),
         "response": ref("Response"), "stream": ref("ResponseStreamEvent"), "events": SSE_NAMED,
     },

@@ -21,15 +21,13 @@ import orjson
 from chatd.config import ConversationsConfig
 from chatd.engine import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from chatd.http import structured
+from chatd.http.tools import ToolRequest, assistant_tool_calls, parse_tools
 from chatd.http.errors import APIError, shown
 
 # Fields that change what the model must do; accepting and ignoring them would give wrong answers.
 UNSUPPORTED = {
-    "tools": "tool calling",
-    "tool_choice": "tool calling",
-    "functions": "function calling",
-    "function_call": "function calling",
-    "parallel_tool_calls": "tool calling",
+    "functions": "the deprecated function calling; use tools",
+    "function_call": "the deprecated function calling; use tool_choice",
     "audio": "audio output",
     "modalities": "modalities other than text",
     "prediction": "predicted outputs",
@@ -46,10 +44,13 @@ SAMPLING_FIELDS = {
 }
 SAMPLING_FIELDS |= structured.EXTRA_FIELDS  # chatd's (vLLM's) structured-output extensions
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
-                                 "prompt_cache_key", "safety_identifier", "verbosity"}
+                                 "prompt_cache_key", "safety_identifier", "verbosity", "tools", "tool_choice",
+                                 "parallel_tool_calls"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs"}
 TURN_FIELDS = (SAMPLING_FIELDS - {"store", "metadata"}) | {"content", "role", "max_completion_tokens", "logprobs", "top_logprobs"}
-ROLES = {"system", "user", "assistant", "developer"}
+ROLES = ("system", "user", "assistant", "developer", "tool")
+# What a message may carry besides role and content, by role (`refusal` comes back in SDK echoes).
+MESSAGE_FIELDS = {"assistant": {"name", "tool_calls", "refusal"}, "tool": {"tool_call_id"}}
 MAX_STOP = 4
 # A completion may batch prompts; each is its own engine request (with n choices each).
 MAX_PROMPTS = 64
@@ -79,6 +80,7 @@ class GenerationRequest:
     max_tokens_field: str = "max_tokens"  # the name the client gave its reply's length, for errors
     # A completion's prompts by the name errors give each: {"prompt": ...}, or {"prompt[0]": ..., ...} for a list.
     prompts: dict[str, str | list[int]] = field(default_factory=dict)
+    tools: ToolRequest | None = None  # chat: the functions the model may call
     prompt_cache_key: str | None = None  # logged with the request; chatd's prefix cache needs no hint
     service_tier: str | None = None  # set when the client named one: the reply then says which served it
 
@@ -104,6 +106,10 @@ def parse_chat(body: Any, max_messages: int, defaults: Mapping[str, float] = Map
         raise APIError(400, f"verbosity must be one of {', '.join(VERBOSITIES)}; got {shown(verbosity)}", "verbosity")
     _request_metadata(body)
     output_format = _structured(body, structured.response_format(body.get("response_format")))
+    tool_request = parse_tools(body)
+    if output_format is not None and tool_request is not None and tool_request.choice in ("required", "function"):
+        raise APIError(400, f"tool_choice {tool_request.choice!r} makes the reply a tool call; it cannot also follow "
+                            f"{output_format.param.split('.')[0]}", "tool_choice")
     messages = _get(body, "messages", list, None)
     if not messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
@@ -111,14 +117,18 @@ def parse_chat(body: Any, max_messages: int, defaults: Mapping[str, float] = Map
         raise APIError(400, f"messages has {len(messages)} entries; the limit is {max_messages}", "messages")
     gen = _request(body, None, _chat_max_tokens(body), _chat_logprobs(body), defaults, store_allowed=True,
                    output_format=output_format)
-    gen.messages = [_message(m, i) for i, m in enumerate(messages)]
+    gen.messages = _name_tool_results([_message(m, i) for i, m in enumerate(messages)])
     gen.max_tokens_field = _max_tokens_field(body)
+    gen.tools = tool_request
     return gen
 
 
 def parse_turn(body: Any, max_chars: int, defaults: Mapping[str, float] = MappingProxyType({})) -> TurnRequest:
     """Validate a POST /v1/conversations/{id}/messages body: one user message and sampling fields."""
     body = _object(body)
+    for name in ("tools", "tool_choice", "parallel_tool_calls", "response_format"):
+        if name in body:  # a conversation's replies are text; calls and formats are chat completions' and responses'
+            raise APIError(400, f"{name} is not supported on conversation messages; use /v1/chat/completions", name)
     _check_fields(body, TURN_FIELDS)
     role = _get(body, "role", str, "user")
     if role != "user":
@@ -353,19 +363,38 @@ def _message(message: Any, index: int) -> dict:
         raise APIError(400, f"{where} must be an object", where)
     role = message.get("role")
     if not isinstance(role, str) or role not in ROLES:  # a list or an object cannot even be looked up in ROLES
-        raise APIError(400, f"{where}.role must be one of system, user, assistant, developer; got {shown(role)}", f"{where}.role")
-    content = _content(message.get("content"), f"{where}.content")
-    if set(message) - {"role", "content", "name"}:
-        extra = sorted(set(message) - {"role", "content", "name"})
-        raise APIError(400, f"{where} has fields chatd does not support: {', '.join(extra)}", where)
+        raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}; got {shown(role)}", f"{where}.role")
+    extra = sorted(set(message) - {"role", "content"} - MESSAGE_FIELDS.get(role, {"name"}))
+    if extra:
+        raise APIError(400, f"{where} has fields chatd does not support for a {role} message: {', '.join(extra)}", where)
+    calls = message.get("tool_calls") if role == "assistant" else None
+    # An assistant message that calls tools may have no content.
+    content = "" if calls is not None and message.get("content") is None else _content(message.get("content"), f"{where}.content")
     # OpenAI's developer messages are instructions, what chat templates call system messages.
     rendered = {"role": "system" if role == "developer" else role, "content": content}
+    if calls is not None:
+        rendered["tool_calls"] = assistant_tool_calls(calls, f"{where}.tool_calls")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise APIError(400, f"{where}.tool_call_id must name the call this is the result of", f"{where}.tool_call_id")
+        rendered["tool_call_id"] = call_id
     name = message.get("name")
     if name is not None:  # the participant's name: templates that render names show it
         if not isinstance(name, str):
             raise APIError(400, f"{where}.name must be a string, got {shown(name)}", f"{where}.name")
         rendered["name"] = name
     return rendered
+
+
+def _name_tool_results(messages: list[dict]) -> list[dict]:
+    """Give each tool result the name of the function whose call it answers (templates that show
+    it read `name`); a result whose call is not in the messages keeps none."""
+    names = {call["id"]: call["function"]["name"] for m in messages for call in m.get("tool_calls", ())}
+    for message in messages:
+        if message["role"] == "tool" and message["tool_call_id"] in names:
+            message.setdefault("name", names[message["tool_call_id"]])
+    return messages
 
 
 def _content(content: Any, where: str) -> str:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import sqlite3
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import orjson
 from aiohttp import web
 
 from chatd.config import Config
@@ -17,6 +19,8 @@ from chatd.engine import EngineClient, ModelInfo, StructuredOutput, Tokenizer
 from chatd.http.errors import APIError
 from chatd.http.metrics import ServerMetrics
 from chatd.http.protocol import shown
+from chatd.http.tool_calls import ToolParser
+from chatd.http.tools import tool_parser
 from chatd.store.db import Store, Tenant
 from chatd.store.ledger import Ledger, cannot_write_now
 
@@ -76,11 +80,13 @@ class ServerState:
                                 f"holds at most {self.max_prompt_chars} characters of text", param, "context_length_exceeded")
 
     async def encode_chat(self, messages: list[dict], param: str = "messages",
-                          add_generation_prompt: bool = True) -> list[int]:
-        """Render messages with the chat template and tokenize them, in a worker thread."""
-        self.check_text_size(sum(len(m["content"]) for m in messages), param)
+                          add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+        """Render messages (and tools) with the chat template and tokenize them, in a worker thread."""
+        calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
+        extra = len(orjson.dumps([calls, tools])) if calls or tools else 0  # rendered as JSON, about this long
+        self.check_text_size(sum(len(m["content"]) for m in messages) + extra, param)
         try:
-            return await self.off_loop(self.tokenizer.encode_chat, messages, add_generation_prompt)
+            return await self.off_loop(self.tokenizer.encode_chat, messages, add_generation_prompt, tools)
         except ValueError as exc:
             raise APIError(400, f"cannot render messages with this model's chat template: {exc}", param) from exc
 
@@ -90,6 +96,11 @@ class ServerState:
             return prompt
         self.check_text_size(len(prompt), param)
         return await self.off_loop(self.tokenizer.encode, prompt) if prompt else []
+
+    @functools.cached_property
+    def tool_parser(self) -> ToolParser:
+        """How the served model's tool calls are read ([model] tool_parser, or its template's family)."""
+        return tool_parser(self.config.model.tool_parser, self.tokenizer.chat_template)
 
     async def check_structured(self, spec: StructuredOutput | None) -> None:
         """Compile a request's structured output before it is queued, off the event loop (a big

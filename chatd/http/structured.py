@@ -119,10 +119,38 @@ def _schema_text(schema: Any, where: str) -> str:
             raise APIError(400, f"{where} is not valid JSON: {exc}", where) from None
     if not isinstance(schema, dict):
         raise APIError(400, f"{where} must be a JSON schema object", where)
-    text = orjson.dumps(schema).decode()  # key order kept: it is the order properties are written in
+    text = orjson.dumps(closed(schema)).decode()  # key order kept: it is the order properties are written in
     if len(text) > MAX_SCHEMA_BYTES:
         raise APIError(400, f"{where} takes {len(text)} bytes as JSON; the limit is {MAX_SCHEMA_BYTES}", where)
     return text
+
+
+# Keywords whose value is one schema, a map of schemas, or a list of schemas.
+_ONE_SCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+               "additionalItems", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # not allOf: closed parts of an allOf could never all hold
+
+
+def closed(schema: Any) -> Any:
+    """The schema with every object that lists its `properties` and says nothing of others closed
+    (`additionalProperties: false`), as vLLM's xgrammar backend does: a model is never led to
+    invent keys the schema did not ask for (and a weak one would invent them forever)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _ONE_SCHEMA:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(value) for name, value in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(value) for value in out[key]]
+    return out
 
 
 def _object(value: Any, where: str) -> dict:

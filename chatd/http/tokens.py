@@ -18,10 +18,11 @@ from aiohttp import web
 
 from chatd.http.errors import APIError
 from chatd.http.protocol import parse_chat, shown
+from chatd.http.tools import tool_use
 from chatd.http.state import STATE, ServerState
 from chatd.http.wire import json_response, read_json
 
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt"}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "tools"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
@@ -42,8 +43,12 @@ async def tokenize(request: web.Request) -> web.Response:
             raise APIError(400, f"prompt must be a string, got {shown(prompt)}", "prompt")
         tokens = await state.encode_prompt(prompt)
     else:
-        messages = parse_chat({"messages": body["messages"]}, state.config.server.max_messages).messages
-        tokens = await state.encode_chat(messages, add_generation_prompt=add_generation_prompt is not False)
+        chat = {name: body[name] for name in ("messages", "tools") if name in body}
+        gen = parse_chat(chat, state.config.server.max_messages)
+        tokenizer = state.tokenizer
+        tools = tool_use(gen.tools, gen.messages, state.tool_parser, tokenizer.template_takes_tools, tokenizer.added_token_ids)
+        tokens = await state.encode_chat(tools.messages, add_generation_prompt=add_generation_prompt is not False,
+                                         tools=tools.shown)
     return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len})
 
 

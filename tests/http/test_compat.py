@@ -205,8 +205,8 @@ def test_bad_values_of_accepted_fields_are_400s_naming_them(client):
 
 def test_fields_chatd_would_ignore_are_still_refused(client):
     create = client.chat.completions.create
-    tools = error_of(lambda: create(messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}], **GREEDY))
-    assert tools.param == "tools" and "not supported" in tools.message
+    functions = error_of(lambda: create(messages=MESSAGES, functions=[{"name": "f"}], **GREEDY))
+    assert functions.param == "functions" and "not supported" in functions.message and "use tools" in functions.message
     assert error_of(lambda: create(messages=MESSAGES, reasoning_effort="low", **GREEDY)).param == "reasoning_effort"
     # Legacy completions have no `store` in OpenAI's API: keeping one is still refused there.
     assert error_of(lambda: client.completions.create(prompt="x", **{**GREEDY, "extra_body": {"store": True}})).param == "store"

@@ -59,7 +59,7 @@ async def test_values_nested_a_thousand_deep_are_named_not_echoed(server):
     for body, param, named in [
         ({"messages": [{"role": "user", "content": [{"type": deep_object}]}]}, "messages[0].content", "of type an object"),
         ({"messages": [{"role": "user", "content": [deep_list]}]}, "messages[0].content", "got a list"),
-        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": deep_list}}, "response_format", "a list"),
+        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": deep_list}}, "response_format.type", "a list"),
     ]:
         status, error = await chat(server, body)
         assert status == 400 and error["error"]["param"] == param, error

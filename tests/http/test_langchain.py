@@ -62,3 +62,44 @@ def test_chat_openai_through_the_responses_api(base_url):
     chunks = list(chat.stream(messages))
     assert "".join(chunk.text for chunk in chunks) == reply.text
     assert sum(chunks[1:], chunks[0]).usage_metadata["input_token_details"]["cache_read"] > 0
+
+
+def test_with_structured_output_gives_a_validated_model(base_url):
+    """`with_structured_output(PydanticModel)` (OpenAI's json_schema response format): the random
+    demo model's reply is still a valid instance, because the server enforces the schema."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no", "unsure"]
+        confidence: int = Field(ge=0, le=100)
+
+    chat = langchain_openai.ChatOpenAI(base_url=base_url, **{**SETTINGS, "max_tokens": 60})
+    for method in ("json_schema", "function_calling"):  # a schema, or a forced tool call
+        verdict = chat.with_structured_output(Verdict, method=method).invoke("Is a KV block 16 tokens?")
+        assert isinstance(verdict, Verdict)
+
+
+def test_bind_tools_gives_tool_calls_and_takes_their_results(base_url):
+    """`bind_tools` with a forced choice: the AIMessage carries a parsed call; its result goes back
+    as a ToolMessage and the chat goes on. (Bounded arguments: a random model writes digits until cut.)"""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from pydantic import BaseModel, Field
+
+    class Multiply(BaseModel):
+        """Multiply two integers."""
+
+        a: int = Field(ge=0, le=99)
+        b: int = Field(ge=0, le=99)
+
+    chat = langchain_openai.ChatOpenAI(base_url=base_url, **{**SETTINGS, "max_tokens": 60})
+    bound = chat.bind_tools([Multiply], tool_choice="Multiply")
+    question = HumanMessage("What is 6 times 7?")
+    reply = bound.invoke([question])
+    [call] = reply.tool_calls
+    assert call["name"] == "Multiply"
+    args = Multiply.model_validate(call["args"])
+    result = ToolMessage(str(args.a * args.b), tool_call_id=call["id"])
+    answer = chat.bind_tools([Multiply]).invoke([question, reply, result])
+    assert answer.content or answer.tool_calls

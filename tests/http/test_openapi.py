@@ -447,7 +447,7 @@ def test_each_streamed_chunk_matches_the_documented_chunk(server, served, path, 
 
 ERRORS = [
     ("POST", "/v1/chat/completions", {"messages": MESSAGES, "temperature": "hot"}, 400),
-    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "tools": []}, 400),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "web_search"}]}, 400),
     ("POST", "/v1/completions", {"prompt": "x", "model": "nope"}, 404),
     ("GET", "/v1/usage?period=year", None, 400),
     ("POST", "/v1/completions", "not an object", 400),

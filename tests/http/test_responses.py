@@ -324,8 +324,10 @@ def test_bad_input_is_refused_and_writes_nothing(server):
         (openai.BadRequestError, {"conversation": {"id": None}}, "conversation"),
         (openai.BadRequestError, {"conversation": "conv_x", "store": False}, "store"),  # it would add nothing there
         (openai.BadRequestError, {"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-        (openai.BadRequestError, {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
-         "text.format"),
+        (openai.BadRequestError, {"text": {"format": {"type": "json_schema", "name": "bad name!", "schema": {}}}},
+         "text.format.name"),
+        (openai.BadRequestError, {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+         "text.format.schema"),
         (openai.BadRequestError, {"max_output_tokens": MAX_MODEL_LEN}, "max_output_tokens"),
         (openai.BadRequestError, {"extra_body": {"bogus": 1}}, "bogus"),
         (openai.BadRequestError, {"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},

@@ -116,8 +116,8 @@ def test_errors_name_the_param_in_openai_shape(client):
         client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=5000)
     assert err.value.param == "max_tokens" and "5000" in err.value.message and "2048" in err.value.message
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="demo", messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}])
-    assert err.value.param == "tools" and "not supported" in err.value.message
+        client.chat.completions.create(model="demo", messages=MESSAGES, functions=[{"name": "f"}])
+    assert err.value.param == "functions" and "not supported" in err.value.message
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="demo", messages=MESSAGES, stream_options={"include_usage": True})
     assert err.value.param == "stream_options"
@@ -125,7 +125,7 @@ def test_errors_name_the_param_in_openai_shape(client):
         client.chat.completions.create(model="demo", messages=MESSAGES, temperature=3)
     assert err.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="demo", messages=[{"role": "tool", "content": "x"}])
+        client.chat.completions.create(model="demo", messages=[{"role": "function", "content": "x"}])
     assert err.value.param == "messages[0].role"
 
 

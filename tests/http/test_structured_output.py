@@ -156,3 +156,17 @@ async def test_two_tenants_schemas_stay_their_own(tmp_path):
             jsonschema.validate(json.loads(text), schemas[who])
         for client in clients.values():
             await client.close()
+
+
+def test_objects_that_list_properties_get_no_others(client):
+    """As vLLM's xgrammar backend: an object schema that lists properties and says nothing of others
+    is generated closed (a model is not led to invent keys), while staying valid for the schema as sent."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "inner": {"type": "object", "properties": {"n": {"enum": [1, 2]}}}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "open", "schema": schema}}
+    for seed in range(4):
+        text = client.chat.completions.create(model="demo", messages=ASK, response_format=fmt, temperature=1.0, seed=seed,
+                                              max_tokens=60).choices[0].message.content
+        value = json.loads(text)
+        jsonschema.validate(value, schema)
+        assert set(value) <= {"ok", "inner"} and set(value.get("inner", {})) <= {"n"}
