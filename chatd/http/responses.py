@@ -138,7 +138,8 @@ def parse_response(body, state: ServerState) -> ResponseRequest:
 def _check_tools(body: dict) -> None:
     tools = _get(body, "tools", list, [])
     if tools:
-        raise APIError(400, "tools are not supported by chatd (tool calling)", "tools")
+        raise APIError(400, "tools are not supported on responses by chatd yet (tool calling); "
+                            "/v1/chat/completions takes them", "tools")
     choice = body.get("tool_choice")
     if choice is not None and choice not in ("none", "auto"):
         raise APIError(400, f"tool_choice {shown(choice)} needs tools, which chatd does not support", "tool_choice")
