@@ -96,11 +96,16 @@ def extras(body: dict) -> StructuredOutput | None:
     return StructuredOutput(regex=value, param=name) if kind == "regex" else StructuredOutput(grammar=value, param=name)
 
 
-def _json_schema(fmt: dict, where: str) -> StructuredOutput:
-    name = fmt.get("name")
+def check_name(name: Any, where: str) -> str:
+    """A format's or a function's name, as OpenAI allows them: 1 to 64 of a-z, A-Z, 0-9, _ and -."""
     if not (isinstance(name, str) and _FORMAT_NAME.fullmatch(name) and len(name) <= MAX_FORMAT_NAME_CHARS):
-        raise APIError(400, f"{where}.name must be 1 to {MAX_FORMAT_NAME_CHARS} characters of a-z, A-Z, 0-9, _ and -; "
-                            f"got {shown(name)}", f"{where}.name")
+        raise APIError(400, f"{where} must be 1 to {MAX_FORMAT_NAME_CHARS} characters of a-z, A-Z, 0-9, _ and -; "
+                            f"got {shown(name)}", where)
+    return name
+
+
+def _json_schema(fmt: dict, where: str) -> StructuredOutput:
+    check_name(fmt.get("name"), f"{where}.name")
     strict = fmt.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise APIError(400, f"{where}.strict must be a boolean", f"{where}.strict")

@@ -11,7 +11,6 @@ a call, its arguments valid against the function's JSON schema.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,12 +18,10 @@ import orjson
 
 from chatd.engine import StructuredOutput
 from chatd.http.errors import APIError, shown
-from chatd.http.structured import closed
+from chatd.http.structured import check_name, closed
 from chatd.http.tool_calls import PARSERS, ToolParser, parser_for_template
 
 MAX_TOOLS = 128  # OpenAI's limit on functions per request
-MAX_TOOL_NAME_CHARS = 64
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]+")
 TOOL_CHOICES = ("none", "auto", "required")
 
 
@@ -92,10 +89,7 @@ def _tool(tool: Any, where: str) -> str:
     function = tool.get("function")
     if not isinstance(function, dict):
         raise APIError(400, f"{where}.function must be an object", f"{where}.function")
-    name = function.get("name")
-    if not (isinstance(name, str) and _TOOL_NAME.fullmatch(name) and len(name) <= MAX_TOOL_NAME_CHARS):
-        raise APIError(400, f"{where}.function.name must be 1 to {MAX_TOOL_NAME_CHARS} characters of a-z, A-Z, 0-9, _ "
-                            f"and -; got {shown(name)}", f"{where}.function.name")
+    name = check_name(function.get("name"), f"{where}.function.name")
     description = function.get("description")
     if description is not None and not isinstance(description, str):
         raise APIError(400, f"{where}.function.description must be a string", f"{where}.function.description")
