@@ -2,10 +2,10 @@
 
 The grammar work is llguidance's (Microsoft's Rust parser for JSON schema, regex and Lark
 grammars; no dependencies, a 3 MB wheel). chatd picked it over xgrammar by measurement
-(docs/design.md, benchmarks/structured.py): masks cost the same (~20-40 us a token on the
-2-core machine), but llguidance builds its parser lazily, so a schema is ready in ~2 ms where
-xgrammar's ahead-of-time compile took up to 400 ms, and xgrammar would pull triton (~150 MB)
-into CPU installs.
+(docs/design.md, benchmarks/README.md): masks cost about the same (12-56 us a token with a 49k
+vocabulary on the 2-core machine, either library ahead depending on the schema), but llguidance
+builds its parser lazily, so a schema is ready in 1-2 ms where xgrammar's ahead-of-time compile
+took 9 ms to 1.4 s, and xgrammar would pull triton (~150 MB) into CPU installs.
 
 How it runs, per sequence: the engine gives each sequence that asks for structured output a
 `GrammarMatcher` at admission (a copy of the cached compiled grammar); before sampling, the
