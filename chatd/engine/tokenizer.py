@@ -8,6 +8,7 @@ server needs around it. Message text that spells a control token is tokenized as
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -82,7 +83,7 @@ class Tokenizer:
         """The chat template's source text ("" for none)."""
         return _template_source(self.hf)
 
-    @property
+    @functools.cached_property
     def added_token_ids(self) -> dict[str, int]:
         """The tokenizer's added tokens (chat markers, tool-call tags) by their text."""
         return {token.content: token_id for token_id, token in self.hf.added_tokens_decoder.items()}

@@ -26,7 +26,6 @@ from chatd.http.errors import REQUEST_ID, APIError, error_body
 from chatd.http.openai_format import ChunkFormat, merged_with, output_usage, whole_response
 from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion, shown
 from chatd.http.state import STATE, ServerState
-from chatd.http.tools import tool_use
 from chatd.http.wire import DONE, SlowClient, drop_slow_client, json_response, read_json, send, sse_event
 
 log = logging.getLogger("chatd.http")
@@ -71,12 +70,12 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
     timing = _Timing()
     tools = None
     if chat:
-        tokenizer = state.tokenizer
-        tools = tool_use(gen.tools, gen.messages, state.tool_parser, tokenizer.template_takes_tools, tokenizer.added_token_ids)
+        tools = state.tool_use(gen.tools, gen.messages)
         prompts = {"messages": await state.encode_chat(tools.messages, tools=tools.shown)}
-        await state.check_structured(tools.grammar)
         if tools.enforced:
             gen.params = replace(gen.params, structured=tools.grammar)
+        else:  # compiled under auto too, so that a tool schema that cannot be is a 400 whatever the choice
+            await state.check_structured(tools.grammar)
         if tools.parser is not None and tools.parser.needs_special_tokens:  # its markers must reach the parser
             gen.params = replace(gen.params, skip_special_tokens=False)
     else:

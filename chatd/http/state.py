@@ -20,7 +20,7 @@ from chatd.http.errors import APIError
 from chatd.http.metrics import ServerMetrics
 from chatd.http.protocol import shown
 from chatd.http.tool_calls import ToolParser
-from chatd.http.tools import tool_parser
+from chatd.http.tools import ToolRequest, ToolUse, tool_parser, tool_use
 from chatd.store.db import Store, Tenant
 from chatd.store.ledger import Ledger, cannot_write_now
 
@@ -101,6 +101,11 @@ class ServerState:
     def tool_parser(self) -> ToolParser:
         """How the served model's tool calls are read ([model] tool_parser, or its template's family)."""
         return tool_parser(self.config.model.tool_parser, self.tokenizer.chat_template)
+
+    def tool_use(self, request: ToolRequest | None, messages: list[dict]) -> ToolUse:
+        """How a chat request's messages and tools are rendered for the served model, and its calls read."""
+        tokenizer = self.tokenizer
+        return tool_use(request, messages, self.tool_parser, tokenizer.template_takes_tools, tokenizer.added_token_ids)
 
     async def check_structured(self, spec: StructuredOutput | None) -> None:
         """Compile a request's structured output before it is queued, off the event loop (a big

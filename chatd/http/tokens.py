@@ -18,7 +18,6 @@ from aiohttp import web
 
 from chatd.http.errors import APIError
 from chatd.http.protocol import parse_chat, shown
-from chatd.http.tools import tool_use
 from chatd.http.state import STATE, ServerState
 from chatd.http.wire import json_response, read_json
 
@@ -45,8 +44,7 @@ async def tokenize(request: web.Request) -> web.Response:
     else:
         chat = {name: body[name] for name in ("messages", "tools") if name in body}
         gen = parse_chat(chat, state.config.server.max_messages)
-        tokenizer = state.tokenizer
-        tools = tool_use(gen.tools, gen.messages, state.tool_parser, tokenizer.template_takes_tools, tokenizer.added_token_ids)
+        tools = state.tool_use(gen.tools, gen.messages)
         tokens = await state.encode_chat(tools.messages, add_generation_prompt=add_generation_prompt is not False,
                                          tools=tools.shown)
     return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len})
