@@ -88,10 +88,11 @@ class GrammarCompiler:
             tokenizer = self._llg_tokenizer()
         grammar = _grammar_text(spec)
         # Construction can take long for a huge grammar; it drops the GIL, and runs outside the lock.
-        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+        limits = _limits(llguidance)
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
         if error:
             raise ParamError(spec.param, f"{spec.param} cannot be compiled: {_first_lines(error)}")
-        compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         if compiled.is_error():
             raise ParamError(spec.param, f"{spec.param} cannot be compiled: {_first_lines(compiled.get_error())}")
         with self._lock:
@@ -107,6 +108,15 @@ class GrammarCompiler:
             self._ll_tokenizer = llguidance.hf.from_tokenizer(
                 self.tokenizer.hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
         return self._ll_tokenizer
+
+
+def _limits(llguidance):
+    """Bounds on what one client's grammar may cost everyone: its lexer's memory (~1-2 kB a state;
+    llguidance allows 250,000 states, up to ~500 MB) and its mask time per token (the fuel runs at
+    ~14k a ms, so ~7 ms at most where llguidance's default allows ~14 ms), since the whole batch
+    waits for every row's mask. A grammar past them fails to compile (a 400), or its matcher fails
+    mid-reply and the scheduler ends that sequence (finish reason error, logged)."""
+    return llguidance.LLParserLimits(max_lexer_states=20_000, step_lexer_fuel=100_000)
 
 
 def _grammar_text(spec: StructuredOutput) -> str:

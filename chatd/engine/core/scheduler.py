@@ -212,14 +212,15 @@ class Scheduler:
             self._fork(seq)
         params = seq.params
         enough = seq.num_output_tokens >= params.min_tokens
-        if enough and token_id in params.stop_token_ids:
+        # Every token goes to the grammar first (EOS too): the mask allows only what it accepts, so a
+        # refusal means its matcher failed (a parser limit reached) and the output is not complete.
+        if seq.grammar is not None and not seq.grammar.accept(token_id):
+            log.error("sequence %s: its grammar refused token %d: %s", seq.request_id, token_id, seq.grammar.error)
+            seq.finish_reason = FinishReason.ERROR
+        elif enough and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token_id
         elif enough and not params.ignore_eos and token_id in self.eos_token_ids:
             seq.finish_reason = FinishReason.STOP
-        elif seq.grammar is not None and not seq.grammar.accept(token_id):
-            # The mask allows only what the grammar accepts; a refusal is a parser failure.
-            log.error("sequence %s: its grammar refused token %d: %s", seq.request_id, token_id, seq.grammar.error)
-            seq.finish_reason = FinishReason.ERROR
         elif seq.grammar is not None and seq.grammar.is_terminated:  # the structured output is complete
             seq.finish_reason = FinishReason.STOP
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
