@@ -315,6 +315,9 @@ class LLMEngine:
         """A sampled token's delta: its text (held back while a stop string may be starting), and the end."""
         if seq.index == 0 and seq.num_output_tokens == 1:
             request.num_cached_tokens = seq.num_cached_tokens
+        if seq.finish_reason == FinishReason.ERROR:  # only a failed grammar ends a sequence so: fail the request
+            self.runner.release(seq)
+            raise RuntimeError(f"structured output could not be followed: {seq.grammar.error}")
         delta = CompletionOutput(seq.index, token_ids=[token_id], logprobs=None if logprob is None else [logprob])
         detokenizer = request.detokenizers[seq.index]
         # A stop token's own text is not part of the answer (a grammar's last token is).

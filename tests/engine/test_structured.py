@@ -172,3 +172,21 @@ def test_compiled_grammars_are_cached_per_spec(llm):
     out = llm.generate("q", SamplingParams(temperature=0.0, max_tokens=20, structured=spec))[0].outputs[0]
     assert len(engine.grammars._cache) == before
     assert json.loads(out.text) in ({"cached": True}, {"cached": False})
+
+
+def test_a_failed_grammar_fails_its_request_and_frees_everything(llm, monkeypatch):
+    """A matcher that fails mid-reply (a parser limit reached) is an error the client hears, not a clean stop."""
+    from chatd.engine.grammar import GrammarMatcher
+
+    engine = llm.engine
+    spec = StructuredOutput(regex=r"[a-z]{5,30}")
+    calls = iter(range(100))
+    monkeypatch.setattr(GrammarMatcher, "accept", lambda self, token_id: next(calls) < 3)  # the 4th token is refused
+    free = llm.generate("q", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    failed = llm.generate(["q", "q"], [SamplingParams(temperature=1.0, seed=1, max_tokens=20, structured=spec),
+                                       SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)])
+    assert failed[0].error and "could not be followed" in failed[0].error
+    assert [o.finish_reason for o in failed[0].outputs] == [FinishReason.ERROR]
+    assert failed[1].error is None and failed[1].outputs[0].token_ids == free.outputs[0].token_ids
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+    assert not engine.runner.generators
