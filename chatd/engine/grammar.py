@@ -54,8 +54,9 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str:
-        """Why the matcher failed ("" while it has not)."""
-        return self._matcher.get_error()
+        """Why the matcher failed ("" while it has not), in a few lines: llguidance's own message
+        dumps the parser state and the grammar."""
+        return _first_lines(self._matcher.get_error())
 
 
 class GrammarCompiler:
