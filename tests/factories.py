@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Callable, Iterable
 
 from chatd.config import CacheConfig, SchedulerConfig
-from chatd.engine import LLMEngine, ModelInfo, SamplingParams, Tokenizer
+from chatd.engine import EngineStats, LLMEngine, ModelInfo, SamplingParams, Tokenizer
 from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.core.scheduler import ScheduledSequence, Scheduler
 from chatd.engine.core.sequence import Sequence
@@ -21,11 +21,13 @@ _arrivals = itertools.count()
 
 
 def make_seq(prompt_len: int = 6, max_tokens: int = 3, priority: int = 0, first_token: int = 0,
-             tokens: Iterable[int] | None = None, salt: str | None = None, shared: int = 0) -> Sequence:
+             tokens: Iterable[int] | None = None, salt: str | None = None, shared: int = 0,
+             tenant: str | None = None, weight: float = 1.0) -> Sequence:
     """A sequence whose prompt is `tokens`, or `prompt_len` ids counting up from `first_token`."""
     tokens = list(range(first_token, first_token + prompt_len)) if tokens is None else list(tokens)
     return Sequence(f"r{first_token}", tokens, SamplingParams(max_tokens=max_tokens), priority=priority,
-                    arrival=next(_arrivals), cache_salt=salt, num_shared_prefix_tokens=shared)
+                    arrival=next(_arrivals), cache_salt=salt, num_shared_prefix_tokens=shared, tenant=tenant,
+                    weight=weight)
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
@@ -94,13 +96,19 @@ class ScriptedChatEngine:
         self.error = None
         self.is_running = True
 
-    def generate(self, prompt, params, priority=0, cache_salt=None, num_shared_prefix_tokens=0) -> ScriptedReply:
+    def generate(self, prompt, params, priority=0, cache_salt=None, num_shared_prefix_tokens=0, tenant=None,
+                 weight=1.0) -> ScriptedReply:
         self.num_requests += 1
         text = self.replies.pop(0) if self.replies else self.default
         return ScriptedReply(self, f"scripted-{self.num_requests}", prompt, text)
 
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_blocks=64, num_free_blocks=64,
+                           prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, num_prompt_tokens=0,
+                           num_generation_tokens=0)
 
     def health(self) -> str | None:
         return None

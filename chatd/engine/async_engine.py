@@ -52,7 +52,8 @@ class EngineClient(Protocol):
     """What a server needs of an engine (vLLM's `EngineClient`): AsyncEngine, or a scripted fake in tests."""
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
-                 cache_salt: str | None = None, num_shared_prefix_tokens: int = 0) -> RequestHandle:
+                 cache_salt: str | None = None, num_shared_prefix_tokens: int = 0, tenant: str | None = None,
+                 weight: float = 1.0) -> RequestHandle:
         """Queue a request (as AsyncEngine.generate); iterate the handle for its merged deltas."""
 
     def abort(self, request_id: str) -> None:
@@ -206,6 +207,8 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         num_shared_prefix_tokens: int = 0,
+        tenant: str | None = None,
+        weight: float = 1.0,
     ) -> RequestStream:
         """Validate and queue a request now (ValueError names the field); iterate the result for its deltas.
 
@@ -216,7 +219,8 @@ class AsyncEngine:
         if self.error is not None or self._stopping or not self.is_running:
             raise RuntimeError(f"the engine is not running: {self.error!r}")
         request_id = uuid.uuid4().hex
-        request = self.engine.prepare_request(request_id, prompt, params, priority, cache_salt, num_shared_prefix_tokens)
+        request = self.engine.prepare_request(request_id, prompt, params, priority, cache_salt, num_shared_prefix_tokens,
+                                              tenant, weight)
         stream = RequestStream(self, request_id, request.prompt_token_ids, request.params.n)
         self._streams[request_id] = stream
         self._send(("add", request))

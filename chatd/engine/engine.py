@@ -67,6 +67,27 @@ class ModelInfo:
         }
 
 
+class DrainRate:
+    """How fast a queue drains: prompt tokens computed per second over the recent steps that left
+    requests waiting (an exponential average over about ten such steps). When the batch is full
+    (slots or KV blocks) and nothing is admitted, it falls towards 0: a server divides the work
+    queued ahead of a new request by it to estimate that request's wait."""
+
+    DECAY = 0.9  # per step
+
+    def __init__(self) -> None:
+        self.tokens = 0.0
+        self.seconds = 0.0
+
+    def note(self, num_tokens: int, seconds: float) -> None:
+        self.tokens = self.tokens * self.DECAY + num_tokens
+        self.seconds = self.seconds * self.DECAY + seconds
+
+    @property
+    def per_second(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
 @dataclass(eq=False)
 class Request:
     """One request: its `n` sequences and their detokenizers. Built (and validated) before it is added."""
@@ -116,6 +137,7 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, block_manager, max_model_len, eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        self.drain_rate = DrainRate()
 
     @classmethod
     def from_config(cls, config: Config) -> LLMEngine:
@@ -147,11 +169,15 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         num_shared_prefix_tokens: int = 0,
+        tenant: str | None = None,
+        weight: float = 1.0,
     ) -> Request:
         """Validate and tokenize a request without touching engine state (safe from any thread).
 
-        `cache_salt` keeps the request's prefix-cache blocks apart from those of other salts,
-        except its first `num_shared_prefix_tokens` tokens' full blocks, which anyone may share.
+        `priority` is its class (lower first). `tenant` and `weight`: whose fair share of the
+        batch it uses among requests of its class (core/fairness.py). `cache_salt` keeps its
+        prefix-cache blocks apart from those of other salts, except its first
+        `num_shared_prefix_tokens` tokens' full blocks, which anyone may share.
         """
         params = params or SamplingParams()
         params.validate()
@@ -195,7 +221,8 @@ class LLMEngine:
         arrival = next(self._arrivals)
         seqs = [
             Sequence(request_id, prompt_token_ids, params, index=i, priority=priority, arrival=arrival,
-                     cache_salt=cache_salt, num_shared_prefix_tokens=num_shared_prefix_tokens)
+                     cache_salt=cache_salt, num_shared_prefix_tokens=num_shared_prefix_tokens, tenant=tenant,
+                     weight=weight)
             for i in range(params.n)
         ]
         if params.structured is not None:
@@ -239,9 +266,12 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         num_shared_prefix_tokens: int = 0,
+        tenant: str | None = None,
+        weight: float = 1.0,
     ) -> None:
         """Validate, tokenize and queue a request. Raises ValueError (naming the field) with nothing allocated."""
-        self.add_prepared(self.prepare_request(request_id, prompt, params, priority, cache_salt, num_shared_prefix_tokens))
+        self.add_prepared(self.prepare_request(request_id, prompt, params, priority, cache_salt, num_shared_prefix_tokens,
+                                               tenant, weight))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is not (or no longer) running."""
@@ -266,12 +296,15 @@ class LLMEngine:
         if plan.is_empty:
             return []
         self._note_queue_times(plan)
+        started, queued, num_prefill = self.clock(), self.scheduler.num_waiting > 0, plan.num_prefill_tokens
         try:
             sampled = self.runner.execute(plan.scheduled)
         except Exception as exc:  # the model failed: fail this batch's requests, keep serving the rest
             log.exception("step failed; failing %d sequences", len(plan.scheduled))
             failed = {s.seq.request_id for s in plan.scheduled}
             return [self._fail(self.requests[rid], f"engine step failed: {exc}") for rid in failed if rid in self.requests]
+        if queued:  # requests are left waiting: this step ran at the pace the queue drains
+            self.drain_rate.note(num_prefill, self.clock() - started)
         seqs = self.scheduler.postprocess(plan, sampled.token_ids)
         return self._detokenize(seqs, sampled.token_ids, sampled.logprobs)
 
@@ -355,7 +388,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot of the counters metrics are made of."""
-        return self.scheduler.stats()
+        return dataclasses.replace(self.scheduler.stats(), queued_prefill_rate=self.drain_rate.per_second)
 
     def model_info(self) -> ModelInfo:
         """Facts about the loaded model and cache, for logs and /v1/models."""

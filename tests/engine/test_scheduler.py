@@ -1,5 +1,6 @@
 """Scheduler: token budget, decodes first, chunked prefill, priority, preemption — no model needed."""
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -79,7 +80,8 @@ def test_max_num_seqs_caps_the_running_set():
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.lists(st.tuples(st.integers(1, 30), st.integers(1, 8), st.integers(0, 2), st.integers(0, 3)), min_size=1, max_size=16),
+    st.lists(st.tuples(st.integers(1, 30), st.integers(1, 8), st.integers(0, 2), st.integers(0, 3), st.integers(0, 2)),
+             min_size=1, max_size=16),
     st.integers(8, 40),
     st.integers(10, 30),
 )
@@ -87,10 +89,10 @@ def test_random_workloads_finish_without_leaks(requests, budget, num_blocks):
     """Every request finishes or is aborted; ref counts match block tables every step; budget holds."""
     sched = make_scheduler(num_blocks=num_blocks, budget=budget, max_seqs=6)
     seqs = []
-    for i, (prompt_len, max_tokens, priority, prefix) in enumerate(requests):
+    for i, (prompt_len, max_tokens, priority, prefix, tenant) in enumerate(requests):
         if -(-(prompt_len + max_tokens) // BS) > num_blocks:
             continue  # the engine rejects requests that can never fit
-        seq = make_seq(prompt_len, max_tokens, priority, first_token=prefix * 1000)
+        seq = make_seq(prompt_len, max_tokens, priority, first_token=prefix * 1000, tenant=f"t{tenant}")
         seqs.append(seq)
         sched.add(seq)
     aborted = set()
@@ -114,3 +116,86 @@ def test_random_workloads_finish_without_leaks(requests, budget, num_blocks):
     assert all(s.is_finished for s in seqs)
     assert all(s.num_output_tokens == s.params.max_tokens for s in seqs if s.seq_id not in aborted)
     assert sched.block_manager.num_free_blocks == num_blocks
+    assert sched.share.num_tenants == 0 and not sched.share.service, "idle tenants are forgotten"
+
+
+# -- tiers and fairness (fairness.py) ------------------------------------------------------------
+
+
+def run_until(sched: Scheduler, done, steps: int = 500) -> None:
+    for _ in range(steps):
+        if done():
+            return
+        complete(sched, sched.schedule())
+    raise AssertionError("did not happen")
+
+
+def test_a_tenant_with_many_waiting_requests_cannot_starve_one_with_a_single_request():
+    sched = make_scheduler(max_seqs=2, budget=100)
+    flood = [make_seq(max_tokens=4, first_token=i * 10, tenant="flood") for i in range(8)]
+    for seq in flood:
+        sched.add(seq)
+    complete(sched, sched.schedule())  # the flood fills both slots
+    single = make_seq(max_tokens=4, first_token=500, tenant="single")
+    sched.add(single)
+    run_until(sched, lambda: single.status != SequenceStatus.WAITING)
+    # It takes the first slot that frees: at most the two that were running finished before it.
+    assert sum(s.is_finished for s in flood) <= 2
+
+
+def test_tenants_of_one_class_get_equal_token_shares_and_weights_scale_them():
+    for weight_b, expected in ((1.0, 1.0), (3.0, 3.0)):
+        sched = make_scheduler(max_seqs=4, budget=8, num_blocks=256)
+        tokens = {"a": 0, "b": 0}
+        for i in range(12):  # both have far more work than 24 steps can do
+            sched.add(make_seq(prompt_len=40, max_tokens=2, first_token=1000 + 100 * i, tenant="a"))
+            sched.add(make_seq(prompt_len=40, max_tokens=2, first_token=5000 + 100 * i, tenant="b", weight=weight_b))
+        for _ in range(24):
+            plan = sched.schedule()
+            for s in plan.scheduled:
+                tokens[s.seq.tenant] += s.num_new_tokens
+            complete(sched, plan)
+        assert tokens["b"] / tokens["a"] == pytest.approx(expected, rel=0.35), tokens
+
+
+def test_a_better_class_takes_a_full_batch_s_place_from_the_worst_ranked_running_sequence():
+    sched = make_scheduler(max_seqs=2, budget=100)
+    old = make_seq(max_tokens=20, priority=20, first_token=0, tenant="free1")
+    new = make_seq(max_tokens=20, priority=20, first_token=100, tenant="free2")
+    sched.add(old)
+    sched.add(new)
+    complete(sched, sched.schedule())
+    paid = make_seq(max_tokens=3, priority=10, first_token=200, tenant="paid")
+    sched.add(paid)
+    plan = sched.schedule()
+    assert plan.preempted == [new], "the most recent of the worst class makes room"
+    assert paid in [s.seq for s in plan.scheduled] and old in [s.seq for s in plan.scheduled]
+    assert new.status == SequenceStatus.WAITING
+    run_until(sched, lambda: not sched.has_unfinished())
+    assert new.num_output_tokens == 20 and sched.block_manager.num_free_blocks == 64
+
+
+def test_a_full_kv_pool_preempts_the_worst_class_for_a_better_waiting_one():
+    sched = make_scheduler(num_blocks=6, budget=64, max_seqs=8)
+    older = make_seq(prompt_len=12, max_tokens=8, priority=20, first_token=0, tenant="free")
+    newer = make_seq(prompt_len=8, max_tokens=4, priority=20, first_token=100, tenant="free")
+    sched.add(older)
+    sched.add(newer)
+    complete(sched, sched.schedule())  # 3 + 2 of the 6 blocks held
+    paid = make_seq(prompt_len=8, max_tokens=2, priority=10, first_token=300, tenant="paid")
+    sched.add(paid)
+    plan = sched.schedule()  # paid needs 2 blocks; 1 is free
+    assert plan.preempted == [newer] and paid in [s.seq for s in plan.scheduled]
+    run_until(sched, lambda: not sched.has_unfinished())
+    assert newer.num_output_tokens == 4 and sched.block_manager.num_free_blocks == 6
+
+
+def test_an_equal_class_never_preempts_to_be_admitted():
+    sched = make_scheduler(max_seqs=1, budget=100)
+    first = make_seq(max_tokens=5, priority=10, first_token=0, tenant="a")
+    sched.add(first)
+    complete(sched, sched.schedule())
+    second = make_seq(max_tokens=5, priority=10, first_token=100, tenant="b")
+    sched.add(second)
+    plan = sched.schedule()
+    assert plan.preempted == [] and [s.seq for s in plan.scheduled] == [first]

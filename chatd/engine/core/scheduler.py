@@ -2,9 +2,13 @@
 
 Each step has a token budget. Running decodes are served first (one token each), then
 running prefills continue, then waiting sequences are admitted, with long prompts cut into
-chunks that fit what is left of the budget. When the KV pool runs dry, the running sequence
-with the lowest priority (highest `priority` value, latest arrival) is preempted: its blocks
-are freed and it is recomputed later, which the prefix cache makes cheap.
+chunks that fit what is left of the budget. Who goes first in each of these is fairness.py's
+order: the best class (lowest `priority`), then the tenant furthest below its fair share, then
+arrival. When the KV pool runs dry, the running sequence ranked last (the worst class, the
+tenant furthest above its share, the latest arrival) is preempted: its blocks are freed and it
+is recomputed later, which the prefix cache makes cheap. A waiting sequence of a better class
+than some running ones does not wait for them: when the batch or the pool is full, they are
+preempted to make room for it (a paid request never queues behind free ones).
 
 The scheduler is the only user of the block manager, and it does the bookkeeping after a
 step too (`schedule` / `postprocess`, as nano-vllm pairs them): counters, naming blocks that
@@ -15,12 +19,12 @@ detokenizes. Plain Python, no torch: tested without a model.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from dataclasses import dataclass, field
 
 from chatd.config import SchedulerConfig
 from chatd.engine.core.block_manager import BlockManager
+from chatd.engine.core.fairness import FairShare, WaitQueue
 from chatd.engine.core.sequence import Sequence, SequenceStatus
 from chatd.engine.params import FinishReason
 
@@ -52,6 +56,11 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens (or recomputed ones) in the plan; read it before `postprocess` moves the counters."""
+        return sum(s.num_new_tokens for s in self.scheduled if s.seq.is_prefilling)
+
+    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
@@ -71,10 +80,9 @@ class EngineStats:
     num_prompt_tokens: int  # tokens computed in prefill (including recompute after preemption)
     num_generation_tokens: int  # tokens sampled
     num_request_streams: int = 0  # AsyncEngine only: requests whose output stream is still open
-
-
-def _rank(seq: Sequence) -> tuple[int, int]:
-    return (seq.priority, seq.arrival)
+    # Prompt tokens computed per second in recent steps that left requests waiting: how fast a
+    # queue drains (LLMEngine measures it; None until a queue has formed).
+    queued_prefill_rate: float | None = None
 
 
 class Scheduler:
@@ -91,7 +99,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_model_len = max_model_len  # None: only max_tokens ends a sequence by length
         self.eos_token_ids = eos_token_ids
-        self.waiting: list[Sequence] = []  # kept sorted by (priority, arrival)
+        self.share = FairShare()
+        self.waiting = WaitQueue(self.share)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # tokens computed in prefill (including recompute after preemption)
@@ -130,9 +139,13 @@ class Scheduler:
         )
 
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence (new, preempted, or a freshly forked sibling holding shared blocks)."""
+        """Queue a new sequence (or a freshly forked sibling holding shared blocks)."""
+        self.share.join(seq)
+        self._queue(seq)
+
+    def _queue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=_rank)
+        self.waiting.add(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks."""
@@ -141,14 +154,16 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.share.leave(seq)
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step. Every sequence in the returned plan holds the blocks its tokens need."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        decodes = sorted((s for s in self.running if not s.is_prefilling), key=_rank)
-        prefills = sorted((s for s in self.running if s.is_prefilling), key=_rank)
+        rank = self.share.rank
+        decodes = sorted((s for s in self.running if not s.is_prefilling), key=rank)
+        prefills = sorted((s for s in self.running if s.is_prefilling), key=rank)
         unscheduled = set(self.running)
         for seq in decodes + prefills:
             if seq not in unscheduled:  # preempted earlier in this loop to make room
@@ -157,7 +172,7 @@ class Scheduler:
                 break
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
-                victim = max(unscheduled, key=_rank)
+                victim = max(unscheduled, key=rank)
                 self._preempt(victim)
                 unscheduled.discard(victim)
                 out.preempted.append(victim)
@@ -168,20 +183,35 @@ class Scheduler:
                 out.scheduled.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
 
-        # Admit waiting sequences, best first, unless this step already had to preempt.
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        # Admit waiting sequences, best first. After a preemption only a better class than the
+        # preempted may come in (anything else would take back the room just made).
+        while self.waiting and budget > 0:
+            seq = self.waiting.peek()
+            if any(seq.priority >= victim.priority for victim in out.preempted):
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                freed = self._make_room(seq, out)
+                if freed is None:
+                    break
+                budget += freed
             if not seq.block_table:
                 self.block_manager.allocate(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.allocate_slots(seq, num_new):
-                self.block_manager.free(seq)  # give back prefix-cache hits; looked up again next time
-                break
-            self.waiting.pop(0)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
+            while not self.block_manager.allocate_slots(seq, num_new):
+                freed = self._make_room(seq, out)
+                if freed is None:
+                    break
+                budget += freed
+                num_new = min(seq.num_uncomputed_tokens, budget)
+            else:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+                continue
+            self.block_manager.free(seq)  # give back prefix-cache hits; looked up again next time
+            break
 
         # The runner wants one-token rows (decodes) first: attention batches them in one call.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
@@ -197,6 +227,7 @@ class Scheduler:
             samples = scheduled.samples  # read it before the counters move
             if seq.is_prefilling:
                 self.num_prompt_tokens += scheduled.num_new_tokens
+            self.share.charge(seq, scheduled.num_new_tokens)
             seq.num_computed_tokens += scheduled.num_new_tokens
             self.block_manager.cache_blocks(seq)
             if samples:
@@ -237,9 +268,23 @@ class Scheduler:
             self.add(child)
         parent.forks = []
 
+    def _make_room(self, seq: Sequence, out: SchedulerOutput) -> int | None:
+        """Preempt the last-ranked running sequence of a worse class than waiting `seq`, even one
+        already planned for this step. Returns the budget it gives back; None if there is none."""
+        worse = [s for s in self.running if s.priority > seq.priority]
+        if not worse:
+            return None
+        victim = max(worse, key=self.share.rank)
+        planned = next((s for s in out.scheduled if s.seq is victim), None)
+        if planned is not None:
+            out.scheduled.remove(planned)
+        self._preempt(victim)
+        out.preempted.append(victim)
+        return planned.num_new_tokens if planned is not None else 0
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.add(seq)
+        self._queue(seq)

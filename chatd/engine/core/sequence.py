@@ -34,8 +34,10 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     index: int = 0  # the choice index within its request (OpenAI `choices[i].index`)
-    priority: int = 0  # lower runs first (vLLM's convention)
-    arrival: int = 0  # admission order; ties in priority go first-come first-served
+    priority: int = 0  # its class: lower runs first (vLLM's convention)
+    arrival: int = 0  # admission order; within a tenant, first come first served
+    tenant: str | None = None  # whose share of the batch it uses (fairness.py); None: one shared tenant
+    weight: float = 1.0  # its tenant's share relative to others of the same class
     cache_salt: str | None = None  # keeps prefix-cache hits within one tenant where set
     num_shared_prefix_tokens: int = 0  # the salt applies after these tokens' full blocks (shared ones)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
