@@ -183,6 +183,65 @@ class Price:
         return (fresh * self.input + cached_tokens * cached_price + completion_tokens * self.output) / 1e6
 
 
+LIMIT_PER = ("tenant", "key")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """What a tier's tenants may use, and where their requests go in the queue. 0 means no limit.
+
+    Limits apply while the key database is on ([auth] enabled); the one local user (auth off, or
+    one shared key) is never limited.
+    """
+
+    requests_per_minute: int = 0  # generation requests (a request bucket refilled continuously)
+    tokens_per_minute: int = 0  # prompt + max_tokens reserved at admission; the unused part is refunded
+    max_concurrent_requests: int = 0  # generating at once, replies that outlive their client included
+    max_queued_requests: int = 0  # this tier's requests waiting for their first token, server-wide
+    max_tokens: int = 0  # ceiling on a request's max_tokens (and its default); 0: the context window
+    models: tuple[str, ...] = ()  # served model names it may use; empty: all
+    priority: int = 0  # lower is scheduled first; a client's `priority` can only add to it
+    weight: float = 1.0  # a tenant's share of the batch among tenants of equal priority
+    ttft_p95_seconds: float = 0.0  # latency objective: a request expected to wait longer is shed (503)
+    limit_per: str = "tenant"  # whose buckets count: "tenant" (all its keys together) or "key"
+
+    def __post_init__(self) -> None:
+        for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "max_queued_requests",
+                     "max_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 (no limit) or more, got {getattr(self, name)}")
+        if self.priority < 0:
+            raise ValueError(f"priority must be 0 or more (lower is scheduled first), got {self.priority}")
+        if not self.weight > 0:
+            raise ValueError(f"weight must be more than 0, got {self.weight}")
+        if self.ttft_p95_seconds < 0:
+            raise ValueError(f"ttft_p95_seconds must be 0 (no objective) or more, got {self.ttft_p95_seconds}")
+        if self.limit_per not in LIMIT_PER:
+            raise ValueError(f"limit_per must be one of {', '.join(LIMIT_PER)}, got {self.limit_per!r}")
+
+    @property
+    def limited(self) -> bool:
+        """Whether any bucket, bound or objective applies (the scheduling fields always do)."""
+        return any((self.requests_per_minute, self.tokens_per_minute, self.max_concurrent_requests,
+                    self.max_queued_requests, self.max_tokens, self.models, self.ttft_p95_seconds))
+
+
+# A tier's name as keys and [tiers.NAME] spell it.
+TIER_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+
+# The tiers every server knows; [tiers.NAME] in config.toml changes their fields or adds tiers.
+# Sized for a small public service on one GPU: free keeps a bounded share and is shed first,
+# paid is never held back by free traffic, premium is scheduled before both.
+DEFAULT_TIERS: dict[str, TierConfig] = {
+    "free": TierConfig(requests_per_minute=20, tokens_per_minute=40_000, max_concurrent_requests=4,
+                       max_queued_requests=256, max_tokens=2048, priority=20, weight=1.0, ttft_p95_seconds=10.0),
+    "paid": TierConfig(requests_per_minute=500, tokens_per_minute=1_000_000, max_concurrent_requests=64,
+                       max_queued_requests=1024, priority=10, weight=1.0, ttft_p95_seconds=2.0),
+    "premium": TierConfig(requests_per_minute=5_000, tokens_per_minute=10_000_000, max_concurrent_requests=256,
+                          priority=0, weight=1.0, ttft_p95_seconds=1.0),
+}
+
+
 @dataclass(frozen=True)
 class Config:
     """The whole configuration."""
@@ -195,6 +254,7 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     conversations: ConversationsConfig = field(default_factory=ConversationsConfig)
     prices: dict[str, Price] = field(default_factory=dict)  # served model name -> its price
+    tiers: dict[str, TierConfig] = field(default_factory=lambda: dict(DEFAULT_TIERS))  # tier name -> its limits
 
     def price(self, model_name: str) -> Price:
         return self.prices.get(model_name, Price())
@@ -228,6 +288,7 @@ def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:
     """Build a Config from nested `{section: {key: value}}`, rejecting unknown keys by name."""
     values = dict(values or {})
     prices = _build_prices(values.pop("prices", {}))
+    tiers = _build_tiers(values.pop("tiers", {}))
     sections: dict[str, Any] = {}
     for name, section_values in values.items():
         if name not in SECTIONS:
@@ -252,7 +313,11 @@ def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:
                     f"setting {name}.{key} must be {expected.__name__}, got {value!r}"
                 )
         sections[name] = cls(**section_values)
-    return Config(**sections, prices=prices)
+    config = Config(**sections, prices=prices, tiers=tiers)
+    if config.auth.local_tier not in tiers:
+        raise ValueError(f"setting auth.local_tier names tier {config.auth.local_tier!r}, which is not defined; "
+                         f"defined: {', '.join(tiers)}")
+    return config
 
 
 def _build_prices(values: dict[str, Any]) -> dict[str, Price]:
@@ -268,6 +333,36 @@ def _build_prices(values: dict[str, Any]) -> dict[str, Price]:
                 raise ValueError(f"setting prices.{model}.{key} must be a number, got {value!r}")
         prices[model] = Price(**{k: float(v) for k, v in price.items()})
     return prices
+
+
+def _build_tiers(values: dict[str, Any]) -> dict[str, TierConfig]:
+    """DEFAULT_TIERS with each [tiers.NAME] table over its tier (a new name starts from no limits)."""
+    tiers = dict(DEFAULT_TIERS)
+    known = {f.name: f for f in dataclasses.fields(TierConfig)}
+    for name, table in values.items():
+        if not TIER_NAME.fullmatch(name):
+            raise ValueError(f"tier name {name!r} must be 1-32 lower-case letters, digits, '-' or '_'")
+        if not isinstance(table, dict):
+            raise ValueError(f"tiers.{name} must be a table like {{ requests_per_minute = 60 }}, got {table!r}")
+        fields: dict[str, Any] = {}
+        for key, value in table.items():
+            if key not in known:
+                raise ValueError(f"unknown setting tiers.{name}.{key}; known: {', '.join(known)}")
+            expected = type(getattr(TierConfig(), key))
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            elif expected is tuple:
+                if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
+                    raise ValueError(f"setting tiers.{name}.{key} must be a list of strings, got {value!r}")
+                value = tuple(value)
+            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+                raise ValueError(f"setting tiers.{name}.{key} must be {expected.__name__}, got {value!r}")
+            fields[key] = value
+        try:
+            tiers[name] = dataclasses.replace(tiers.get(name, TierConfig()), **fields)
+        except ValueError as exc:
+            raise ValueError(f"setting tiers.{name}: {exc}") from None
+    return tiers
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
@@ -293,6 +388,7 @@ def config_from_options(base: Config | None = None, **options: Any) -> Config:
     base = base or Config()
     values: dict[str, Any] = {name: dataclasses.asdict(getattr(base, name)) for name in SECTIONS}
     values["prices"] = {model: dataclasses.asdict(price) for model, price in base.prices.items()}
+    values["tiers"] = {name: dataclasses.asdict(tier) for name, tier in base.tiers.items()}
     owners = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
     for key, value in options.items():
         if key not in owners:

@@ -13,7 +13,7 @@ import uuid
 from aiohttp import web
 
 from chatd.http import completions, conversations, openapi, page, responses, status, tokens
-from chatd.http.auth import auth_middleware
+from chatd.http.auth import TENANT, auth_middleware
 from chatd.http.cors import Cors
 from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware, error_response
 from chatd.http.state import STATE, ServerState
@@ -100,6 +100,8 @@ def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Appli
     app[MAX_BODY_BYTES] = max_body_bytes
     app[page.STATIC] = page.load_static()
     app.on_response_prepare.append(_echo_request_id)
+    if state.limits.enabled:
+        app.on_response_prepare.append(_rate_limit_headers)
     if cors.enabled:  # off by default, and then nothing of it runs
         app.on_response_prepare.append(cors.add_headers)
     # Every route gets chatd's Expect handler: aiohttp runs it before any middleware, and its own
@@ -134,6 +136,13 @@ async def no_route(request: web.Request) -> web.Response:
     if allowed:
         raise APIError(405, f"method {request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(allowed))}")
     raise APIError(404, f"no route for {request.method} {request.path}", None, "not_found")
+
+
+async def _rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """OpenAI's x-ratelimit-* headers on every response to a limited tenant, as of when it goes out."""
+    tenant = request.get(TENANT)
+    if tenant is not None:
+        response.headers.update(request.app[STATE].limits.headers(tenant))
 
 
 async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:

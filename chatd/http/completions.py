@@ -23,6 +23,7 @@ from aiohttp import web
 from chatd.engine import ParamError, RequestHandle, RequestOutput
 from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, APIError, error_body
+from chatd.http.limits import Lease
 from chatd.http.openai_format import ChunkFormat, merged_with, output_usage, whole_response
 from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion, shown
 from chatd.http.state import STATE, ServerState
@@ -64,9 +65,9 @@ class _Timing:
 
 
 async def _complete(request: web.Request, state: ServerState, gen: GenerationRequest, chat: bool) -> web.StreamResponse:
-    state.check_model(gen.model)
-    state.check_store_writable()
     tenant = request[TENANT]
+    state.check_model(gen.model, tenant)
+    state.check_store_writable()
     timing = _Timing()
     tools = None
     if chat:
@@ -85,8 +86,13 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
     created = int(time.time())
-    # The engine names each request itself; the client's X-Request-Id is only logged and echoed.
-    replies = _Replies(_start(state, tenant, gen, prompts), gen.params.n)
+    lease, placement = state.admit(tenant, gen, list(prompts.values()), timing.start)
+    try:
+        # The engine names each request itself; the client's X-Request-Id is only logged and echoed.
+        replies = _Replies(_start(state, tenant, gen, prompts, placement), gen.params.n, lease)
+    except BaseException:
+        lease.release(0)
+        raise
     # OpenAI's chat replies say which service tier served them when the request named one; chatd has one.
     echoed = {"service_tier": "default"} if chat and gen.service_tier is not None else None
     try:
@@ -103,17 +109,20 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
     finally:
         replies.abort()  # a no-op for those finished; otherwise (disconnect, error, timeout) frees them now
         _log_and_observe(state, request[REQUEST_ID], response_id, replies.merged, timing, gen)
+        used = output_usage(*replies.outputs) if replies.outputs else None
+        lease.release(used["total_tokens"] if used else sum(map(len, prompts.values())))
         if replies.outputs:  # what was generated, even if the client left before it was sent
             _record_usage(state, tenant, "chat.completions" if chat else "completions", replies.outputs)
 
 
-def _start(state: ServerState, tenant, gen: GenerationRequest, prompts: dict[str, list[int]]) -> list[RequestHandle]:
+def _start(state: ServerState, tenant, gen: GenerationRequest, prompts: dict[str, list[int]],
+           placement: dict) -> list[RequestHandle]:
     """Queue one engine request per prompt. One the engine refuses ends those queued before it,
     and the error names the prompt as the client sent it."""
     streams: list[RequestHandle] = []
     for name, prompt in prompts.items():
         try:
-            streams.append(state.engine.generate(prompt, gen.params, priority=gen.priority, **state.cache_scope(tenant, prompt)))
+            streams.append(state.engine.generate(prompt, gen.params, **placement, **state.cache_scope(tenant, prompt)))
         except ParamError as exc:
             for stream in streams:
                 stream.abort()
@@ -143,8 +152,8 @@ class _Replies:
     sent or not, is what is billed.
     """
 
-    def __init__(self, streams: list[RequestHandle], n: int) -> None:
-        self.streams, self.n = streams, n
+    def __init__(self, streams: list[RequestHandle], n: int, lease: Lease) -> None:
+        self.streams, self.n, self.lease = streams, n, lease
         self.merged: list[RequestOutput | None] = [None] * len(streams)
         self._iterators = [stream.__aiter__() for stream in streams]
         self._reads: dict[int, asyncio.Future] = {}  # prompt index -> the read of its next delta
@@ -197,6 +206,8 @@ class _Replies:
         self._wakeup.set()
 
     def _took(self, k: int, out: RequestOutput) -> RequestOutput:
+        if any(c.token_ids for c in out.outputs):
+            self.lease.first_token(out.queue_time)
         if k:  # prompt 0's choices keep the engine's numbers
             offset = k * self.n
             out = replace(out, outputs=[replace(c, index=offset + c.index) for c in out.outputs])

@@ -35,7 +35,7 @@ async def create_conversation(request: web.Request) -> web.Response:
     state, tenant = request.app[STATE], request[TENANT]
     state.check_store_writable()
     items, fields = parse_conversation(await read_json(request) if request.can_read_body else None, state)
-    state.check_model(fields.pop("model"))
+    state.check_model(fields.pop("model"), tenant)
     conversation = await state.store.create_conversation(tenant.id, model=state.model_name, items=items, **fields)
     return json_response(_conversation_json(conversation))
 
@@ -105,7 +105,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     state, tenant = request.app[STATE], request[TENANT]
     conversation = await _own_conversation(state, tenant, request.match_info["conversation_id"])
     turn = parse_turn(await read_json(request), state.config.conversations.max_message_chars, state.model.sampling_defaults)
-    state.check_model(turn.gen.model)
+    state.check_model(turn.gen.model, tenant)
     state.check_store_writable()
     reply, omitted = await request.app[TURNS].start(tenant, MessageTurn(state, tenant, conversation, turn))
     headers = {"X-Chatd-Messages-Omitted": str(omitted)}

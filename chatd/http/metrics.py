@@ -26,6 +26,9 @@ LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
 )  # fmt: skip
+# Why a tier's requests are refused: by their tenant's own limits, or because the server is busy.
+LIMITED_REASONS = ("requests", "tokens", "concurrency", "too_large")
+SHED_REASONS = ("overloaded", "queue_full")
 # Powers of two, 1 .. 32768: context windows are powers of two, so the top bucket is one.
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))
 
@@ -57,6 +60,45 @@ class ServerMetrics:
         self._queue_time = histogram("chatd:request_queue_time_seconds", "Seconds a request waited before its first schedule.", LATENCY_BUCKETS)
         self._prompt_tokens = histogram("chatd:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
         self._generation_tokens = histogram("chatd:request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS)
+
+        # Per tier ([tiers.NAME]): who got in, who was refused and why, and how long they waited.
+        self._tier_admitted = Counter("chatd:tier_requests_admitted_total", "Generation requests admitted, by tier.",
+                                      ["model_name", "tier"], registry=self.registry)
+        self._tier_limited = Counter(
+            "chatd:tier_requests_rate_limited_total",
+            "Requests refused by their tenant's limits (429; too_large: 400, more than a minute's tokens), by tier and "
+            "reason: requests, tokens, concurrency, too_large.", ["model_name", "tier", "reason"], registry=self.registry)
+        self._tier_shed = Counter(
+            "chatd:tier_requests_shed_total",
+            "Requests refused because the server is busy (503), by tier and reason: overloaded (the expected wait is "
+            "over the tier's objective), queue_full (max_queued_requests).", ["model_name", "tier", "reason"],
+            registry=self.registry)
+        self._tier_ttft = Histogram("chatd:tier_time_to_first_token_seconds", "Seconds from arrival to the first token, "
+                                    "by tier.", ["model_name", "tier"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._tier_queue_time = Histogram("chatd:tier_request_queue_time_seconds", "Seconds a request waited in the "
+                                          "engine's queue before its first schedule, by tier.", ["model_name", "tier"],
+                                          buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def declare_tiers(self, tiers: Iterable[str]) -> None:
+        """Expose each tier's counters at 0 from the start, so rate() works before the first event."""
+        for tier in tiers:
+            self._tier_admitted.labels(model_name=self.model_name, tier=tier)
+            for reason in LIMITED_REASONS:
+                self._tier_limited.labels(model_name=self.model_name, tier=tier, reason=reason)
+            for reason in SHED_REASONS:
+                self._tier_shed.labels(model_name=self.model_name, tier=tier, reason=reason)
+
+    def tier_admitted(self, tier: str) -> None:
+        self._tier_admitted.labels(model_name=self.model_name, tier=tier).inc()
+
+    def tier_refused(self, tier: str, reason: str) -> None:
+        counter = self._tier_shed if reason in SHED_REASONS else self._tier_limited
+        counter.labels(model_name=self.model_name, tier=tier, reason=reason).inc()
+
+    def tier_first_token(self, tier: str, ttft: float, queue_time: float | None) -> None:
+        self._tier_ttft.labels(model_name=self.model_name, tier=tier).observe(ttft)
+        if queue_time is not None:
+            self._tier_queue_time.labels(model_name=self.model_name, tier=tier).observe(queue_time)
 
     def update_engine(self, stats: EngineStats) -> None:
         """Remember the engine's latest counters; they are read at the next scrape."""

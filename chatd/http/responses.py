@@ -293,7 +293,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     """Generate a response to `input`, after a chain of responses or a conversation's items; whole or streamed."""
     state, tenant = request.app[STATE], request[TENANT]
     req = parse_response(await read_json(request), state)
-    state.check_model(req.gen.model)
+    state.check_model(req.gen.model, tenant)
     state.check_store_writable()
     conversation = previous = None
     if req.conversation_id is not None:

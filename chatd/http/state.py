@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import sqlite3
@@ -17,8 +18,9 @@ from aiohttp import web
 from chatd.config import Config
 from chatd.engine import EngineClient, ModelInfo, StructuredOutput, Tokenizer
 from chatd.http.errors import APIError
+from chatd.http.limits import Lease, Limits
 from chatd.http.metrics import ServerMetrics
-from chatd.http.protocol import shown
+from chatd.http.protocol import GenerationRequest, shown
 from chatd.http.tool_calls import ToolParser
 from chatd.http.tools import ToolRequest, ToolUse, tool_parser, tool_use
 from chatd.store.db import Store, Tenant
@@ -45,6 +47,7 @@ class ServerState:
     ready: bool = False
     stopping: bool = False  # set at shutdown: replies cut short now are partial, not failed
     metrics: ServerMetrics = field(init=False)
+    limits: Limits = field(init=False)  # the tiers' buckets, bounds and load shedding
     # Token ids of the chat template's rendering of each [cache] shared_system_prompts entry.
     shared_prefixes: list[list[int]] = field(default_factory=list)
     # Rendering and tokenizing run here, off the event loop. Two threads: a huge prompt does not
@@ -56,6 +59,8 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name)
+        self.metrics.declare_tiers(self.config.tiers)
+        self.limits = Limits(self.config.tiers, self.config.auth.enabled, self.metrics)
 
     @property
     def max_model_len(self) -> int:
@@ -180,12 +185,37 @@ class ServerState:
         return APIError(503, f"the server cannot record usage right now ({reason}); try again later", None,
                         "store_unavailable", headers={"Retry-After": str(self.ledger.retry_after)})
 
-    def check_model(self, model: str | None) -> None:
-        """A request may name the served model, one of its aliases, or leave it out; any other name is a 404."""
+    def check_model(self, model: str | None, tenant: Tenant | None = None) -> None:
+        """A request may name the served model, one of its aliases, or leave it out; any other name,
+        or one the tenant's tier may not use, is a 404."""
         if model is not None and model not in self.model_names:
             served = ", ".join(repr(name) for name in self.model_names)
             raise APIError(404, f"the model {shown(model)} does not exist; this server serves {served}", "model",
                            "model_not_found")
+        if tenant is not None:
+            self.limits.check_model(tenant, model if model is not None else self.model_name)
+
+    # -- admission under the tenant's tier ---------------------------------------------------------
+
+    def admit(self, tenant: Tenant, gen: GenerationRequest, prompts: list[list[int]],
+              arrived_at: float | None = None) -> tuple[Lease, dict]:
+        """Admit a tokenized request under its tenant's tier, or refuse it (429, 503, 400: limits.py).
+        Caps its reply length at the tier's ceiling (the ceiling, within the context window, when it
+        names none). Returns its lease, which the caller releases when generation ends, and the
+        engine keywords that place it: its class and fair share, and its prefix-cache scope."""
+        ceiling = self.limits.max_tokens(tenant, gen.params.max_tokens, gen.max_tokens_field)
+        longest = max(map(len, prompts))
+        if gen.params.max_tokens is None and ceiling is not None:
+            ceiling = max(1, min(ceiling, self.max_model_len - longest))
+        if ceiling != gen.params.max_tokens:
+            gen.params = dataclasses.replace(gen.params, max_tokens=ceiling)
+        max_tokens, n = gen.params.max_tokens, gen.params.n
+        reserved = sum(len(p) + n * (max_tokens if max_tokens is not None else self.max_model_len - len(p))
+                       for p in prompts)
+        placement = self.limits.placement(tenant, gen.priority)
+        lease = self.limits.admit(tenant, sum(map(len, prompts)), reserved, placement["priority"],
+                                  lambda: self.engine.stats().queued_prefill_rate, gen.max_tokens_field, arrived_at)
+        return lease, placement
 
     def model_card(self, name: str | None = None) -> dict:
         """The model as OpenAI describes one, under `name` (default: the served name); `root` is the served name."""

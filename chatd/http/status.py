@@ -26,15 +26,16 @@ async def models(request: web.Request) -> web.Response:
     OpenAI's model object has none, and SDK users and UIs pick a model from the listed ids, so
     every name a request may use must be an id. `root` on each card says they are one model.
     """
-    state = request.app[STATE]
-    return json_response({"object": "list", "data": [state.model_card(name) for name in state.model_names]})
+    state, tenant = request.app[STATE], request[TENANT]
+    names = [name for name in state.model_names if state.limits.may_use(tenant, name)]  # what the tier may use
+    return json_response({"object": "list", "data": [state.model_card(name) for name in names]})
 
 
 async def model(request: web.Request) -> web.Response:
     """One model's card by any of its names (`client.models.retrieve`); 404 model_not_found otherwise."""
     state = request.app[STATE]
     name = request.match_info["model"]
-    state.check_model(name)
+    state.check_model(name, request[TENANT])
     return json_response(state.model_card(name))
 
 
@@ -55,6 +56,7 @@ async def usage(request: web.Request) -> web.Response:
         "output_tokens": totals.output_tokens,
         "cost": round(totals.cost, 10),
         "currency": "USD",
+        "limits": state.limits.remaining(tenant),  # the tier's limits and what is left of them now
     })
 
 

@@ -35,6 +35,7 @@ from aiohttp import web
 from chatd.engine import FinishReason, RequestOutput
 from chatd.http.errors import APIError, error_body
 from chatd.http.history import render_turn
+from chatd.http.limits import Lease
 from chatd.http.openai_format import ChunkFormat, finish_reason, merged_with
 from chatd.http.protocol import GenerationRequest, TurnRequest
 from chatd.http.state import ServerState
@@ -192,12 +193,13 @@ class Turns:
     async def _run(self, tenant: Tenant, job: TurnJob, started: asyncio.Future) -> None:
         """Render, start and run one turn; `started` gets (reply, omitted) or the error that stopped it."""
         state = self.state
+        lease = None
         try:
             try:
                 prompt, omitted = await job.prepare()
                 await state.check_structured(job.gen.params.structured)
-                results = state.engine.generate(prompt, job.gen.params, priority=job.gen.priority,
-                                                **state.cache_scope(tenant, prompt))
+                lease, placement = state.admit(tenant, job.gen, [prompt])
+                results = state.engine.generate(prompt, job.gen.params, **placement, **state.cache_scope(tenant, prompt))
             except BaseException as exc:
                 _fail(started, exc)
                 raise
@@ -211,15 +213,17 @@ class Turns:
             self._replies[assistant.id] = reply
             events = job.events(assistant, omitted)
             started.set_result((reply, omitted))
-            await self._generate_reply(tenant, job, prompt, assistant, reply, events, results)
+            await self._generate_reply(tenant, job, prompt, assistant, reply, events, results, lease)
         except (APIError, LookupError, ValueError):
             pass  # the handler answers these
         finally:
+            if lease is not None:  # released with what was used once the reply is saved; here if it never began
+                lease.release(0)
             if job.busy_key is not None:
                 self._busy.discard(job.busy_key)
 
     async def _generate_reply(self, tenant: Tenant, job: TurnJob, prompt: list[int], assistant: Message,
-                              reply: ReplyStream, events: ReplyEvents, results) -> None:
+                              reply: ReplyStream, events: ReplyEvents, results, lease: Lease) -> None:
         state = self.state
         for payload in events.opening():
             reply.publish(payload)
@@ -229,6 +233,8 @@ class Turns:
         try:
             async for out in results:
                 merged = merged_with(merged, out)
+                if out.outputs and out.outputs[0].token_ids:
+                    lease.first_token(out.queue_time)
                 if out.error:
                     error = out.error
                     break
@@ -243,6 +249,8 @@ class Turns:
             error = f"internal error: {exc!r}"
         finally:
             # Cancelled (shutdown ran out of time) or not: the row is finished and the events closed.
+            completion = len(merged.outputs[0].token_ids) if merged is not None and merged.outputs else 0
+            lease.release(len(prompt) + completion)
             await asyncio.shield(self._finish_reply(tenant, job, prompt, assistant, reply, events, merged, error))
 
     async def _finish_reply(self, tenant: Tenant, job: TurnJob, prompt: list[int], assistant: Message,

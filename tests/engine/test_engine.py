@@ -290,3 +290,31 @@ def test_default_params_are_the_models_recommendation_under_what_is_given():
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed) == (0.2, 0.9, 40, 5, 3)
     assert engine.default_params(temperature=0.0).temperature == 0.0
     assert make_engine().default_params() == SamplingParams()
+
+
+def test_the_engine_measures_how_fast_its_queue_drains():
+    """queued_prefill_rate: prompt tokens per second over steps that left requests waiting; a step
+    that admits nothing while requests wait pulls it down; steps without a queue leave it be."""
+    now = [0.0]
+
+    class TimedRunner(FakeRunner):
+        def execute(self, scheduled):
+            now[0] += 0.1  # every step takes 0.1 s
+            return super().execute(scheduled)
+
+    engine = make_engine(TimedRunner(), max_seqs=1)
+    engine.clock = lambda: now[0]
+    for i in range(2):
+        engine.add_request(f"r{i}", list(range(10 * i, 10 * i + 10)), SamplingParams(max_tokens=3, ignore_eos=True))
+    assert engine.stats().queued_prefill_rate is None  # no queue has formed yet
+    engine.step()  # r0's 10-token prompt while r1 waits
+    assert engine.stats().queued_prefill_rate == pytest.approx(100.0)
+    engine.step()  # r0 decodes, r1 still waits: nothing admitted
+    assert engine.stats().queued_prefill_rate < 50
+    while engine.has_unfinished_requests():
+        engine.step()
+    drained = engine.stats().queued_prefill_rate
+    engine.add_request("alone", [1, 2, 3], SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().queued_prefill_rate == drained  # nobody waited: not a measure of the queue

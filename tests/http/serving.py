@@ -52,19 +52,36 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+# The paid tier (the keys' default here) without its rate limits, bounds and objective: for
+# tests about something else that send more than a paid tenant may (a storm of a thousand
+# requests). Tests of the limits themselves configure their tiers.
+UNLIMITED_PAID = """
+[tiers.paid]
+requests_per_minute = 0
+tokens_per_minute = 0
+max_concurrent_requests = 0
+max_queued_requests = 0
+ttft_p95_seconds = 0
+"""
+
+
 @contextlib.contextmanager
-def tenants_server(root: Path, config_text: str = "", names: tuple[str, ...] = ("alice", "bob")):
+def tenants_server(root: Path, config_text: str = "", names: tuple[str, ...] = ("alice", "bob"),
+                   tiers: dict[str, str] | None = None):
     """chatd serve on the demo model with auth on, its store at root/chatd.db and a key per tenant
-    in `names`; yields {"url", "keys", "db", "model_dir", "log"}. `config_text` adds sections."""
+    in `names`, of its tier in `tiers` (else paid, unlimited unless `config_text` has [tiers.paid]);
+    yields {"url", "keys", "db", "model_dir", "log", "config"}. `config_text` adds sections."""
     from chatd.engine.models.demo import build_demo_model
 
     model_dir = build_demo_model(root / "demo")
     db = root / "chatd.db"
+    if "[tiers.paid]" not in config_text:
+        config_text += UNLIMITED_PAID
     config = f'[store]\ndb_path = "{db}"\n[auth]\nenabled = true\n{config_text}'
     (root / "config.toml").write_text(config)
-    keys = {name: create_key(root / "config.toml", name) for name in names}
+    keys = {name: create_key(root / "config.toml", name, (tiers or {}).get(name, "paid")) for name in names}
     proc, url, log_path = start_server(root, model_dir, config)
     try:
-        yield {"url": url, "keys": keys, "db": db, "model_dir": model_dir, "log": log_path}
+        yield {"url": url, "keys": keys, "db": db, "model_dir": model_dir, "log": log_path, "config": root / "config.toml"}
     finally:
         stop_server(proc)

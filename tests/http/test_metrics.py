@@ -30,6 +30,13 @@ REQUEST_FAMILIES = {
     "chatd:request_prompt_tokens": "histogram",
     "chatd:request_generation_tokens": "histogram",
 }
+TIER_FAMILIES = {
+    "chatd:tier_requests_admitted": "counter",
+    "chatd:tier_requests_rate_limited": "counter",
+    "chatd:tier_requests_shed": "counter",
+    "chatd:tier_time_to_first_token_seconds": "histogram",
+    "chatd:tier_request_queue_time_seconds": "histogram",
+}
 
 
 def make_stats(**overrides) -> EngineStats:
@@ -71,7 +78,7 @@ def families(metrics: ServerMetrics) -> dict[str, str]:
 
 
 def test_exposes_exactly_the_documented_families():
-    assert families(ServerMetrics(MODEL)) == ENGINE_FAMILIES | REQUEST_FAMILIES
+    assert families(ServerMetrics(MODEL)) == ENGINE_FAMILIES | REQUEST_FAMILIES | TIER_FAMILIES
 
 
 def test_exposed_text_has_vllm_style_names_with_total_suffix():
@@ -187,3 +194,21 @@ def test_two_instances_share_no_state():
     assert not any(MODEL in key for key in samples_b)
     # Building a second one with the same model name must not clash either (one registry each).
     ServerMetrics(MODEL)
+
+
+def test_tier_series_start_at_zero_and_count_admissions_refusals_and_first_tokens():
+    metrics = ServerMetrics(MODEL)
+    metrics.declare_tiers(["free", "paid"])
+    before = scrape(metrics)
+    assert before[f"chatd:tier_requests_shed_total{{model_name={MODEL},reason=overloaded,tier=free}}"] == 0
+    assert before[f"chatd:tier_requests_rate_limited_total{{model_name={MODEL},reason=tokens,tier=paid}}"] == 0
+    metrics.tier_admitted("paid")
+    metrics.tier_refused("free", "overloaded")
+    metrics.tier_refused("free", "requests")
+    metrics.tier_first_token("paid", 0.3, 0.1)
+    after = scrape(metrics)
+    assert after[f"chatd:tier_requests_admitted_total{{model_name={MODEL},tier=paid}}"] == 1
+    assert after[f"chatd:tier_requests_shed_total{{model_name={MODEL},reason=overloaded,tier=free}}"] == 1
+    assert after[f"chatd:tier_requests_rate_limited_total{{model_name={MODEL},reason=requests,tier=free}}"] == 1
+    assert after[f"chatd:tier_time_to_first_token_seconds_count{{model_name={MODEL},tier=paid}}"] == 1
+    assert after[f"chatd:tier_request_queue_time_seconds_sum{{model_name={MODEL},tier=paid}}"] == pytest.approx(0.1)
