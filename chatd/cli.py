@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, TypeVar
 from chatd.bench import add_parser as add_bench_parser
 from chatd.config import DTYPES, LOG_LEVELS, TOOL_PARSERS, Config, load_config, store_path
 from chatd.logs import setup_logging
-from chatd.store.db import TIERS, Store
+from chatd.store.db import Store
 
 if TYPE_CHECKING:
     from chatd.engine import LLMEngine
@@ -139,6 +139,10 @@ def _on_store(args: argparse.Namespace, work: Callable[[Store], Awaitable[T]]) -
 
 
 def _keys_create(args: argparse.Namespace) -> int:
+    tiers = load_config(args.config).tiers
+    if args.tier not in tiers:  # refused before anything is written
+        raise ValueError(f"tier {args.tier!r} is not defined; defined tiers: {', '.join(tiers)} "
+                         f"(add [tiers.{args.tier}] to the config, and pass it with --config)")
     key, record = _on_store(args, lambda store: store.create_key(args.name, args.tier))
     print(f"created key {record.id} for tenant {record.tenant_name!r} (tier {record.tier}):\n")
     print(f"    {key}\n")
@@ -233,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="make a key for a tenant (created if new); it is printed once")
     create.add_argument("--name", required=True, help="the tenant's name")
-    create.add_argument("--tier", required=True, choices=TIERS, help="the tenant's tier")
+    create.add_argument("--tier", required=True, help="the tenant's tier: free, paid, premium, or one [tiers.NAME] "
+                        "in the config defines")
     create.set_defaults(func=_keys_create)
     list_ = keys_sub.add_parser("list", help="list every key (never a secret)")
     list_.set_defaults(func=_keys_list)

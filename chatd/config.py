@@ -219,12 +219,6 @@ class TierConfig:
         if self.limit_per not in LIMIT_PER:
             raise ValueError(f"limit_per must be one of {', '.join(LIMIT_PER)}, got {self.limit_per!r}")
 
-    @property
-    def limited(self) -> bool:
-        """Whether any bucket, bound or objective applies (the scheduling fields always do)."""
-        return any((self.requests_per_minute, self.tokens_per_minute, self.max_concurrent_requests,
-                    self.max_queued_requests, self.max_tokens, self.models, self.ttft_p95_seconds))
-
 
 # A tier's name as keys and [tiers.NAME] spell it.
 TIER_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from chatd.config import SECTIONS, Config, build_config, config_from_options, load_config
+from chatd.config import DEFAULT_TIERS, SECTIONS, Config, TierConfig, build_config, config_from_options, load_config
 
 CONFIG_TOML = Path(__file__).parent.parent / "config.toml"
 
@@ -73,3 +73,39 @@ def test_allowed_origins_are_origins_or_a_star():
             build_config({"server": {"allowed_origins": [bad]}})
     with pytest.raises(ValueError, match="server.allowed_origins must be a list of strings"):
         build_config({"server": {"allowed_origins": "https://chat.example.com"}})
+
+
+def test_config_toml_shows_the_shipped_tiers_field_by_field():
+    shipped = tomllib.loads(CONFIG_TOML.read_text())["tiers"]
+    assert set(shipped) == set(DEFAULT_TIERS)
+    for name, tier in DEFAULT_TIERS.items():
+        assert set(shipped[name]) == {f.name for f in dataclasses.fields(TierConfig)}, name
+    assert load_config(CONFIG_TOML).tiers == DEFAULT_TIERS
+
+
+def test_a_tier_table_changes_only_what_it_lists_and_a_new_tier_starts_unlimited():
+    config = build_config({"tiers": {"free": {"requests_per_minute": 5}, "gold": {"priority": 5, "models": ["a"]}}})
+    assert config.tiers["free"] == dataclasses.replace(DEFAULT_TIERS["free"], requests_per_minute=5)
+    assert config.tiers["paid"] == DEFAULT_TIERS["paid"]
+    assert config.tiers["gold"] == TierConfig(priority=5, models=("a",))
+    assert config_from_options(config, block_size=8).tiers == config.tiers  # options keep the tiers
+
+
+@pytest.mark.parametrize("tiers, message", [
+    ({"free": {"rpm": 5}}, "unknown setting tiers.free.rpm"),
+    ({"free": {"requests_per_minute": "lots"}}, "tiers.free.requests_per_minute must be int"),
+    ({"free": {"requests_per_minute": -1}}, "tiers.free: requests_per_minute must be 0"),
+    ({"free": {"weight": 0}}, "tiers.free: weight must be more than 0"),
+    ({"free": {"limit_per": "ip"}}, "tiers.free: limit_per must be one of tenant, key"),
+    ({"Gold!": {}}, "tier name 'Gold!'"),
+    ({"free": 3}, "tiers.free must be a table"),
+])
+def test_bad_tiers_are_refused_naming_the_setting(tiers, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        build_config({"tiers": tiers})
+
+
+def test_the_local_user_s_tier_must_be_defined():
+    with pytest.raises(ValueError, match="auth.local_tier names tier 'gold', which is not defined"):
+        build_config({"auth": {"local_tier": "gold"}})
+    assert build_config({"auth": {"local_tier": "gold"}, "tiers": {"gold": {}}}).auth.local_tier == "gold"

@@ -84,11 +84,18 @@ def test_the_config_store_path_decides_where_keys_live(home, tmp_path, capsys):
 
 
 def test_an_unknown_tier_is_refused_before_anything_is_written(home, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["keys", "create", "--name", "alice", "--tier", "gold"])
-    assert exit_info.value.code == 2
-    assert "invalid choice: 'gold'" in capsys.readouterr().err
+    assert main(["keys", "create", "--name", "alice", "--tier", "gold"]) == 2
+    err = capsys.readouterr().err
+    assert "tier 'gold' is not defined; defined tiers: free, paid, premium" in err and "[tiers.gold]" in err
     assert not (home / "chatd.db").exists()
+
+
+def test_a_tier_the_config_defines_is_accepted(home, tmp_path, capsys):
+    config = tmp_path / "config.toml"
+    config.write_text("[tiers.gold]\nrequests_per_minute = 100\n")
+    key = create_key(capsys, "alice", "gold", "--config", str(config))
+    tenant = authenticate(home / "chatd.db", key)
+    assert (tenant.name, tenant.tier) == ("alice", "gold")
 
 
 def test_keys_list_loads_neither_the_load_generator_nor_the_engine(home):

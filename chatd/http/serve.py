@@ -42,6 +42,11 @@ async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
         path = store_path(config)
         store = await Store.open(path, max_bytes=int(config.store.max_db_mb * 2**20))
         log.info("store: %s (schema version %d)", path, SCHEMA_VERSION)
+        try:
+            await check_key_tiers(store, config)
+        except ValueError:
+            await store.close()
+            raise
         ledger = Ledger(store, retry_seconds=config.store.retry_seconds)
         ledger.start()
         try:
@@ -51,6 +56,19 @@ async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
             await store.close()
     finally:
         sock.close()
+
+
+async def check_key_tiers(store: Store, config: Config) -> None:
+    """With the key database on, every live key's tier must be one config.toml defines: a key whose
+    tier is not would have no limits to apply. ValueError naming each such key."""
+    if not config.auth.enabled:
+        return
+    unknown = await store.keys_with_unknown_tiers(set(config.tiers))
+    if unknown:
+        keys = "; ".join(f"key {k.id} (tenant {k.tenant_name!r}) has tier {k.tier!r}" for k in unknown)
+        raise ValueError(f"{keys}, which the config does not define (defined: {', '.join(config.tiers)}): add "
+                         f"[tiers.{unknown[0].tier}] to the config, or give the tenant a defined tier with "
+                         "`chatd keys create --name NAME --tier TIER`")
 
 
 def reserve_port(host: str, port: int) -> socket.socket:

@@ -25,6 +25,7 @@ from typing import Any
 import aiosqlite
 import orjson
 
+from chatd.config import TIER_NAME  # which tiers exist is the config's to say; a name's spelling is checked here
 from chatd.store.records import ApiKey, Conversation, Message, Response, Tenant, Usage
 
 SCHEMA_FILE = Path(__file__).with_name("schema.sql")
@@ -93,7 +94,6 @@ MIGRATIONS: list[list[str]] = [
 ]
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 
-TIERS = ("free", "paid", "premium")
 STATUSES = ("complete", "partial", "error")  # an assistant message stays "partial" if the server dies mid-reply
 LOCAL_TENANT = "local"  # id and name of the one user while auth is off
 PROBE_PAGES = 8  # probe_write needs room for this many new pages
@@ -212,7 +212,7 @@ class Store:
             "FROM api_keys k JOIN tenants t ON t.id = k.tenant_id WHERE k.id = ?", (key_id,))
         if not rows:
             return None
-        digest, revoked_at, last_used_at, *tenant = rows[0]
+        digest, revoked_at, last_used_at, tenant_id, name, tier = rows[0]
         if not hmac.compare_digest(digest, _sha256(secret)) or revoked_at is not None:
             return None
         now = self._clock()
@@ -220,7 +220,11 @@ class Store:
             # Bookkeeping only: a store that cannot write now (full disk) must not lock every key out.
             with contextlib.suppress(sqlite3.OperationalError):
                 await self._write("UPDATE api_keys SET last_used_at = ? WHERE id = ?", (now, key_id))
-        return Tenant(*tenant)
+        return Tenant(tenant_id, name, tier, key_id)
+
+    async def keys_with_unknown_tiers(self, tiers: set[str]) -> list[ApiKey]:
+        """The live keys whose tenant's tier is not among `tiers` (the ones a config defines)."""
+        return [key for key in await self.list_keys() if key.revoked_at is None and key.tier not in tiers]
 
     # --- conversations ---
 
@@ -596,8 +600,8 @@ def check_status(status: str) -> None:
 
 
 def _check_tier(tier: str) -> None:
-    if tier not in TIERS:
-        raise ValueError(f"tier must be one of {', '.join(TIERS)}; got {tier!r}")
+    if not TIER_NAME.fullmatch(tier):
+        raise ValueError(f"a tier name is 1-32 lower-case letters, digits, '-' or '_'; got {tier!r}")
 
 
 def _conversation(row: sqlite3.Row) -> Conversation:

@@ -17,6 +17,7 @@ class Tenant:
     id: str
     name: str
     tier: str
+    key_id: str | None = None  # the API key a request authenticated with (None: the local user)
 
 
 @dataclass(frozen=True)

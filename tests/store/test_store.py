@@ -167,7 +167,7 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_data(tmp_path):
                      "VALUES ('ten_1', 'conversations', 'm', 'conv_1', 'msg_2', 12, 4, 3, 0.5, 2.0)")
     async with await Store.open(path) as store:
         assert user_version(path) == SCHEMA_VERSION
-        assert await store.authenticate(f"chatd_{key_id}_{secret}") == Tenant("ten_1", "alice", "paid")
+        assert await store.authenticate(f"chatd_{key_id}_{secret}") == Tenant("ten_1", "alice", "paid", key_id)
         assert (await store.get_conversation("ten_1", "conv_1")).title == "kept"
         history = await store.list_messages("conv_1")
         assert [(m.id, m.role, m.content, m.completion_tokens) for m in history] == [
@@ -185,7 +185,7 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_data(tmp_path):
 async def test_a_key_authenticates_its_tenant_until_revoked(store):
     key, record = await store.create_key("alice", "premium")
     assert key.startswith(f"chatd_{record.id}_")
-    assert await store.authenticate(key) == Tenant(record.tenant_id, "alice", "premium")
+    assert await store.authenticate(key) == Tenant(record.tenant_id, "alice", "premium", record.id)
     assert await store.revoke_key(record.id)
     assert await store.authenticate(key) is None
     assert not await store.revoke_key(record.id)  # already revoked
@@ -227,11 +227,31 @@ async def test_a_key_for_an_existing_name_joins_that_tenant_and_sets_its_tier(st
     assert [k.id for k in await store.list_keys()] == [second.id, first.id]  # newest first
 
 
-async def test_tiers_outside_the_list_are_refused_by_name(store):
-    with pytest.raises(ValueError, match="free, paid, premium"):
-        await store.create_key("alice", "gold")
-    with pytest.raises(ValueError, match="free, paid, premium"):
-        await store.local_tenant("gold")
+async def test_any_well_formed_tier_is_kept_and_malformed_names_are_refused(store):
+    _, record = await store.create_key("alice", "gold")  # which tiers exist is the config's to say
+    assert record.tier == "gold"
+    for bad in ("Gold", "", "a b", "x" * 33):
+        with pytest.raises(ValueError, match="lower-case letters"):
+            await store.create_key("alice", bad)
+        with pytest.raises(ValueError, match="lower-case letters"):
+            await store.local_tenant(bad)
+
+
+async def test_a_request_s_tenant_names_the_key_it_came_with(store):
+    first, first_record = await store.create_key("alice", "free")
+    second, second_record = await store.create_key("alice", "free")
+    assert (await store.authenticate(first)).key_id == first_record.id
+    assert (await store.authenticate(second)).key_id == second_record.id
+    assert (await store.local_tenant("free")).key_id is None
+
+
+async def test_keys_with_unknown_tiers_are_the_live_ones_outside_the_config(store):
+    _, gold = await store.create_key("alice", "gold")
+    _, paid = await store.create_key("bob", "paid")
+    _, silver = await store.create_key("carol", "silver")
+    await store.revoke_key(silver.id)
+    assert [k.id for k in await store.keys_with_unknown_tiers({"free", "paid", "premium"})] == [gold.id]
+    assert await store.keys_with_unknown_tiers({"gold", "paid"}) == []
 
 
 async def test_the_local_tenant_is_one_row_whose_tier_follows_the_config(store):
@@ -239,7 +259,7 @@ async def test_the_local_tenant_is_one_row_whose_tier_follows_the_config(store):
     assert await store.local_tenant("free") == Tenant("local", "local", "free")
     key, record = await store.create_key("local", "premium")  # the operator's own key reaches the same data
     assert record.tenant_id == "local"
-    assert await store.authenticate(key) == Tenant("local", "local", "premium")
+    assert await store.authenticate(key) == Tenant("local", "local", "premium", record.id)
 
 
 async def test_last_used_is_written_at_most_once_a_minute(store, clock):
