@@ -20,7 +20,7 @@ MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
 # Typed request keys arrived in aiohttp 3.13; a plain string works (with a warning) before that.
 REQUEST_ID = web.RequestKey("request_id", str) if hasattr(web, "RequestKey") else "request_id"
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
          408: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error",
          417: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 

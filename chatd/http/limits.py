@@ -172,7 +172,12 @@ class Limits:
         self._admissions = 0
 
     def tier(self, tenant: Tenant) -> TierConfig:
-        return self.tiers[tenant.tier]
+        tier = self.tiers.get(tenant.tier)
+        if tier is None:  # a key made after start, under a config that defines more tiers
+            log.error("tenant %s has tier %r, which this server's config does not define", tenant.name, tenant.tier)
+            raise APIError(403, f"your API key's tier {tenant.tier!r} is not defined on this server; ask its operator",
+                           None, "unknown_tier")
+        return tier
 
     # -- before tokenizing: where the request may go and how long it may be -----------------------
 

@@ -170,7 +170,8 @@ FIELD_SCHEMAS: dict[str, Schema] = {
     "guided_choice": {"type": "array", "items": NOT_EMPTY_STRING, "minItems": 1, "description": "as structured_outputs.choice"},
     "guided_grammar": {**NOT_EMPTY_STRING, "description": "as structured_outputs.grammar"},
     "ignore_eos": {"type": "boolean", "description": "generate past the end-of-sequence token"},
-    "priority": {"type": "integer", "description": "lower is scheduled first"},
+    "priority": {"type": "integer", "description": "lower is scheduled first; with API keys it is added to the "
+                 "tier's priority, so it can only lower a request's place"},
     "user": {"type": "string"},
     "logit_bias": {"type": "object", "maxProperties": 0, "description": "not supported: only an empty object"},
     "store": {"type": "boolean", "description": "accepted; chatd keeps no completion to retrieve"},
@@ -403,6 +404,13 @@ COMPONENTS: dict[str, Schema] = {
         "start": {"type": "number", "description": "unix seconds"}, "end": {"type": "number", "description": "unix seconds"},
         "requests": COUNT, "input_tokens": COUNT, "cached_tokens": COUNT, "output_tokens": COUNT,
         "cost": {"type": "number"}, "currency": {"const": "USD"},
+        "limits": {"type": "object", "description": "the tier's limits and what is left of them now; `limited` false when "
+                   "nothing limits the caller (auth off); a limit of null is none", "properties": {
+                       "limited": {"type": "boolean"}, "requests_per_minute": nullable(COUNT),
+                       "remaining_requests": nullable(COUNT), "tokens_per_minute": nullable(COUNT),
+                       "remaining_tokens": nullable(COUNT), "max_concurrent_requests": nullable(COUNT),
+                       "in_flight_requests": COUNT, "max_tokens": nullable(COUNT)},
+                   "required": ["limited"]},
     }),
     "Tokenized": _object({"tokens": {"type": "array", "items": COUNT}, "count": COUNT, "max_model_len": COUNT}),
     "Detokenized": _object({"prompt": {"type": "string"}}),
