@@ -199,3 +199,18 @@ def test_an_equal_class_never_preempts_to_be_admitted():
     sched.add(second)
     plan = sched.schedule()
     assert plan.preempted == [] and [s.seq for s in plan.scheduled] == [first]
+
+
+def test_a_worse_class_s_prompt_never_shares_a_step_with_a_better_class_s():
+    sched = make_scheduler(budget=100, max_seqs=8)
+    decoding = make_seq(prompt_len=4, max_tokens=10, priority=20, first_token=0, tenant="free")
+    sched.add(decoding)
+    complete(sched, sched.schedule())
+    free = make_seq(prompt_len=30, max_tokens=2, priority=20, first_token=100, tenant="free")
+    paid = make_seq(prompt_len=30, max_tokens=2, priority=10, first_token=200, tenant="paid")
+    sched.add(free)
+    sched.add(paid)
+    plan = sched.schedule()  # budget for both prompts, but free's would slow paid's first token
+    assert [(s.seq, s.num_new_tokens) for s in plan.scheduled] == [(decoding, 1), (paid, 30)]
+    complete(sched, plan)
+    assert [s.seq for s in sched.schedule().scheduled if s.num_new_tokens > 1] == [free]  # its turn next

@@ -2,7 +2,8 @@
 
 Each step has a token budget. Running decodes are served first (one token each), then
 running prefills continue, then waiting sequences are admitted, with long prompts cut into
-chunks that fit what is left of the budget. Who goes first in each of these is fairness.py's
+chunks that fit what is left of the budget; only the best class with a prompt to compute gets
+prefill chunks in a step. Who goes first in each of these is fairness.py's
 order: the best class (lowest `priority`), then the tenant furthest below its fair share, then
 arrival. When the KV pool runs dry, the running sequence ranked last (the worst class, the
 tenant furthest above its share, the latest arrival) is preempted: its blocks are freed and it
@@ -164,8 +165,12 @@ class Scheduler:
         rank = self.share.rank
         decodes = sorted((s for s in self.running if not s.is_prefilling), key=rank)
         prefills = sorted((s for s in self.running if s.is_prefilling), key=rank)
+        # A prompt of a worse class never shares a step with a better class's: the better one's
+        # first token would wait for both (its decodes, one token each, still run).
+        head = self.waiting.peek()
+        lead = min([s.priority for s in prefills] + ([head.priority] if head is not None else []), default=None)
         unscheduled = set(self.running)
-        for seq in decodes + prefills:
+        for seq in decodes + [s for s in prefills if s.priority == lead]:
             if seq not in unscheduled:  # preempted earlier in this loop to make room
                 continue
             if budget == 0:
@@ -187,7 +192,7 @@ class Scheduler:
         # preempted may come in (anything else would take back the room just made).
         while self.waiting and budget > 0:
             seq = self.waiting.peek()
-            if any(seq.priority >= victim.priority for victim in out.preempted):
+            if seq.priority != lead or any(seq.priority >= victim.priority for victim in out.preempted):
                 break
             if len(self.running) >= self.config.max_num_seqs:
                 freed = self._make_room(seq, out)
