@@ -69,6 +69,7 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
     state.check_model(gen.model, tenant)
     state.check_store_writable()
     timing = _Timing()
+    state.precheck(tenant, gen)
     tools = None
     if chat:
         tools = state.tool_use(gen.tools, gen.messages)

@@ -29,6 +29,7 @@ a time to retry, and cannot give back either. A continuous bucket is a few lines
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -221,14 +222,8 @@ class Limits:
         choice), or refuse it (Refused: 429 or 503, or 400 if it can never fit), taking nothing.
         `priority` is its class as placed; `drain_rate` says how fast the engine drains its queue
         (read only when an objective needs it); `param` names max_tokens as the client did."""
-        try:
+        with self._telling(tenant):
             lease = self._admit(tenant, prompt_tokens, reserved_tokens, priority, drain_rate, param)
-        except Refused as refusal:
-            log.info("request refused", extra={"tenant": tenant.name, "tier": tenant.tier, "reason": refusal.reason,
-                                               "status": refusal.status})
-            if self.metrics is not None:
-                self.metrics.tier_refused(tenant.tier, refusal.reason)
-            raise
         if arrived_at is not None:
             lease.arrived_at = arrived_at
         self.queued.add(lease, self.tier(tenant).weight)
@@ -236,22 +231,53 @@ class Limits:
             self.metrics.tier_admitted(tenant.tier)
         return lease
 
+    def precheck(self, tenant: Tenant, priority: int, drain_rate: Callable[[], float | None]) -> None:
+        """What can be refused before the prompt is rendered and tokenized (all but the token
+        bucket, and the wait estimate without the request's own prompt): a flood that would be
+        refused costs the server no tokenizing. Takes nothing; `admit` checks everything again."""
+        if self.enabled:
+            with self._telling(tenant):
+                self._check(tenant, self.tier(tenant), None, 0, priority, drain_rate, "")
+
+    @contextlib.contextmanager
+    def _telling(self, tenant: Tenant):
+        """Log and count each refusal once, with tenant, tier and reason."""
+        try:
+            yield
+        except Refused as refusal:
+            log.info("request refused", extra={"tenant": tenant.name, "tier": tenant.tier, "reason": refusal.reason,
+                                               "status": refusal.status})
+            if self.metrics is not None:
+                self.metrics.tier_refused(tenant.tier, refusal.reason)
+            raise
+
     def _admit(self, tenant: Tenant, prompt_tokens: int, reserved_tokens: int, priority: int,
                drain_rate: Callable[[], float | None], param: str) -> Lease:
         tier = self.tier(tenant)
         if not self.enabled:
             return Lease(self, tenant.tier, tenant.id, priority, prompt_tokens)
+        budget = self._check(tenant, tier, reserved_tokens, prompt_tokens, priority, drain_rate, param)
+        now = self.clock()
+        for bucket, cost in ((budget.requests, 1), (budget.tokens, reserved_tokens)):
+            if bucket is not None:
+                bucket.take(cost, now)
+        budget.in_flight += 1
+        return Lease(self, tenant.tier, tenant.id, priority, prompt_tokens, budget, reserved_tokens)
+
+    def _check(self, tenant: Tenant, tier: TierConfig, reserved_tokens: int | None, prompt_tokens: int,
+               priority: int, drain_rate: Callable[[], float | None], param: str) -> Budget:
+        """Refuse (Refused) unless every limit lets the request in; `reserved_tokens` None: not known yet."""
         now = self.clock()
         budget = self._budget(tenant, tier, now)
         refuse = _Refusal(tenant, tier)
-        if tier.tokens_per_minute and reserved_tokens > tier.tokens_per_minute:
+        if reserved_tokens is not None and tier.tokens_per_minute and reserved_tokens > tier.tokens_per_minute:
             reducible = reserved_tokens - prompt_tokens
             raise refuse.never(reserved_tokens, param if prompt_tokens < tier.tokens_per_minute and reducible else None)
         if tier.max_concurrent_requests and budget.in_flight >= tier.max_concurrent_requests:
             raise refuse.concurrency(budget.in_flight)
         if budget.requests is not None and (wait := budget.requests.wait(1, now)):
             raise refuse.rate("requests", budget.requests, 1, wait, now)
-        if budget.tokens is not None and (wait := budget.tokens.wait(reserved_tokens, now)):
+        if reserved_tokens is not None and budget.tokens is not None and (wait := budget.tokens.wait(reserved_tokens, now)):
             raise refuse.rate("tokens", budget.tokens, reserved_tokens, wait, now)
         waiting = self.queued.requests.get(tenant.tier, 0)
         if tier.max_queued_requests and waiting >= tier.max_queued_requests:
@@ -260,11 +286,7 @@ class Limits:
             expected = self._expected_wait(tenant, tier, priority, prompt_tokens, drain_rate)
             if expected > tier.ttft_p95_seconds:
                 raise refuse.overloaded(expected)
-        for bucket, cost in ((budget.requests, 1), (budget.tokens, reserved_tokens)):
-            if bucket is not None:
-                bucket.take(cost, now)
-        budget.in_flight += 1
-        return Lease(self, tenant.tier, tenant.id, priority, prompt_tokens, budget, reserved_tokens)
+        return budget
 
     def _expected_wait(self, tenant: Tenant, tier: TierConfig, priority: int, prompt_tokens: int,
                        drain_rate: Callable[[], float | None]) -> float:

@@ -197,6 +197,12 @@ class ServerState:
 
     # -- admission under the tenant's tier ---------------------------------------------------------
 
+    def precheck(self, tenant: Tenant, gen: GenerationRequest) -> None:
+        """Refuse now what the tier's limits would refuse whatever the prompt's length, before the
+        prompt is rendered and tokenized: a refused flood costs no tokenizing."""
+        priority = self.limits.placement(tenant, gen.priority)["priority"]
+        self.limits.precheck(tenant, priority, lambda: self.engine.stats().queued_prefill_rate)
+
     def admit(self, tenant: Tenant, gen: GenerationRequest, prompts: list[list[int]],
               arrived_at: float | None = None) -> tuple[Lease, dict]:
         """Admit a tokenized request under its tenant's tier, or refuse it (429, 503, 400: limits.py).

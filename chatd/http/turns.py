@@ -196,6 +196,7 @@ class Turns:
         lease = None
         try:
             try:
+                state.precheck(tenant, job.gen)
                 prompt, omitted = await job.prepare()
                 await state.check_structured(job.gen.params.structured)
                 lease, placement = state.admit(tenant, job.gen, [prompt])

@@ -262,3 +262,17 @@ def test_a_tier_the_config_does_not_define_is_a_403_not_a_crash():
         admit(lim, Tenant("t-gold", "gold", "gold"))
     assert (refused.value.status, refused.value.code) == (403, "unknown_tier")
     assert refused.value.body()["error"]["type"] == "permission_error"
+
+
+def test_the_precheck_refuses_before_tokenizing_what_no_prompt_length_could_save():
+    lim = limits(Clock(), free=TierConfig(max_concurrent_requests=1, tokens_per_minute=100, priority=20))
+    lim.precheck(ALICE, 20, no_queue)  # takes nothing
+    lease = admit(lim, ALICE, reserved=90)
+    with pytest.raises(Refused) as refused:
+        lim.precheck(ALICE, 20, no_queue)
+    assert refused.value.reason == "concurrency"
+    lease.release(90)  # it used all it reserved: 10 tokens are left
+    lim.precheck(ALICE, 20, no_queue)  # the token bucket needs the prompt's length: checked at admission
+    with pytest.raises(Refused) as refused:
+        admit(lim, ALICE, reserved=90)
+    assert refused.value.reason == "tokens"
