@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -68,20 +69,22 @@ class ModelInfo:
 
 
 class DrainRate:
-    """How fast a queue drains: prompt tokens computed per second over the recent steps that left
-    requests waiting (an exponential average over about ten such steps). When the batch is full
-    (slots or KV blocks) and nothing is admitted, it falls towards 0: a server divides the work
-    queued ahead of a new request by it to estimate that request's wait."""
+    """How fast a queue drains: prompt tokens computed per second in the steps that left requests
+    waiting, an exponential average over about the last WINDOW seconds of them (steps, not a
+    count of them: one long prefill step and ten short decode steps weigh what they last). When
+    the batch is full (slots or KV blocks) and nothing is admitted, it falls towards 0. A server
+    divides the work queued ahead of a new request by it to estimate that request's wait."""
 
-    DECAY = 0.9  # per step
+    WINDOW = 5.0  # seconds
 
     def __init__(self) -> None:
         self.tokens = 0.0
         self.seconds = 0.0
 
     def note(self, num_tokens: int, seconds: float) -> None:
-        self.tokens = self.tokens * self.DECAY + num_tokens
-        self.seconds = self.seconds * self.DECAY + seconds
+        decay = math.exp(-seconds / self.WINDOW)
+        self.tokens = self.tokens * decay + num_tokens
+        self.seconds = self.seconds * decay + seconds
 
     @property
     def per_second(self) -> float | None:
