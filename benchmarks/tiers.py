@@ -13,14 +13,17 @@ key database on (keys made before each start), and drives it with streamed chat 
    requests are served first come, first served.
 
 Every request asks for the same length (EOS ignored) with a prompt of 100-300 words from a
-seeded RNG. A refused free request (429 or 503) waits its Retry-After (at most 2 s) and goes on.
-The batch is kept small (`[scheduler] max_num_seqs`, default 16) so that it, not the CPU's
-arithmetic, is what the tiers share. It prints, per mode, the paid TTFT p50/p95, and what
-happened to the free requests (served, 429, 503, failed), then paid p95 under `tiers` and under
-`fcfs` as ratios of `paid_alone` (the goal: within 1.5x with tiers). The client runs on the
-same machine as the server: on 2 cores it takes its share of the CPU in every mode alike.
+seeded RNG. A refused free request (429 or 503) waits its Retry-After (at most 2 s) and goes on;
+no request waits longer than --timeout (default 120 s) in all. The batch is kept small
+(`[scheduler] max_num_seqs`, default 16) so that it, not the CPU's arithmetic, is what the tiers
+share. It prints the config of each mode, then per mode the paid TTFT p50/p95, and what happened
+to the free requests (served, 429, 503, timed out, failed otherwise), then paid p95 under `tiers`
+and under `fcfs` as ratios of `paid_alone` (the goal: within 1.5x with tiers). With --repeats N
+the modes run N times in turn and each figure is the median of its N per-run values. The client
+runs on the same machine as the server: on 2 cores it takes its share of the CPU in every mode alike.
 
     python benchmarks/tiers.py --json tiers.json           # ~3 minutes on 2 cores
+    python benchmarks/tiers.py --repeats 3                  # medians of three runs, ~10 minutes
     python benchmarks/tiers.py --quick                      # smoke test (a tiny model, 5 s a mode), ~40 s
 """
 
@@ -33,6 +36,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,10 +70,16 @@ def tier_config(args, mode: str) -> str:
             f"[tiers.paid]\n{unlimited}priority = 10\n")
 
 
-def write_config(path: Path, args, mode: str) -> str:
-    text = (f'[store]\ndb_path = "{path.parent / (mode + ".db")}"\n\n[auth]\nenabled = true\n\n'
-            f'[model]\ndevice = "cpu"\ndtype = "float32"\n\n[scheduler]\nmax_num_seqs = {args.max_num_seqs}\n'
+def serving_config(args, mode: str) -> str:
+    """What the mode is about, as config.toml: the model, the batch and the tiers."""
+    return (f'[model]\ndevice = "cpu"\ndtype = "float32"\n\n[scheduler]\nmax_num_seqs = {args.max_num_seqs}\n'
             f"max_num_batched_tokens = {args.max_num_batched_tokens}\n\n{tier_config(args, mode)}")
+
+
+def write_config(path: Path, args, mode: str) -> str:
+    """The mode's whole config.toml: the serving config, with keys required and a fresh key database beside it."""
+    text = (f'[store]\ndb_path = "{path.parent / (mode + ".db")}"\n\n[auth]\nenabled = true\n\n'
+            f"{serving_config(args, mode)}")
     path.write_text(text)
     return text
 
@@ -89,7 +99,7 @@ class Tally:
 
     def __init__(self) -> None:
         self.ttfts: list[float] = []
-        self.counts = {"served": 0, "429": 0, "503": 0, "failed": 0}
+        self.counts = {"served": 0, "429": 0, "503": 0, "timeout": 0, "failed": 0}
         self.errors: dict[str, int] = {}  # why requests failed, the first words of each kind
 
     def fail(self, why: str) -> None:
@@ -125,7 +135,10 @@ async def one_request(session: aiohttp.ClientSession, url: str, key: str, text: 
                     first = time.perf_counter() - started
             tally.ttfts.append(first if first is not None else time.perf_counter() - started)
             tally.counts["served"] += 1
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except TimeoutError:  # aiohttp's own timeouts are TimeoutErrors too
+        tally.counts["timeout"] += 1
+        return 0.1
+    except aiohttp.ClientError as exc:
         tally.fail(repr(exc))
         return 0.1
     return 0.0
@@ -153,6 +166,8 @@ async def drive(url: str, keys: dict, args, flood: bool) -> dict:
 
 
 def run_mode(args, mode: str, model_dir: Path, work: Path) -> dict:
+    """One fresh server in this mode, its keys made before it starts, driven for --duration seconds."""
+    work.mkdir(parents=True, exist_ok=True)
     config = work / f"{mode}.toml"
     text = write_config(config, args, mode)
     env = {**os.environ, "CHATD_HOME": str(work / f"{mode}-home")}
@@ -190,21 +205,59 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """One mode over its runs: each figure (p50, p95, each count, the server's means) the median of the runs'."""
+    def merge(tallies: list[dict | None]) -> dict | None:
+        if tallies[0] is None:
+            return None
+        merged = {key: median([t[key] for t in tallies]) for key in tallies[0] if key != "errors"}
+        errors: dict[str, int] = {}
+        for tally in tallies:
+            for why, count in tally["errors"]:
+                errors[why] = errors.get(why, 0) + count
+        return {**merged, "errors": sorted(errors.items(), key=lambda item: -item[1])}
+
+    server_keys = {key for run in runs for key in run["server"]}
+    return {"paid": merge([run["paid"] for run in runs]), "free": merge([run["free"] for run in runs]),
+            "server": {key: median([run["server"].get(key) for run in runs]) for key in sorted(server_keys)},
+            "config": runs[0]["config"], "runs": runs}
+
+
+def paid_p95_ratios(alone: dict, tiers: dict, fcfs: dict) -> dict:
+    p95 = lambda mode: mode.get("paid", {}).get("ttft_p95")  # noqa: E731
+    return {"paid p95 with tiers / alone (goal <= 1.5)": ratio(p95(tiers), p95(alone)),
+            "paid p95 without tiers (fcfs) / alone": ratio(p95(fcfs), p95(alone))}
+
+
 def print_table(report: dict) -> None:
     ms = lambda v: "-" if v is None else f"{v * 1000:.0f}"  # noqa: E731
-    print(f"\n{'mode':<11} {'paid p50 ms':>11} {'paid p95 ms':>11} {'paid done':>9}   "
-          f"{'free served':>11} {'429':>5} {'503':>5} {'failed':>6} {'free p50 ms':>11} {'free p95 ms':>11}")
+    repeats = report["args"]["repeats"]
+    if repeats > 1:
+        print(f"\nmedians of {repeats} runs (each figure on its own)", end="")
+    print(f"\n{'mode':<11} {'paid p50 ms':>11} {'paid p95 ms':>11} {'paid done':>9}   {'free served':>11} "
+          f"{'429':>5} {'503':>5} {'timeout':>7} {'failed':>6} {'free p50 ms':>11} {'free p95 ms':>11}")
     for mode in MODES:
         row = report.get(mode)
         if not row or "paid" not in row:
             print(f"{mode:<11} failed: {row.get('error') if row else 'not run'}")
             continue
         paid, free = row["paid"], row["free"] or {}
-        print(f"{mode:<11} {ms(paid['ttft_p50']):>11} {ms(paid['ttft_p95']):>11} {paid['served']:>9}   "
-              f"{free.get('served', '-'):>11} {free.get('429', '-'):>5} {free.get('503', '-'):>5} "
-              f"{free.get('failed', '-'):>6} {ms(free.get('ttft_p50')):>11} {ms(free.get('ttft_p95')):>11}")
+        count = lambda key: "-" if free.get(key) is None else f"{free[key]:g}"  # noqa: E731
+        print(f"{mode:<11} {ms(paid['ttft_p50']):>11} {ms(paid['ttft_p95']):>11} {paid['served']:>9g}   "
+              f"{count('served'):>11} {count('429'):>5} {count('503'):>5} {count('timeout'):>7} {count('failed'):>6} "
+              f"{ms(free.get('ttft_p50')):>11} {ms(free.get('ttft_p95')):>11}")
+        for tier in ("paid", "free"):
+            for why, times in (row[tier] or {}).get("errors", []):
+                print(f"  {mode} {tier} failed x{times}: {why}")
     for name, value in report["ratios"].items():
-        print(f"{name}: {'-' if value is None else f'{value:.2f}x'}")
+        per_run = report["ratios_per_run"][name]
+        runs = f" (runs: {', '.join('-' if v is None else f'{v:.2f}' for v in per_run)})" if len(per_run) > 1 else ""
+        print(f"{name}: {'-' if value is None else f'{value:.2f}x'}{runs}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--free-tpm", type=int, default=200_000, help="free tier tokens_per_minute per tenant")
     parser.add_argument("--free-queue", type=int, default=16, help="free tier max_queued_requests")
     parser.add_argument("--free-ttft", type=float, default=2.0, help="free tier ttft_p95_seconds")
+    parser.add_argument("--repeats", type=int, default=1, help="run the modes this many times, in turn (default 1)")
     add_common_arguments(parser)
+    parser.set_defaults(timeout=120.0)  # a request that takes longer is counted as timed out
     parser.add_argument("--quick", action="store_true", help="smoke test: 5 s per mode, fewer streams")
     parser.add_argument("--json", metavar="PATH", help="also write every number to this file")
     args = parser.parse_args(argv)
@@ -234,26 +289,37 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"args": vars(args), "command": " ".join([sys.executable, *sys.argv]),
                     "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu_count": os.cpu_count(),
                     "torch": torch.__version__, "load_before": os.getloadavg()}
+    for mode in ("tiers", "fcfs"):  # paid_alone runs with the tiers config
+        print(f"[{mode}] config ([auth] enabled, a fresh key database each run):\n"
+              f"{serving_config(args, mode).strip()}\n", flush=True)
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    failures: dict[str, list[str]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory(prefix="chatd-tiers-bench-") as tmp:
         model_dir = Path(tmp) / "model"
         build_bench_model(args, model_dir)  # replies of ordinary tokens only, as serve.py's
-        for mode in MODES:
-            try:
-                report[mode] = run_mode(args, mode, model_dir, Path(tmp))
-            except Exception as exc:  # keep going: the other modes still say something
-                print(f"[{mode}] FAILED: {exc}", flush=True)
-                report[mode] = {"error": str(exc)}
-    alone = report["paid_alone"].get("paid", {}).get("ttft_p95")
-    report["ratios"] = {
-        "paid p95 with tiers / alone (goal <= 1.5)": ratio(report["tiers"].get("paid", {}).get("ttft_p95"), alone),
-        "paid p95 without tiers (fcfs) / alone": ratio(report["fcfs"].get("paid", {}).get("ttft_p95"), alone),
-    }
+        for repeat in range(args.repeats):  # modes in turn, so a drift in the machine touches each alike
+            for mode in MODES:
+                try:
+                    runs[mode].append(run_mode(args, mode, model_dir, Path(tmp) / f"run{repeat}"))
+                except Exception as exc:  # keep going: the other modes still say something
+                    print(f"[{mode}] FAILED: {exc}", flush=True)
+                    failures[mode].append(str(exc))
+                    runs[mode].append({"error": str(exc)})
+    for mode in MODES:
+        done = [run for run in runs[mode] if "paid" in run]
+        report[mode] = merge_runs(done) if done else {"error": "; ".join(failures[mode]), "runs": runs[mode]}
+        report[mode]["failures"] = failures[mode]
+    report["ratios"] = paid_p95_ratios(report["paid_alone"], report["tiers"], report["fcfs"])
+    report["ratios_per_run"] = {name: [] for name in report["ratios"]}
+    for alone, tiers, fcfs in zip(runs["paid_alone"], runs["tiers"], runs["fcfs"]):
+        for name, value in paid_p95_ratios(alone, tiers, fcfs).items():
+            report["ratios_per_run"][name].append(value)
     report["load_after"] = os.getloadavg()
     print_table(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
         print(f"wrote {args.json}")
-    return 0 if all("paid" in report[mode] for mode in MODES) else 1
+    return 0 if not any(failures.values()) else 1
 
 
 if __name__ == "__main__":

@@ -25,9 +25,9 @@ def test_tiers_quick_runs_every_mode_and_every_free_request_ends_served_or_refus
         assert 0 < paid["ttft_p50"] <= paid["ttft_p95"]
     assert report["paid_alone"]["free"] is None
     for mode in ("tiers", "fcfs"):
-        free = report[mode]["free"]
-        assert free["sent"] == free["served"] + free["429"] + free["503"] + free["failed"] > 0
-        assert free["failed"] == 0, free["errors"]
+        for free in [report[mode]["free"]] + [run["free"] for run in report[mode]["runs"]]:
+            assert free["sent"] == free["served"] + free["429"] + free["503"] + free["timeout"] + free["failed"] > 0
+            assert free["failed"] == 0, free["errors"]
     assert report["fcfs"]["free"]["429"] == report["fcfs"]["free"]["503"] == 0  # tiers off: nothing refused
     assert "[tiers.free]" in report["tiers"]["config"] and "ttft_p95_seconds" in report["tiers"]["config"]
     assert set(report["ratios"]) == {"paid p95 with tiers / alone (goal <= 1.5)", "paid p95 without tiers (fcfs) / alone"}
