@@ -145,6 +145,8 @@ class QueuedWork:
             del tenants[lease.tenant_id]
             if not tenants:
                 del self.tokens[lease.priority]
+            if not any(lease.tenant_id in t for t in self.tokens.values()):
+                self.weights.pop(lease.tenant_id, None)
         self.requests[lease.tier_name] -= 1
 
     def ahead(self, priority: int, tenant_id: str, weight: float, num_tokens: int) -> int:
@@ -312,8 +314,13 @@ class Limits:
         if budget.tokens is not None and lease.reserved_tokens > used_tokens:
             budget.tokens.give_back(lease.reserved_tokens - used_tokens, self.clock())
 
+    @staticmethod
+    def _holder(tenant: Tenant, tier: TierConfig) -> str:
+        """Whose budget a request counts against: its tenant's, or its key's with limit_per = "key"."""
+        return f"{tenant.id}/{tenant.key_id}" if tier.limit_per == "key" and tenant.key_id else tenant.id
+
     def _budget(self, tenant: Tenant, tier: TierConfig, now: float) -> Budget:
-        holder = f"{tenant.id}/{tenant.key_id}" if tier.limit_per == "key" and tenant.key_id else tenant.id
+        holder = self._holder(tenant, tier)
         budget = self._budgets.get(holder)
         if budget is None:
             budget = self._budgets[holder] = Budget(
@@ -365,8 +372,7 @@ class Limits:
         }
 
     def _budget_if_any(self, tenant: Tenant, tier: TierConfig) -> Budget | None:
-        holder = f"{tenant.id}/{tenant.key_id}" if tier.limit_per == "key" and tenant.key_id else tenant.id
-        return self._budgets.get(holder)
+        return self._budgets.get(self._holder(tenant, tier))
 
 
 class Refused(APIError):

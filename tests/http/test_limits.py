@@ -244,7 +244,7 @@ def test_every_lease_leaves_nothing_behind():
     leases[0].first_token(0.1)
     for lease in leases:
         lease.release(10)
-    assert lim.queued.tokens == {} and all(n == 0 for n in lim.queued.requests.values())
+    assert lim.queued.tokens == {} and lim.queued.weights == {} and all(n == 0 for n in lim.queued.requests.values())
     assert lim.remaining(ALICE)["in_flight_requests"] == 0
 
 
