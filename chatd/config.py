@@ -288,30 +288,35 @@ def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:
         if name not in SECTIONS:
             raise ValueError(f"unknown config section [{name}]; known: {', '.join(SECTIONS)}")
         cls = SECTIONS[name]
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        for key, value in section_values.items():
-            if key not in known:
-                raise ValueError(f"unknown setting {name}.{key}; known: {', '.join(known)}")
-            expected = type(getattr(cls(), key))
-            if (name, key) in ONE_OR_MORE and isinstance(value, str):
-                value = (value,) if value else ()
-                section_values = {**section_values, key: value}
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                section_values = {**section_values, key: float(value)}
-            elif expected is tuple:
-                if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
-                    raise ValueError(f"setting {name}.{key} must be a list of strings, got {value!r}")
-                section_values = {**section_values, key: tuple(value)}
-            elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-                raise ValueError(
-                    f"setting {name}.{key} must be {expected.__name__}, got {value!r}"
-                )
-        sections[name] = cls(**section_values)
+        sections[name] = cls(**_checked(name, cls, section_values))
     config = Config(**sections, prices=prices, tiers=tiers)
     if config.auth.local_tier not in tiers:
         raise ValueError(f"setting auth.local_tier names tier {config.auth.local_tier!r}, which is not defined; "
                          f"defined: {', '.join(tiers)}")
     return config
+
+
+def _checked(where: str, cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """A table's settings for `cls`, typed as its defaults are (ints taken as floats, lists as
+    tuples; `ONE_OR_MORE` settings take one string too); ValueError naming `where.key` otherwise."""
+    known = [f.name for f in dataclasses.fields(cls)]  # in their order, for the message
+    checked = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ValueError(f"unknown setting {where}.{key}; known: {', '.join(known)}")
+        expected = type(getattr(cls(), key))
+        if (where, key) in ONE_OR_MORE and isinstance(value, str):
+            value = (value,) if value else ()
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        elif expected is tuple:
+            if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
+                raise ValueError(f"setting {where}.{key} must be a list of strings, got {value!r}")
+            value = tuple(value)
+        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise ValueError(f"setting {where}.{key} must be {expected.__name__}, got {value!r}")
+        checked[key] = value
+    return checked
 
 
 def _build_prices(values: dict[str, Any]) -> dict[str, Price]:
@@ -332,26 +337,12 @@ def _build_prices(values: dict[str, Any]) -> dict[str, Price]:
 def _build_tiers(values: dict[str, Any]) -> dict[str, TierConfig]:
     """DEFAULT_TIERS with each [tiers.NAME] table over its tier (a new name starts from no limits)."""
     tiers = dict(DEFAULT_TIERS)
-    known = {f.name: f for f in dataclasses.fields(TierConfig)}
     for name, table in values.items():
         if not TIER_NAME.fullmatch(name):
             raise ValueError(f"tier name {name!r} must be 1-32 lower-case letters, digits, '-' or '_'")
         if not isinstance(table, dict):
             raise ValueError(f"tiers.{name} must be a table like {{ requests_per_minute = 60 }}, got {table!r}")
-        fields: dict[str, Any] = {}
-        for key, value in table.items():
-            if key not in known:
-                raise ValueError(f"unknown setting tiers.{name}.{key}; known: {', '.join(known)}")
-            expected = type(getattr(TierConfig(), key))
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            elif expected is tuple:
-                if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
-                    raise ValueError(f"setting tiers.{name}.{key} must be a list of strings, got {value!r}")
-                value = tuple(value)
-            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-                raise ValueError(f"setting tiers.{name}.{key} must be {expected.__name__}, got {value!r}")
-            fields[key] = value
+        fields = _checked(f"tiers.{name}", TierConfig, table)
         try:
             tiers[name] = dataclasses.replace(tiers.get(name, TierConfig()), **fields)
         except ValueError as exc:
