@@ -51,6 +51,7 @@ class ModelConfig:
                              f"got {self.max_model_len}")
 
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 PREFIX_CACHE_SCOPES = ("tenant", "global")
 
 
@@ -68,11 +69,21 @@ class CacheConfig:
     prefix_cache_scope: str = "tenant"
     # System prompts whose blocks every tenant shares even when scope is "tenant".
     shared_system_prompts: tuple[str, ...] = ()
+    # Host RAM (GiB) for KV blocks evicted from the device pool, kept by prefix hash and copied
+    # back on a later hit instead of being recomputed. 0 = off.
+    host_kv_cache_gb: float = 0.0
+    # "auto": the model's dtype; "fp8_e4m3" / "fp8_e5m2": one byte per value, twice the blocks.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
             raise ValueError(f"setting cache.prefix_cache_scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}, "
                              f"got {self.prefix_cache_scope!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"setting cache.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.host_kv_cache_gb < 0:
+            raise ValueError(f"setting cache.host_kv_cache_gb must be 0 (off) or more, got {self.host_kv_cache_gb}")
 
 
 @dataclass(frozen=True)
