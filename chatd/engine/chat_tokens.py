@@ -12,6 +12,10 @@ tokenizer that reads control-token strings as plain text.
 The copies are private and set up once: the model's own tokenizer is shared by worker threads, and
 transformers' split_special_tokens flips a flag on it (and leaves it flipped until the next call).
 
+A stored reply is put back into a later prompt as the token ids the model generated, not as
+its text tokenized again (StoredReplies): the prompt of turn N+1 then begins with exactly the
+tokens whose KV blocks turn N left in the prefix cache.
+
 This file knows the `tokenizers` library and its JSON format; it knows nothing of transformers,
 the engine or HTTP.
 """
@@ -92,6 +96,69 @@ class ControlTokenGuard:
                 token_ids.append(ids[end_token])
                 start_token, start_char = end_token + 1, offsets[end_token][1]
         return token_ids
+
+
+class StoredReplies:
+    """Renders a chat in which some assistant messages are given as the token ids the model
+    generated for them: each such message's text is swapped for a private-use stand-in before
+    rendering, the rendered text is tokenized once with offsets, and the tokens of each stand-in
+    are replaced by the stored ids. The template still writes everything around a reply (its
+    role marker, its end-of-turn token), so the prompt reads as the template means it to.
+
+    A message is spliced only where that is exact: its ids decode to its text, the template
+    rendered its stand-in once, and no token of the rendering straddles the stand-in's edge (a
+    tokenizer that would merge the reply with its neighbours). Otherwise None: tokenize the
+    text as always.
+    """
+
+    def __init__(self, backend: Any, decode: Callable[[list[int]], str]) -> None:
+        """backend: the model's Rust tokenizer, copied; decode: ids to text, special tokens kept."""
+        spec = dict(json.loads(backend.to_str()), truncation=None, padding=None)
+        self._tokenizer = _tokenizer_from_spec(spec, plain_text=False)
+        self._decode = decode
+
+    def encode(self, chat: dict, reply_ids: dict[int, list[int]], taken: str,
+               render: Callable[[dict], str]) -> list[int] | None:
+        """Token ids of render(chat) with messages[i] as reply_ids[i]; None where that is not exact.
+        taken: text whose private-use characters must not be stand-ins (the template's source)."""
+        messages = chat["messages"]
+        # Cheap first: ids that do not decode to the text even alone (a reply cut by a stop
+        # string, say) keep their text. Alone, a decoder may drop a leading space it keeps in place.
+        spliced = {i: list(ids) for i, ids in reply_ids.items()
+                   if ids and self._decode(ids).strip() == messages[i]["content"].strip()}
+        while spliced:
+            result = self._splice(chat, spliced, taken, render)
+            if not isinstance(result, int):
+                return result
+            del spliced[result]  # its ids read differently in place (a leading space): its text it is
+        return None
+
+    def _splice(self, chat: dict, spliced: dict[int, list[int]], taken: str,
+                render: Callable[[dict], str]) -> list[int] | int | None:
+        """The spliced prompt; or the index of a message whose ids do not decode to its text in
+        place; or None when splicing cannot be exact at all."""
+        used = set(_PRIVATE_USE_CHAR.findall("".join(_strings(chat)) + taken))
+        stand_ins = dict(zip(spliced, _free_private_use_chars(used)))
+        messages = [dict(m, content=stand_ins[i]) if i in stand_ins else m for i, m in enumerate(chat["messages"])]
+        text = render(dict(chat, messages=messages))
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        ids, offsets = encoding.ids, encoding.offsets
+        token_ids: list[int] = []
+        done = 0  # tokens of `ids` already in token_ids
+        for at, message in sorted((text.find(char), i) for i, char in stand_ins.items()):
+            if at < 0 or text.count(stand_ins[message]) != 1:
+                return None  # the template dropped or repeated a message
+            covering = [i for i, (start, end) in enumerate(offsets) if start < at + 1 and end > at]
+            if not covering or any(offsets[i][0] < at or offsets[i][1] > at + 1 for i in covering):
+                return None  # a token straddles the stand-in: this tokenizer merges a reply with its neighbours
+            token_ids += ids[done : covering[0]]
+            context = token_ids[-4:]  # a reply's first token may read differently after others (a leading space)
+            before = self._decode(context)
+            if self._decode(context + spliced[message]) != before + chat["messages"][message]["content"]:
+                return message
+            token_ids += spliced[message]
+            done = covering[-1] + 1
+        return token_ids + ids[done:]
 
 
 def _written_by_template(content: str, chat_template: str) -> bool:

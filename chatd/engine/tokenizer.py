@@ -12,7 +12,7 @@ import functools
 import json
 from pathlib import Path
 
-from chatd.engine.chat_tokens import ControlTokenGuard
+from chatd.engine.chat_tokens import ControlTokenGuard, StoredReplies
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
 
@@ -52,6 +52,8 @@ class Tokenizer:
                     "needs; set model.special_tokens_in_messages = true to serve it anyway"
                 )
             self._control_token_guard = ControlTokenGuard(backend, _template_source(hf))
+        backend = getattr(hf, "backend_tokenizer", None)
+        self._stored_replies = StoredReplies(backend, self._decode_all) if backend is not None else None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, special_tokens_in_messages: bool = False) -> Tokenizer:
@@ -77,6 +79,9 @@ class Tokenizer:
         return self.hf.decode(
             list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
+
+    def _decode_all(self, token_ids: list[int]) -> str:
+        return self.decode(token_ids, skip_special_tokens=False)
 
     @property
     def chat_template(self) -> str:
@@ -113,9 +118,14 @@ class Tokenizer:
             raise ValueError(f"the chat template refused these messages: {exc}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, reply_ids: dict[int, list[int]] | None = None) -> list[int]:
         """Render messages (and tools) and tokenize them; control tokens come from the template alone
-        (unless the operator opted out), and the template writes BOS itself, so none is added."""
+        (unless the operator opted out), and the template writes BOS itself, so none is added.
+
+        reply_ids: for stored assistant messages (by index), the token ids the model generated;
+        each is put in the prompt as those ids wherever that is exact (chat_tokens.StoredReplies),
+        so a conversation's next prompt starts with the tokens its last turn left in the cache.
+        Only the server's own records may fill it: a client's ids could spell any control token."""
         chat = {"messages": messages, "tools": tools}  # a tool's description is client text too
 
         def render(chat: dict) -> str:
@@ -124,6 +134,10 @@ class Tokenizer:
         guard = self._control_token_guard
         if guard is not None and guard.finds_control_text(chat):
             return guard.encode(chat, render)
+        if reply_ids and self._stored_replies is not None:
+            spliced = self._stored_replies.encode(chat, reply_ids, self.chat_template, render)
+            if spliced is not None:
+                return spliced
         # No control token spelled in any message: the whole rendered text, exactly as always.
         return self.encode(render(chat), add_special_tokens=False)
 

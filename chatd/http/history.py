@@ -20,11 +20,15 @@ def render_turn(state: ServerState, conversation: Conversation, history: list[Me
                           turn.gen, trim=True, param="content")
 
 
-def past_messages(history: list[Message]) -> list[dict]:
-    """Stored messages as the chat template takes them. Failed replies are left out (their user
-    message stays); a partial reply counts with the text it has; developer is the system role."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in history
-            if m.role != "assistant" or (m.status != "error" and m.content)]
+def past_messages(history: list[Message]) -> list[Message]:
+    """The stored messages a prompt holds: failed replies are left out (their user message
+    stays); a partial reply counts with the text it has."""
+    return [m for m in history if m.role != "assistant" or (m.status != "error" and m.content)]
+
+
+def template_message(message: Message) -> dict:
+    """A stored message as the chat template takes it: developer is the system role."""
+    return {"role": "system" if message.role == "developer" else message.role, "content": message.content}
 
 
 def render_history(state: ServerState, system_prompt: str | None, history: list[Message], new: list[dict],
@@ -42,11 +46,15 @@ def render_history(state: ServerState, system_prompt: str | None, history: list[
     room = gen.params.max_tokens or min(1024, window // 4)  # what the reply needs
     state.check_text_size(sum(len(m["content"]) for m in new) + len(system_prompt or ""), param)
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    past = past_messages(history)
+    kept = past_messages(history)
+    past = [template_message(m) for m in kept]
 
     def encode(dropped: int) -> list[int]:
+        # Replies go in as the ids the model generated where that is exact: the prompt then
+        # starts with the very tokens the last turn left in the prefix cache.
+        replies = {len(system) + i: m.token_ids for i, m in enumerate(kept[dropped:]) if m.token_ids}
         try:
-            return state.tokenizer.encode_chat(system + past[dropped:] + new)
+            return state.tokenizer.encode_chat(system + past[dropped:] + new, reply_ids=replies)
         except ValueError as exc:
             raise APIError(400, f"cannot render this conversation with the model's chat template: {exc}", param) from exc
 

@@ -32,7 +32,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from chatd.engine import FinishReason, RequestOutput
+from chatd.engine import CompletionOutput, FinishReason, RequestOutput
 from chatd.http.errors import APIError, error_body
 from chatd.http.history import render_turn
 from chatd.http.limits import Lease
@@ -279,8 +279,9 @@ class Turns:
         # the conversation next sees it. If the store cannot write now (a full disk) the ledger keeps
         # it and writes it later; the stream ends at once, with the message as it will be saved.
         if job.stored:
+            reply_ids = _reply_token_ids(state, job.gen, output) if status != "error" else None
             await state.ledger.finish_turn(tenant.id, assistant.id, model=state.model_name, endpoint=job.endpoint,
-                                           **fields)
+                                           token_ids=reply_ids, **fields)
         else:
             state.ledger.record_usage(tenant.id, endpoint=job.endpoint, model=state.model_name, cost=fields["cost"],
                                       prompt_tokens=len(prompt), cached_tokens=cached, completion_tokens=completion)
@@ -354,6 +355,18 @@ def _fail(started: asyncio.Future, exc: BaseException) -> None:
         started.cancel()
     else:
         started.set_exception(exc)
+
+
+def _reply_token_ids(state: ServerState, gen: GenerationRequest, output: CompletionOutput | None) -> list[int] | None:
+    """A reply's tokens as the next turn's prompt holds them: what was generated, less the stop
+    token that ended it (the template writes its own end of turn)."""
+    if output is None or not output.token_ids:
+        return None
+    ids = list(output.token_ids)
+    stop_ids = set(gen.params.stop_token_ids) | (state.tokenizer.eos_token_ids if state.tokenizer else set())
+    if output.finish_reason == FinishReason.STOP and not isinstance(output.stop_reason, str) and ids[-1] in stop_ids:
+        ids.pop()
+    return ids
 
 
 async def _save_partial(state: ServerState, message_id: str, merged: RequestOutput) -> None:

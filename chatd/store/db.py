@@ -18,7 +18,8 @@ import re
 import secrets
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from array import array
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,9 @@ SCHEMA_FILE = Path(__file__).with_name("schema.sql")
 _API_KEY_COLUMNS = "k.id, k.tenant_id, t.name, t.tier, k.created_at, k.revoked_at, k.last_used_at"
 _CONVERSATION_COLUMNS = "id, tenant_id, model, title, system_prompt, metadata, created_at, updated_at"
 _MESSAGE_COLUMNS = ("id, conversation_id, role, content, status, finish_reason, prompt_tokens, cached_tokens, "
-                    "completion_tokens, cost, created_at, updated_at")
+                    "completion_tokens, cost, created_at, updated_at, token_ids")
 _INSERT_MESSAGE = (f"INSERT INTO messages (position, response_id, {_MESSAGE_COLUMNS}) "
-                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 _RESPONSE_COLUMNS = ("id, tenant_id, conversation_id, previous_response_id, output_message_id, stored, model, "
                      "instructions, request, created_at")
 _INSERT_USAGE = ("INSERT INTO usage_events (tenant_id, endpoint, model, conversation_id, message_id, prompt_tokens, "
@@ -91,6 +92,9 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX messages_by_response ON messages (response_id, position) WHERE response_id IS NOT NULL",
         "CREATE INDEX responses_by_tenant ON responses (tenant_id, created_at)",
     ],
+    # 4: a reply's token ids as the model generated them (int32s, native byte order), so the next
+    # turn's prompt holds exactly the tokens the prefix cache has. NULL: only its text is known.
+    ["ALTER TABLE messages ADD COLUMN token_ids BLOB"],
 ]
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 
@@ -316,13 +320,13 @@ class Store:
         """A conversation's messages in order (check the conversation is the caller's first)."""
         rows = await self._fetch(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? "
                                  "ORDER BY position", (conversation_id,))
-        return [Message(*row) for row in rows]
+        return [_message_row(row) for row in rows]
 
     async def get_message(self, conversation_id: str, message_id: str) -> Message | None:
         """One message of a conversation, or None."""
         rows = await self._fetch(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? AND id = ?",
                                  (conversation_id, message_id))
-        return Message(*rows[0]) if rows else None
+        return _message_row(rows[0]) if rows else None
 
     @_whole
     async def start_turn(self, tenant_id: str, conversation_id: str, content: str) -> tuple[Message, Message]:
@@ -366,7 +370,7 @@ class Store:
             params.append(cursor[0][0])
         rows = await self._fetch(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? {bound}"
                                  f"ORDER BY position {direction} LIMIT ?", (*params, limit + 1))
-        return [Message(*row) for row in rows[:limit]], len(rows) > limit
+        return [_message_row(row) for row in rows[:limit]], len(rows) > limit
 
     async def delete_item(self, conversation_id: str, message_id: str) -> bool:
         """Remove a message from a conversation for good; False if it has no such message."""
@@ -423,7 +427,7 @@ class Store:
         """The messages a response added, in order: its input items, then its output."""
         rows = await self._fetch(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE response_id = ? ORDER BY position",
                                  (response_id,))
-        return [Message(*row) for row in rows]
+        return [_message_row(row) for row in rows]
 
     async def chain_messages(self, response_id: str) -> list[Message]:
         """The messages of a response and of every response before it by previous_response_id,
@@ -436,7 +440,7 @@ class Store:
             "WHERE r.previous_response_id IS NOT NULL) "
             f"SELECT {columns} FROM chain JOIN messages m ON m.response_id = chain.id "
             "ORDER BY chain.depth DESC, m.position", (response_id,))
-        return [Message(*row) for row in rows]
+        return [_message_row(row) for row in rows]
 
     async def save_partial(self, message_id: str, content: str, completion_tokens: int) -> None:
         """Keep the reply so far; a reply already finished is left alone."""
@@ -447,9 +451,9 @@ class Store:
     async def finish_turn(self, tenant_id: str, message_id: str, *, content: str, status: str,
                           finish_reason: str | None, prompt_tokens: int, cached_tokens: int,
                           completion_tokens: int, cost: float, model: str, endpoint: str = "conversations",
-                          finished_at: float | None = None) -> Message:
+                          finished_at: float | None = None, token_ids: Sequence[int] | None = None) -> Message:
         """Write the finished reply and its usage event together, both stamped `finished_at`
-        (default: now).
+        (default: now). token_ids: the reply's tokens as generated, kept for the next turn's prompt.
 
         When the message is gone (its conversation purged mid-reply) the usage is still recorded,
         then LookupError is raised.
@@ -459,15 +463,16 @@ class Store:
         async with self._transaction() as conn:
             await conn.execute(
                 "UPDATE messages SET content = ?, status = ?, finish_reason = ?, prompt_tokens = ?, cached_tokens = ?, "
-                "completion_tokens = ?, cost = ?, updated_at = ? WHERE id = ?",
-                (content, status, finish_reason, prompt_tokens, cached_tokens, completion_tokens, cost, now, message_id))
+                "completion_tokens = ?, cost = ?, updated_at = ?, token_ids = ? WHERE id = ?",
+                (content, status, finish_reason, prompt_tokens, cached_tokens, completion_tokens, cost, now,
+                 _pack_ids(token_ids), message_id))
             rows = await conn.execute_fetchall(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,))
             conversation_id = rows[0][1] if rows else None
             await conn.execute(_INSERT_USAGE, (tenant_id, endpoint, model, conversation_id, message_id,
                                                prompt_tokens, cached_tokens, completion_tokens, cost, now))
         if not rows:
             raise LookupError(f"no message {message_id!r} (its usage was recorded)")
-        return Message(*rows[0])
+        return _message_row(rows[0])
 
     # --- usage ---
 
@@ -614,6 +619,15 @@ def _response(row: sqlite3.Row) -> Response:
     return Response(*head, bool(stored), model, instructions, orjson.loads(request), created_at)
 
 
+def _message_row(row: sqlite3.Row) -> Message:
+    *head, token_ids = row
+    return Message(*head, tuple(array("i", token_ids)) if token_ids is not None else None)
+
+
+def _pack_ids(token_ids: Sequence[int] | None) -> bytes | None:
+    return array("i", token_ids).tobytes() if token_ids else None
+
+
 def _message(conversation_id: str | None, role: str, content: str, now: float, status: str = "complete") -> Message:
     return Message(_new_id("msg_", 12), conversation_id, role, content, status, None, 0, 0, 0, 0.0, now, now)
 
@@ -631,7 +645,7 @@ async def _next_position(conn: aiosqlite.Connection, tenant_id: str, conversatio
 
 async def _insert_messages(conn: aiosqlite.Connection, conversation_id: str | None, response_id: str | None,
                            position: int, messages: list[Message]) -> None:
-    await conn.executemany(_INSERT_MESSAGE, [(position + i, response_id, *dataclasses.astuple(m))
+    await conn.executemany(_INSERT_MESSAGE, [(position + i, response_id, *dataclasses.astuple(m)[:-1], _pack_ids(m.token_ids))
                                              for i, m in enumerate(messages)])
 
 

@@ -18,7 +18,7 @@ import math
 import sqlite3
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -81,6 +81,7 @@ class ReplyWrite:
     model: str
     endpoint: str  # the usage event's: "conversations" or "responses"
     finished_at: float
+    token_ids: tuple[int, ...] | None = None  # the reply's tokens as generated
 
     kind = "finished reply"
 
@@ -142,12 +143,14 @@ class Ledger:
 
     def finish_turn(self, tenant_id: str, message_id: str, *, content: str, status: str, finish_reason: str | None,
                     prompt_tokens: int, cached_tokens: int, completion_tokens: int, cost: float,
-                    model: str, endpoint: str = "conversations") -> asyncio.Future[bool]:
+                    model: str, endpoint: str = "conversations",
+                    token_ids: Sequence[int] | None = None) -> asyncio.Future[bool]:
         """Queue a finished reply with its usage (as Store.finish_turn), stamped now; returns at once,
         with a future as record_usage's. ValueError at once for a status outside db.STATUSES."""
         check_status(status)  # the caller's bug, told to it now rather than logged later
         return self._queue(ReplyWrite(tenant_id, message_id, content, status, finish_reason, prompt_tokens, cached_tokens,
-                                      completion_tokens, cost, model, endpoint, self._clock()))
+                                      completion_tokens, cost, model, endpoint, self._clock(),
+                                      tuple(token_ids) if token_ids else None))
 
     def report_failure(self, exc: BaseException) -> None:
         """Another write failed (a turn's start, say): if it means the store cannot write now, the
@@ -294,4 +297,6 @@ def _log_crash(task: asyncio.Task) -> None:
 
 
 def _json(write: UsageWrite | ReplyWrite) -> str:
-    return orjson.dumps(dataclasses.asdict(write)).decode()
+    fields = dataclasses.asdict(write)
+    fields.pop("token_ids", None)  # the text and the usage are what an operator reconciles; ids only speed up a next turn
+    return orjson.dumps(fields).decode()

@@ -63,6 +63,7 @@ class Message:
     cost: float
     created_at: float
     updated_at: float
+    token_ids: tuple[int, ...] | None = None  # a reply's tokens as generated (None: only its text is known)
 
 
 @dataclass(frozen=True)

@@ -322,3 +322,51 @@ def test_stop_strings_end_the_text_exactly_where_they_begin(tok, data):
         assert hit_at is None
         detok.flush()
         assert detok.text == full
+
+
+# --- stored replies go back into the prompt as the ids the model generated ---
+
+@pytest.fixture(scope="module", params=["sentencepiece", "llama3-bpe"])
+def chat_tok(request, tokenizer_dir, tmp_path_factory) -> Tokenizer:
+    if request.param == "sentencepiece":
+        return Tokenizer.from_pretrained(tokenizer_dir)
+    return Tokenizer.from_pretrained(build_llama3_tokenizer(tmp_path_factory.mktemp("llama3")))
+
+
+def one_token_per_character(tok: Tokenizer, text: str) -> list[int]:
+    """Ids for text that its tokenizer would never choose (one token per character, as a model
+    may generate it), yet that decode to exactly the text."""
+    if "<0x41>" in tok.hf.get_vocab():  # byte fallback: one byte token per UTF-8 byte
+        ids = byte_ids(tok, text)
+    else:
+        ids = [i for char in text for i in tok.encode(char, add_special_tokens=False)]
+    assert tok.decode(ids, skip_special_tokens=False).strip() == text.strip()
+    return ids
+
+
+def test_a_stored_reply_goes_into_the_next_prompt_as_its_generated_ids(chat_tok):
+    tok = chat_tok
+    first = [{"role": "user", "content": "What is a paged cache?"}]
+    prompt = tok.encode_chat(first)
+    reply_ids = one_token_per_character(tok, "Blocks of keys and values.")
+    reply = tok.decode(prompt + reply_ids, skip_special_tokens=False)[len(tok.decode(prompt, skip_special_tokens=False)):]
+    chat = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And a prefix cache?"}]
+
+    ids = tok.encode_chat(chat, reply_ids={1: reply_ids})
+    assert ids[: len(prompt) + len(reply_ids)] == prompt + reply_ids  # the last turn's tokens, exactly
+    assert ids != tok.encode_chat(chat)  # (the text alone tokenizes otherwise)
+    # It reads as the template renders the chat: the template still writes the end of the turn.
+    assert tok.decode(ids, skip_special_tokens=False) == tok.decode(tok.encode_chat(chat), skip_special_tokens=False)
+
+
+def test_ids_that_do_not_read_as_the_stored_text_leave_the_text_in_the_prompt(chat_tok):
+    tok = chat_tok
+    chat = [{"role": "user", "content": "Say stop."}, {"role": "assistant", "content": "I will"},
+            {"role": "user", "content": "Now."}]
+    # A stop string cut the text short of the ids: the ids are not what the history says.
+    cut_by_stop = tok.encode("I will stop here", add_special_tokens=False)
+    assert tok.encode_chat(chat, reply_ids={1: cut_by_stop}) == tok.encode_chat(chat)
+    # Ids that spell a control token the text does not show are never spliced in.
+    forged = tok.encode("I will", add_special_tokens=False) + [tok.hf.convert_tokens_to_ids("<|im_end|>")] \
+        if "<|im_end|>" in tok.hf.get_vocab() else tok.encode("I will!", add_special_tokens=False)
+    assert tok.encode_chat(chat, reply_ids={1: forged}) == tok.encode_chat(chat)

@@ -23,9 +23,9 @@ class CountingTokenizer(Tokenizer):
 
     renders = 0
 
-    def encode_chat(self, messages, add_generation_prompt=True):
+    def encode_chat(self, messages, add_generation_prompt=True, tools=None, reply_ids=None):
         self.renders += 1
-        return super().encode_chat(messages, add_generation_prompt)
+        return super().encode_chat(messages, add_generation_prompt, tools, reply_ids)
 
 
 @pytest.fixture(scope="module")

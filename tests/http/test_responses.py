@@ -8,6 +8,7 @@ from __future__ import annotations
 import sqlite3
 import time
 import uuid
+from array import array
 
 import httpx
 import openai
@@ -104,7 +105,33 @@ def test_instructions_are_the_system_message_of_one_response_only(server, tokeni
     follow_up = create(server, input="And another?", previous_response_id=first.id)
     assert follow_up.instructions is None and follow_up.previous_response_id == first.id
     assert follow_up.usage.input_tokens == len(tokenizer.encode_chat(
-        [as_item("user", question), as_item("assistant", first.output_text), as_item("user", "And another?")]))
+        [as_item("user", question), as_item("assistant", first.output_text), as_item("user", "And another?")],
+        reply_ids={1: output_ids(server, first.id)}))
+
+
+def output_ids(server, response_id: str) -> list[int] | None:
+    """The token ids the store kept for a response's output message."""
+    with sqlite3.connect(server["db"]) as conn:
+        [(blob,)] = conn.execute("SELECT m.token_ids FROM messages m JOIN responses r ON m.id = r.output_message_id "
+                                 "WHERE r.id = ?", (response_id,)).fetchall()
+    return None if blob is None else list(array("i", blob))
+
+
+def test_a_chained_response_finds_the_whole_previous_prompt_and_output_in_the_cache(server, tokenizer):
+    """previous_response_id puts the earlier output back as the ids the model generated, so every
+    full block of the earlier prompt and output (less its last, unfed token) is a cache hit."""
+    checked = 0
+    for attempt in range(3):
+        first = create(server, input=unique("Describe a paged KV cache."))
+        ids = output_ids(server, first.id)
+        assert ids is not None and len(ids) == first.usage.output_tokens == 8
+        follow_up = create(server, input="Go on.", previous_response_id=first.id)
+        if tokenizer.decode(ids, skip_special_tokens=False).strip() != first.output_text.strip():
+            continue  # a random reply that spells a special token goes back as its text
+        checked += 1
+        computed = first.usage.input_tokens + first.usage.output_tokens - 1
+        assert follow_up.usage.input_tokens_details.cached_tokens == computed // BLOCK * BLOCK
+    assert checked >= 2
 
 
 def test_input_as_a_list_of_items_with_an_earlier_output_passed_back(server, tokenizer):
@@ -234,17 +261,16 @@ def test_cancelling_a_response_being_generated(server):
 
 def test_six_turn_chains_compute_only_their_new_tokens(server, tokenizer):
     """Each turn of a previous_response_id chain and of a conversation= chain renders its history
-    exactly as the client would send it, and its prefix-cache hit covers every whole block it
-    shares with the previous turn's prompt and generated tokens.
-
-    The demo model's random outputs hold byte tokens that do not come back from their text (a
-    lone 0xB5 byte reads as U+FFFD), so the history as text re-renders the previous output only
-    up to its first such token: an offline replay of each turn gives the generated ids to
-    compare with, and where the output survives its text, its blocks are served too."""
+    with every earlier output as the ids the model generated (an offline replay of each turn
+    gives them), so its prefix-cache hit covers every whole block of the previous turn's prompt
+    and generated tokens (less the last, sampled but never fed). An output whose ids spell a
+    special token its text does not show goes back as its text, and its hit ends where that
+    text's tokens part from the ids."""
     replay = LLM(server["model_dir"], device="cpu", num_blocks=128)
     conversation = client(server).conversations.create()
+    spliced = 0
     for chain in ("previous_response_id", "conversation"):
-        history, previous, previous_tokens = [], None, None
+        history, previous, previous_tokens, outputs = [], None, None, {}
         for turn in range(6):
             question = unique(f"Turn {turn}: tell me about block {turn} of the paged cache.")
             link = {"conversation": conversation.id} if chain == "conversation" else {
@@ -252,7 +278,7 @@ def test_six_turn_chains_compute_only_their_new_tokens(server, tokenizer):
             r = create(server, input=question, max_output_tokens=16, **link)
             assert r.conversation.id == conversation.id if chain == "conversation" else r.conversation is None
             history.append(as_item("user", question))
-            prompt = tokenizer.encode_chat(history)
+            prompt = tokenizer.encode_chat(history, reply_ids=outputs)
             assert r.usage.input_tokens == len(prompt), (chain, turn)
             [generated] = replay.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
             assert generated.outputs[0].text == r.output_text, (chain, turn)  # the replay is the server's reply
@@ -263,16 +289,19 @@ def test_six_turn_chains_compute_only_their_new_tokens(server, tokenizer):
                 # (The previous turn's last token was sampled but never computed: it has no KV.)
                 assert cached == min(shared, len(previous_tokens) - 1) // BLOCK * BLOCK, (chain, turn)
                 assert r.usage.input_tokens - cached < r.usage.input_tokens - shared + BLOCK
+                if shared >= len(previous_tokens):
+                    spliced += 1  # the previous output went back as its ids: all of it is cached
             previous_tokens = prompt + list(generated.outputs[0].token_ids)
+            outputs[len(history)] = list(generated.outputs[0].token_ids)
             history.append(as_item("assistant", r.output_text))
             previous = r
-        # The chained reply is what the client would get by sending the whole history itself.
+        # A client that sends the history itself sends text: the server renders it as text.
         stateless = create(server, input=history[:-1], max_output_tokens=16)
-        assert stateless.output_text == previous.output_text
-        assert stateless.usage.input_tokens == previous.usage.input_tokens
+        assert stateless.usage.input_tokens == len(tokenizer.encode_chat(history[:-1]))
     items = client(server).conversations.items.list(conversation.id, order="asc", limit=100)
     assert [(i.role, i.content[0].text) for i in items.data] == [(m["role"], m["content"]) for m in history]
     assert all(i.status == "completed" for i in items.data)
+    assert spliced >= 3, "half the demo model's random outputs (5 of 10 here) go back as their ids"
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

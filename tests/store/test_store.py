@@ -99,7 +99,7 @@ async def test_a_new_file_gets_its_folder_the_schema_and_the_version(tmp_path):
     async with await Store.open(path):
         tables = {name for (name,) in read_sql(path, "SELECT name FROM sqlite_master WHERE type = 'table'")}
         assert set(TABLES) <= tables
-        assert user_version(path) == SCHEMA_VERSION == 3
+        assert user_version(path) == SCHEMA_VERSION == 4
         assert read_sql(path, "PRAGMA journal_mode") == [("wal",)]
 
 
@@ -172,6 +172,7 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_data(tmp_path):
         history = await store.list_messages("conv_1")
         assert [(m.id, m.role, m.content, m.completion_tokens) for m in history] == [
             ("msg_1", "user", "hi", 0), ("msg_2", "assistant", "hello", 3)]
+        assert [m.token_ids for m in history] == [None, None]  # an old reply's ids are unknown: its text it is
         assert (await store.usage("ten_1", 0, float("inf"))).requests == 1
         await store.probe_write()  # the table it needs came with the migration
         response, output = await store.create_response("ten_1", model="m", stored=True, inputs=[("user", "more")],
@@ -394,6 +395,11 @@ async def test_a_turn_starts_partial_and_finishes_with_its_usage(store, clock):
     _, second = await store.start_turn(alice, conversation.id, "again")
     assert [m.role for m in await store.list_messages(conversation.id)] == ["user", "assistant"] * 2
     assert (await store.list_messages(conversation.id))[-1].id == second.id
+    # The reply's token ids are kept with it, exactly, for the next turn's prompt.
+    ids = [0, 7, 2**31 - 1, 49151]
+    assert (await finish(store, alice, second.id, token_ids=ids)).token_ids == tuple(ids)
+    assert (await store.list_messages(conversation.id))[-1].token_ids == tuple(ids)
+    assert done.token_ids is None
 
 
 async def test_a_turn_on_a_deleted_or_foreign_conversation_writes_nothing(store):
