@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, behind one small interface.
 
 `common` holds the step's batch layout (`AttentionMetadata`, built once per step by
-`build_step`) and the backend interface: `write_kv` (new K/V into their slots) and `attend`.
+`build_step`) and the backend interface: `write_kv` (new K/V into their slots) and `attend`,
+with the KV cache in the model's dtype or fp8 (`resolve_kv_dtype`, `quantize_kv`, `dequantize_kv`).
 Backends: `sdpa` (portable reference, CPU and CUDA), and on CUDA `triton`, `torch-varlen` and
 `flash-attn`; `select_backend` picks one.
 """
@@ -12,6 +13,10 @@ from chatd.engine.attention.common import (
     KVCache,
     StepInputs,
     build_step,
+    dequantize_kv,
+    is_fp8,
+    quantize_kv,
+    resolve_kv_dtype,
     to_device,
     triton_available,
 )
@@ -31,6 +36,10 @@ __all__ = [
     "TorchVarlenBackend",
     "TritonBackend",
     "build_step",
+    "dequantize_kv",
+    "is_fp8",
+    "quantize_kv",
+    "resolve_kv_dtype",
     "select_backend",
     "to_device",
     "triton_available",

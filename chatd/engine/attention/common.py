@@ -4,6 +4,10 @@ The runner describes a step's flat batch once, in `AttentionMetadata`; every lay
 new K/V and queries to the chosen backend, which writes K/V into their slots and attends over
 each sequence's pages. KV layout per layer: `[num_blocks, block_size, kv_heads, head_dim]`;
 slot = block * block_size + offset. This module knows nothing of models or scheduling.
+
+The cache is in the model's dtype or in fp8 (`cache.kv_cache_dtype`): an fp8 cache stores
+clamp(x / scale) in one byte and is read back as stored * scale, with one key scale and one
+value scale per backend (1.0 unless set: chatd reads no calibrated scales from checkpoints).
 """
 
 from __future__ import annotations
@@ -17,6 +21,34 @@ import torch
 from chatd.engine.worker.ragged import pad_ragged
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block_size, kv_heads, head_dim]
+
+FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def resolve_kv_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for a `cache.kv_cache_dtype` setting: "auto" is the model's own dtype."""
+    return model_dtype if setting == "auto" else FP8_KV_DTYPES[setting]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether a cache of this dtype is quantized (stores x / scale, read back times scale)."""
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as a cache of `cache_dtype` stores it: for fp8, x / scale clamped to the format's largest
+    finite value (saturating: a large key never becomes inf or NaN); otherwise a plain cast."""
+    if not is_fp8(cache_dtype):
+        return x.to(cache_dtype)
+    limit = torch.finfo(cache_dtype).max
+    return (x.float() / scale).clamp_(-limit, limit).to(cache_dtype)
+
+
+def dequantize_kv(stored: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cache contents as values of `dtype`: fp8 times its scale (fp8 widens to fp16, bf16 or fp32 exactly)."""
+    if not is_fp8(stored.dtype):
+        return stored.to(dtype)
+    return stored.to(dtype) * scale
 
 
 @dataclass
@@ -128,6 +160,13 @@ class AttentionBackend:
     # A decode-only step can be captured in a CUDA graph: no host syncs, no Python that reads
     # the batch's data, launch shapes fixed by the padded batch size.
     supports_cuda_graphs = False
+    # Reads an fp8 cache: its kernel widens fp8 and applies k_scale and v_scale itself.
+    reads_fp8_kv = False
+
+    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        # One pair for all layers, as vLLM uses without scales calibrated into the checkpoint.
+        self.k_scale = k_scale
+        self.v_scale = v_scale
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
@@ -143,16 +182,20 @@ class AttentionBackend:
         """Store new keys/values ([T, kv_heads, head_dim]) into their slots.
 
         On CUDA with triton this is one kernel for keys and values together; elsewhere one
-        indexed copy per tensor (padding slots, -1, only occur in CUDA graphs).
+        indexed copy per tensor (padding slots, -1, only occur in CUDA graphs). An fp8 cache
+        stores them quantized (see quantize_kv).
         """
         k_cache, v_cache = kv_cache
         if k_cache.is_cuda and triton_available():
             from chatd.engine.attention.triton_kernels import store_kv
 
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
             return
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        for cache, new, scale in ((k_cache, k, self.k_scale), (v_cache, v, self.v_scale)):
+            stored = quantize_kv(new, cache.dtype, scale)
+            if is_fp8(cache.dtype):  # index_copy_ has no fp8 kernel on CPU: copy the bytes
+                cache, stored = cache.view(torch.uint8), stored.view(torch.uint8)
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, meta.slot_mapping, stored)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float

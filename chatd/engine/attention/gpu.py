@@ -9,6 +9,10 @@
 
 FlashAttention's paged mode has page-size rules of its own; `select_backend` checks each
 backend against sdpa on a small problem with the configured block size before using it.
+
+Of these, only `triton` reads an fp8 KV cache: torch's varlen_attn and flash-attn 2's varlen kernel
+take K/V in the queries' dtype and no K/V scales, so with an fp8 cache `select_backend` passes
+them over (widening the pages they would read, every step, would cost more than fp8 saves).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+    reads_fp8_kv = True
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
@@ -58,7 +63,7 @@ class TritonBackend(AttentionBackend):
     def write_kv(self, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         from chatd.engine.attention.triton_kernels import store_kv
 
-        store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, self.k_scale, self.v_scale)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
@@ -68,7 +73,7 @@ class TritonBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_attention(
             q, kv_cache[0], kv_cache[1], out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, scale,
+            meta.max_query_len, scale, k_scale=self.k_scale, v_scale=self.v_scale,
         )
         return out
 

@@ -5,7 +5,9 @@ Decodes run in groups of similar context length, one call per group: their conte
 gathered (padded to the group's longest, masked past each row's end) and each KV head's query
 heads are treated as a short query, so grouped-query attention copies no K/V. Prefill chunks
 run one call per sequence; a chunk with no earlier context attends to its own new K/V without
-touching the cache.
+touching the cache. An fp8 cache is widened and scaled after the gather, only the slots read; a
+chunk with no earlier context then rounds its new K/V as the cache stores them, so its output
+does not depend on whether it was computed or found in the prefix cache.
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chatd.engine.attention.common import AttentionBackend, AttentionMetadata, KVCache, to_device
+from chatd.engine.attention.common import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    dequantize_kv,
+    is_fp8,
+    quantize_kv,
+    to_device,
+)
 
 DECODE_GROUP_SIZE = 16  # decodes gathered per attention call; groups of similar length waste little padding
 
@@ -57,6 +67,7 @@ class SdpaBackend(AttentionBackend):
     """Portable reference: gathers pages and calls torch's scaled_dot_product_attention."""
 
     name = "sdpa"
+    reads_fp8_kv = True
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
@@ -69,8 +80,11 @@ class SdpaBackend(AttentionBackend):
         for group in decode_groups(meta, block_size, q.dtype, q.device):
             g, context = group.slots.shape
             # keys: [g, kv_heads, context, head_dim]; queries: [g, kv_heads, heads per kv head, head_dim]
-            keys = k_slots.index_select(0, group.slots.view(-1)).view(g, context, num_kv_heads, head_dim).transpose(1, 2)
-            values = v_slots.index_select(0, group.slots.view(-1)).view(g, context, num_kv_heads, head_dim).transpose(1, 2)
+            index = group.slots.view(-1)
+            keys = dequantize_kv(k_slots.index_select(0, index), q.dtype, self.k_scale)
+            values = dequantize_kv(v_slots.index_select(0, index), q.dtype, self.v_scale)
+            keys = keys.view(g, context, num_kv_heads, head_dim).transpose(1, 2)
+            values = values.view(g, context, num_kv_heads, head_dim).transpose(1, 2)
             grouped_q = q.index_select(0, group.rows).view(g, num_kv_heads, num_heads // num_kv_heads, head_dim)
             bias = group.bias[:, None, None, :]
             group_out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=bias, scale=scale)
@@ -84,12 +98,17 @@ class SdpaBackend(AttentionBackend):
             # 4-D [1, heads, len, head_dim]: torch's CPU flash kernel only takes batched inputs.
             seq_q = q[start:end].transpose(0, 1)[None]
             if q_len == seq_len:  # no earlier context: the new K/V are the whole context
-                keys, values = k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None]
+                keys, values = k[start:end], v[start:end]
+                if is_fp8(k_cache.dtype):  # what the cache holds, as a later chunk would read it
+                    keys = dequantize_kv(quantize_kv(keys, k_cache.dtype, self.k_scale), q.dtype, self.k_scale)
+                    values = dequantize_kv(quantize_kv(values, v_cache.dtype, self.v_scale), q.dtype, self.v_scale)
+                keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
                 seq_out = F.scaled_dot_product_attention(seq_q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 table = meta.block_tables[i, : -(-seq_len // block_size)]
-                keys = k_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)[None]  # [1, kv_heads, seq_len, head_dim]
-                values = v_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)[None]
+                keys = dequantize_kv(k_cache[table].flatten(0, 1)[:seq_len], q.dtype, self.k_scale)
+                values = dequantize_kv(v_cache[table].flatten(0, 1)[:seq_len], q.dtype, self.v_scale)
+                keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, kv_heads, seq_len, head_dim]
                 # The chunk's queries sit at positions seq_len - q_len .. seq_len - 1.
                 query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
                 future = torch.arange(seq_len, device=q.device)[None, :] > query_pos[:, None]

@@ -3,7 +3,8 @@
 `auto` tries the GPU backends fastest first and keeps the first that is available and gives
 sdpa's answer on a small paged problem shaped like the model (its heads, head_dim, dtype and
 the configured block size), so a kernel with rules of its own (FlashAttention's page sizes)
-is passed over with a logged reason instead of failing mid-request.
+is passed over with a logged reason instead of failing mid-request. With an fp8 KV cache only
+backends that read one are candidates, and the probe runs over an fp8 cache.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chatd.engine.attention.common import AttentionBackend, build_step
+from chatd.engine.attention.common import AttentionBackend, build_step, is_fp8, quantize_kv
 from chatd.engine.attention.gpu import FlashAttnBackend, TorchVarlenBackend, TritonBackend
 from chatd.engine.attention.sdpa import SdpaBackend
 
@@ -27,13 +28,18 @@ AUTO_ORDER = ("flash-attn", "torch-varlen", "triton", "sdpa")  # fastest expecte
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """What a backend must handle: the model's attention and the cache's block size."""
+    """What a backend must handle: the model's attention and the cache's block size and dtype."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    kv_dtype: torch.dtype | None = None  # the KV cache's; None: the model's dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
 
 
 def select_backend(name: str, device: torch.device, shape: AttentionShape) -> AttentionBackend:
@@ -45,6 +51,8 @@ def select_backend(name: str, device: torch.device, shape: AttentionShape) -> At
     for candidate in AUTO_ORDER if name == "auto" else (name,):
         backend_class = BACKENDS[candidate]
         reason = backend_class.unavailable_reason(device)
+        if reason is None and is_fp8(shape.cache_dtype) and not backend_class.reads_fp8_kv:
+            reason = f"it reads no {str(shape.cache_dtype).removeprefix('torch.')} KV cache (cache.kv_cache_dtype)"
         backend = backend_class()
         if reason is None and candidate != "sdpa" and device.type == "cuda":
             reason = probe(backend, device, shape)
@@ -76,7 +84,7 @@ def probe(backend: AttentionBackend, device: torch.device, shape: AttentionShape
         return torch.randn(*size, generator=generator).to(device, shape.dtype)
 
     cache_shape = (num_blocks, bs, shape.num_kv_heads, shape.head_dim)
-    prefix = rand(*cache_shape), rand(*cache_shape)
+    prefix = tuple(quantize_kv(rand(*cache_shape), shape.cache_dtype, 1.0) for _ in range(2))
     q = rand(num_tokens, shape.num_heads, shape.head_dim)
     k, v = rand(num_tokens, shape.num_kv_heads, shape.head_dim), rand(num_tokens, shape.num_kv_heads, shape.head_dim)
     scale = shape.head_dim**-0.5

@@ -13,6 +13,10 @@ the part, each part stores its normalised output and log-sum-exp, and `_merge_sp
 weighs them together. At small batches that gives every SM work instead of one program per
 (sequence, kv head) reading a whole context alone.
 
+An fp8 cache (float8_e4m3fn or float8_e5m2) is stored as clamp(x / scale) and read by widening
+each tile to the queries' dtype (exact: every fp8 value is a bf16, fp16 and fp32 value); the key
+scale joins the score scale and the value scale multiplies the output, so no tile is rescaled.
+
 KV layout per layer: `[num_blocks, block_size, kv_heads, head_dim]`; slot = block * block_size +
 offset. The launch shape depends only on the batch size, kv heads and the longest query run, and
 nothing is read back to the host, so a decode-only step can be captured in a CUDA graph. This
@@ -31,15 +35,17 @@ MIN_DOT = 16  # tl.dot on a GPU needs every tile dimension >= 16: smaller tiles 
 PREFILL_BLOCK_M = 64  # rows (query token x query head) per program when a step has prefill chunks
 BLOCK_N = 64  # context positions per K/V tile; may span several pages
 MAX_SPLITS = 16  # most parts a decode's context is split into (each gets at least one key tile)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @triton.jit
 def _store_kv_kernel(
-    k, v, k_cache, v_cache, slot_mapping,
+    k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,  # new K/V: [T, kv_heads, head_dim], last dim contiguous
     stride_cb, stride_cs, stride_ch,  # caches: [num_blocks, block_size, kv_heads, head_dim]
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # an fp8 cache's largest finite value; 0 for a cache in the model's dtype
 ):
     """One program per new token: its keys and values for every kv head, to the token's slot."""
     token = tl.program_id(0).to(tl.int64)
@@ -53,34 +59,42 @@ def _store_kv_kernel(
     cache_at = page * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
     new_k = tl.load(k + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     new_v = tl.load(v + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    if FP8_MAX > 0:  # scaled, and saturated: fp8 must hold a too-large value as its largest, not inf or NaN
+        new_k = tl.clamp(new_k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
+        new_v = tl.clamp(new_v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
     tl.store(k_cache + cache_at, new_k.to(k_cache.dtype.element_ty), mask=mask)
     tl.store(v_cache + cache_at, new_v.to(v_cache.dtype.element_ty), mask=mask)
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Write this step's keys and values ([T, kv_heads, head_dim], views allowed) into their slots, one launch.
 
     slot_mapping: [T] int64; a negative slot is a padding token (CUDA-graph batches) and writes nothing.
+    An fp8 cache gets clamp(k / k_scale) and clamp(v / v_scale), saturated at the format's largest value.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "the head_dim of new K/V must be contiguous"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
     if num_tokens == 0:
         return
+    fp8_max = torch.finfo(k_cache.dtype).max if k_cache.dtype in FP8_DTYPES else 0.0
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), FP8_MAX=fp8_max,
     )  # fmt: skip
 
 
 @triton.jit
 def _paged_attention_kernel(
-    q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, qk_scale,
+    q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+    qk_scale,  # softmax scale x log2(e) x the key scale of an fp8 cache
+    v_scale,  # the value scale of an fp8 cache (1.0 otherwise): multiplies the output
     split_out, split_lse,  # NUM_SPLITS > 1: per split, [T, heads, NUM_SPLITS, BLOCK_D] and [T, heads, NUM_SPLITS] fp32
     stride_qt, stride_qh, stride_ot, stride_oh,  # q, out: [T, heads, head_dim], last dim contiguous
     stride_cb, stride_cs, stride_ch,  # caches: [num_blocks, block_size, kv_heads, head_dim]
@@ -144,8 +158,9 @@ def _paged_attention_kernel(
         page = tl.load(table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         kv_at = page * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         kv_mask = key_valid[:, None] & dim_valid[None, :]
-        keys = tl.load(k_cache + kv_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        values = tl.load(v_cache + kv_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        # [BLOCK_N, BLOCK_D], in the queries' dtype (an fp8 cache widens exactly; its scales apply outside)
+        keys = tl.load(k_cache + kv_at[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(queries.dtype)
+        values = tl.load(v_cache + kv_at[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(queries.dtype)
 
         scores = tl.dot(queries, tl.trans(keys), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], in log2 units
         # Causal, and for every real row also "before context_end" (the tile's last query sees no further).
@@ -158,7 +173,7 @@ def _paged_attention_kernel(
         acc = acc * correction[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
         row_max = new_max
 
-    result = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    result = acc * (v_scale / tl.where(row_sum > 0, row_sum, 1.0))[:, None]
     if NUM_SPLITS > 1:
         # This split's normalised output and its log2-sum-exp; _merge_splits_kernel weighs them.
         at = ((q_start + token).to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
@@ -207,6 +222,8 @@ def paged_attention(
     max_query_len: int,
     scale: float,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Causal attention of each sequence's new queries over its whole paged context, into `out`.
 
@@ -214,7 +231,8 @@ def paged_attention(
     this step, new K/V already stored); block_tables: [B, max_blocks] int32. Rows with seq_len 0 are
     padding and leave `out` untouched. The grid depends only on B, kv heads and max_query_len.
     num_splits: for a decode-only batch, how many parts each context is split into (None: enough
-    to give the GPU's SMs work, see decode_splits).
+    to give the GPU's SMs work, see decode_splits). k_scale, v_scale: an fp8 cache holds K / k_scale
+    and V / v_scale.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs, num_kv_heads, block_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
@@ -222,6 +240,8 @@ def paged_attention(
     assert q.stride(-1) == 1 and out.stride(-1) == 1, "the head_dim of q and out must be contiguous"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
     group = num_heads // num_kv_heads
+    if k_cache.dtype not in FP8_DTYPES:
+        k_scale = v_scale = 1.0  # scales belong to fp8 caches; store_kv stores other caches as they are
     # A decode has one token, so its rows are just the group's query heads (padded up to a dot tile);
     # prefill chunks pack several tokens per program so K/V tiles serve more rows.
     block_m = max(MIN_DOT, triton.next_power_of_2(group))
@@ -241,7 +261,7 @@ def paged_attention(
         split_lse = torch.empty(q.shape[0], num_heads, num_splits, dtype=torch.float32, device=q.device)
     grid = (num_seqs, num_kv_heads, num_splits if num_splits > 1 else triton.cdiv(max_query_len, block_q))
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale * math.log2(math.e),
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale * math.log2(math.e) * k_scale, v_scale,
         split_out, split_lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
