@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from chatd.config import Config, ModelConfig, chatd_home
-from chatd.engine.attention import AttentionShape, select_backend
+from chatd.engine.attention import AttentionShape, resolve_kv_dtype, select_backend
 from chatd.engine.models.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
 from chatd.engine.models.loader import (
     DEFAULT_MODEL_INSTALL,
@@ -102,16 +102,18 @@ def load_engine_parts(config: Config) -> EngineParts:
     tokenizer, eos = load_tokenizer(checkpoint.config_dir, hf_config, config.model)
 
     block_size = config.cache.block_size
-    shape = AttentionShape(hf_config.num_attention_heads, model.num_kv_heads, model.head_dim, block_size, dtype)
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
+    shape = AttentionShape(hf_config.num_attention_heads, model.num_kv_heads, model.head_dim, block_size, dtype, kv_dtype)
     backend = select_backend(config.model.attention_backend, device, shape)
     make_runner = functools.partial(ModelRunner, model, backend, block_size=block_size, device=device, dtype=dtype,
-                                    eos_token_ids=eos, seed=config.model.seed, max_model_len=context)
-    block_bytes = kv_block_bytes(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype)
+                                    eos_token_ids=eos, seed=config.model.seed, max_model_len=context, kv_dtype=kv_dtype)
+    block_bytes = kv_block_bytes(model.num_layers, block_size, model.num_kv_heads, model.head_dim, kv_dtype)
     num_blocks = size_kv_pool(config, device, block_bytes, context, make_runner)
     runner = make_runner(num_blocks=num_blocks)
     log.info(
-        "loaded %s: dtype %s, device %s, attention %s, %d KV blocks of %d tokens (%.2f GiB), context %d",
+        "loaded %s: dtype %s, device %s, attention %s, %d KV blocks of %d tokens in %s (%.2f GiB), context %d",
         model_path, str(dtype).removeprefix("torch."), device, backend.name, num_blocks, block_size,
+        str(kv_dtype).removeprefix("torch."),
         num_blocks * block_bytes / 2**30, context,
     )
     if device.type == "cuda":

@@ -44,12 +44,14 @@ class ModelRunner:
         eos_token_ids: frozenset[int] = frozenset(),
         seed: int = 0,
         max_model_len: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype  # the KV pool's: the model's dtype, or fp8 (cache.kv_cache_dtype)
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.sampler = Sampler()
@@ -65,7 +67,7 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         # Zeros, not empty: padded reads of never-written slots must not meet NaN garbage.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(self.model.num_layers)
         ]
         self.graphs = None
