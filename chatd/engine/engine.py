@@ -46,6 +46,9 @@ class ModelInfo:
     # What a request that leaves a sampling field out gets: the model's recommendation
     # (temperature, top_p, top_k, min_p, repetition_penalty), from its generation config.
     sampling_defaults: Mapping[str, float] = field(default_factory=dict)
+    kv_cache_dtype: str = ""  # how the KV pool stores values
+    kv_bytes_per_token: int = 0  # keys and values of one token, all layers
+    num_host_kv_blocks: int = 0  # the host tier's blocks (0: off)
 
     @property
     def name(self) -> str:
@@ -62,10 +65,23 @@ class ModelInfo:
             "cuda_graph_max_batch": self.cuda_graph_max_batch,
             "num_kv_blocks": self.num_kv_blocks,
             "block_size": self.block_size,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_cache_gib": round(self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30, 3),
+            "num_host_kv_blocks": self.num_host_kv_blocks,
+            "host_kv_cache_gib": round(self.num_host_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30, 3),
             "max_model_len": self.max_model_len,
             "demo_model": self.is_demo,
             "sampling_defaults": dict(self.sampling_defaults),
         }
+
+
+def kv_bytes_per_token(kv_caches: list) -> int:
+    """Bytes one token's keys and values take across all layers of a pool (0 for none)."""
+    if not kv_caches:
+        return 0
+    k_cache = kv_caches[0][0]  # [blocks, block_size, kv_heads, head_dim]
+    return 2 * len(kv_caches) * k_cache[0, 0].numel() * k_cache.element_size()
 
 
 class DrainRate:
@@ -126,6 +142,7 @@ class LLMEngine:
         is_demo: bool = False,
         sampling_defaults: Mapping[str, float] | None = None,
         clock=time.monotonic,
+        num_host_blocks: int = 0,
     ) -> None:
         self.runner = runner
         self.clock = clock
@@ -136,7 +153,8 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
-        block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                     num_host_blocks)
         self.scheduler = Scheduler(scheduler_config, block_manager, max_model_len, eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -160,6 +178,7 @@ class LLMEngine:
             model_path=str(parts.model_path),
             is_demo=parts.is_demo,
             sampling_defaults=parts.sampling_defaults,
+            num_host_blocks=parts.num_host_blocks,
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -296,6 +315,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch and return what each touched request produced in it."""
         plan = self.scheduler.schedule()
+        if plan.kv_copies:
+            self.runner.copy_kv(plan.kv_copies)
         if plan.is_empty:
             return []
         self._note_queue_times(plan)
@@ -397,6 +418,7 @@ class LLMEngine:
         """Facts about the loaded model and cache, for logs and /v1/models."""
         runner = self.runner
         graphs = getattr(runner, "graphs", None)
+        kv_caches = getattr(runner, "kv_caches", [])
         return ModelInfo(
             path=self.model_path,
             max_model_len=self.max_model_len,
@@ -409,6 +431,9 @@ class LLMEngine:
             block_size=self.scheduler.block_size,
             is_demo=self.is_demo,
             sampling_defaults=dict(self.sampling_defaults),
+            kv_cache_dtype=str(kv_caches[0][0].dtype).removeprefix("torch.") if kv_caches else "",
+            kv_bytes_per_token=kv_bytes_per_token(kv_caches),
+            num_host_kv_blocks=self.scheduler.num_host_kv_blocks,
         )
 
     def live_sequences(self) -> list[Sequence]:

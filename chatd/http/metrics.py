@@ -36,10 +36,11 @@ TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))
 class ServerMetrics:
     """The server's Prometheus metrics."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, kv_bytes_per_token: int = 0, block_size: int = 0) -> None:
+        """kv_bytes_per_token, block_size: the KV pool's layout, so blocks moved read as bytes."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self._engine = _EngineCollector(model_name)
+        self._engine = _EngineCollector(model_name, kv_bytes_per_token, block_size)
         self.registry.register(self._engine)
 
         def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
@@ -166,8 +167,10 @@ class _EngineCollector:
     zero, which Prometheus reads as a counter reset, as it should.
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, kv_bytes_per_token: int, block_size: int) -> None:
         self.model_name = model_name
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.kv_block_bytes = kv_bytes_per_token * block_size
         self.stats: EngineStats | None = None  # None until the first update: everything reads 0
 
     def describe(self) -> Iterable[Metric]:
@@ -183,6 +186,13 @@ class _EngineCollector:
             ("chatd:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", stats.kv_cache_usage if stats else 0.0),
             ("chatd:num_request_streams", "Requests with an open output stream (running, waiting, or not yet collected).",
              stats.num_request_streams if stats else 0),
+            ("chatd:kv_blocks", "KV blocks in the device pool.", stats.num_blocks if stats else 0),
+            ("chatd:kv_blocks_free", "Device KV blocks no request holds (some still cache a prefix).",
+             stats.num_free_blocks if stats else 0),
+            ("chatd:host_kv_blocks", "KV blocks in the host tier (0: off).", stats.num_host_blocks if stats else 0),
+            ("chatd:host_kv_blocks_used", "Host-tier blocks holding a block evicted from the device.",
+             stats.num_host_blocks_used if stats else 0),
+            ("chatd:kv_bytes_per_token", "Bytes of keys and values one token takes, all layers.", self.kv_bytes_per_token),
         ]
         # CounterMetricFamily adds the `_total` suffix to these names when it exposes them.
         counters = [
@@ -191,6 +201,16 @@ class _EngineCollector:
             ("chatd:num_preemptions", "Sequences preempted to free KV cache.", stats.num_preemptions if stats else 0),
             ("chatd:prompt_tokens", "Prompt tokens computed in prefill, recomputation included.", stats.num_prompt_tokens if stats else 0),
             ("chatd:generation_tokens", "Tokens generated.", stats.num_generation_tokens if stats else 0),
+            ("chatd:host_cache_hits", "Prompt tokens copied back from the host tier instead of recomputed.",
+             stats.host_cache_hits if stats else 0),
+            ("chatd:kv_blocks_to_host", "KV blocks copied from the device pool to the host tier.",
+             stats.num_blocks_to_host if stats else 0),
+            ("chatd:kv_blocks_from_host", "KV blocks copied back from the host tier (restored, not recomputed).",
+             stats.num_blocks_from_host if stats else 0),
+            ("chatd:kv_bytes_to_host", "Bytes of KV copied to the host tier.",
+             stats.num_blocks_to_host * self.kv_block_bytes if stats else 0),
+            ("chatd:kv_bytes_from_host", "Bytes of KV copied back from the host tier.",
+             stats.num_blocks_from_host * self.kv_block_bytes if stats else 0),
         ]
         for name, documentation, value in gauges:
             family = GaugeMetricFamily(name, documentation, labels=["model_name"])

@@ -58,7 +58,7 @@ class ServerState:
     _token_text: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, self.model.kv_bytes_per_token, self.model.block_size)
         self.metrics.declare_tiers(self.config.tiers)
         self.limits = Limits(self.config.tiers, self.config.auth.enabled, self.metrics)
 

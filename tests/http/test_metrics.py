@@ -20,6 +20,16 @@ ENGINE_FAMILIES = {
     "chatd:num_preemptions": "counter",
     "chatd:prompt_tokens": "counter",
     "chatd:generation_tokens": "counter",
+    "chatd:kv_blocks": "gauge",
+    "chatd:kv_blocks_free": "gauge",
+    "chatd:host_kv_blocks": "gauge",
+    "chatd:host_kv_blocks_used": "gauge",
+    "chatd:kv_bytes_per_token": "gauge",
+    "chatd:host_cache_hits": "counter",
+    "chatd:kv_blocks_to_host": "counter",
+    "chatd:kv_blocks_from_host": "counter",
+    "chatd:kv_bytes_to_host": "counter",
+    "chatd:kv_bytes_from_host": "counter",
 }
 REQUEST_FAMILIES = {
     "chatd:request_success": "counter",
@@ -87,8 +97,8 @@ def test_exposed_text_has_vllm_style_names_with_total_suffix():
     lines = [line for line in body.decode().splitlines() if not line.startswith("#")]
     assert all(f'model_name="{MODEL}"' in line for line in lines)
     exposed = {line.split("{")[0] for line in lines}
-    counters = {"prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "request_success"}
-    gauges = {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_request_streams"}
+    counters = {name.removeprefix("chatd:") for name, kind in ENGINE_FAMILIES.items() if kind == "counter"} | {"request_success"}
+    gauges = {name.removeprefix("chatd:") for name, kind in ENGINE_FAMILIES.items() if kind == "gauge"}
     histograms = {name.removeprefix("chatd:") for name, kind in REQUEST_FAMILIES.items() if kind == "histogram"}
     expected = (
         {f"chatd:{name}_total" for name in counters}
@@ -212,3 +222,17 @@ def test_tier_series_start_at_zero_and_count_admissions_refusals_and_first_token
     assert after[f"chatd:tier_requests_rate_limited_total{{model_name={MODEL},reason=requests,tier=free}}"] == 1
     assert after[f"chatd:tier_time_to_first_token_seconds_count{{model_name={MODEL},tier=paid}}"] == 1
     assert after[f"chatd:tier_request_queue_time_seconds_sum{{model_name={MODEL},tier=paid}}"] == pytest.approx(0.1)
+
+
+def test_the_host_tier_reads_as_blocks_and_bytes_moved_each_way():
+    metrics = ServerMetrics(MODEL, kv_bytes_per_token=1024, block_size=16)
+    metrics.update_engine(make_stats(num_host_blocks=50, num_host_blocks_used=12, host_cache_hits=64,
+                                     num_blocks_to_host=12, num_blocks_from_host=4))
+    samples = scrape(metrics)
+    label = f"{{model_name={MODEL}}}"
+    assert samples[f"chatd:host_kv_blocks{label}"] == 50
+    assert samples[f"chatd:host_kv_blocks_used{label}"] == 12
+    assert samples[f"chatd:host_cache_hits_total{label}"] == 64
+    assert samples[f"chatd:kv_bytes_to_host_total{label}"] == 12 * 16 * 1024
+    assert samples[f"chatd:kv_bytes_from_host_total{label}"] == 4 * 16 * 1024
+    assert samples[f"chatd:kv_bytes_per_token{label}"] == 1024

@@ -6,7 +6,15 @@ first block, or after the blocks of a prefix shared on purpose (`num_shared_pref
 from there on only requests with the same salt can find its blocks.
 A block whose last user leaves keeps its name and stays findable in the free list until it is
 reused; the free list hands out plain blocks first, then named ones least recently freed
-first. Plain Python: the runner owns the tensors, this module only hands out block numbers.
+first (so the blocks of conversations active lately go last).
+
+With a host tier (`num_host_blocks` > 0), a named block pushed out of the device pool is first
+copied to a host slot under the same name (least recently used host slots are reused first),
+and a prompt whose chain of names runs on past the device's blocks continues on the host's:
+those blocks are copied back into fresh device blocks instead of being recomputed. The copies
+are queued in order as KVCopy records and the runner makes them before the step's forward.
+
+Plain Python: the runner owns the tensors, this module only hands out block numbers.
 """
 
 from __future__ import annotations
@@ -14,8 +22,18 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from chatd.engine.core.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class KVCopy:
+    """One block copied between the pools: device block -> host slot (`to_host`) or back."""
+
+    to_host: bool
+    device_block: int
+    host_slot: int
 
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
@@ -26,9 +44,12 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
 class BlockManager:
     """Hands out KV blocks to sequences, shares equal prefixes, and counts prefix-cache hits."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        if num_host_blocks and not enable_prefix_caching:
+            raise ValueError("a host KV tier keeps blocks by their prefix names: it needs prefix caching on")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -38,7 +59,15 @@ class BlockManager:
         # Blocks nobody uses, in eviction order: plain blocks at the front, then named ones LRU.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
-        self.num_prefix_hits = 0  # of those, tokens found
+        self.num_prefix_hits = 0  # of those, tokens found (on the device or the host)
+        # The host tier: name -> host slot, least recently used first; and slots holding nothing.
+        self.num_host_blocks = num_host_blocks
+        self.host_slots: OrderedDict[bytes, int] = OrderedDict()
+        self.free_host_slots: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self.pending_copies: list[KVCopy] = []  # in the order they must be made
+        self.num_host_hits = 0  # tokens of prompts copied back from the host instead of recomputed
+        self.num_blocks_to_host = 0  # blocks copied out to the host, in all
+        self.num_blocks_from_host = 0  # blocks copied back, in all
 
     # -- counters -------------------------------------------------------------------------
 
@@ -57,7 +86,8 @@ class BlockManager:
     # -- allocation -----------------------------------------------------------------------
 
     def allocate(self, seq: Sequence) -> None:
-        """Admit a sequence holding no blocks: take the longest cached chain of its full blocks.
+        """Admit a sequence holding no blocks: take the longest cached chain of its full blocks
+        (on the device, and where the device's end, on the host: copied back into fresh blocks).
 
         At least one token is left to compute, because the model must run on the last token to
         produce the next one. Sets `num_computed_tokens` and `num_cached_tokens`.
@@ -70,9 +100,15 @@ class BlockManager:
             for i in range(max_blocks):
                 name = self._block_name(seq, i, parent)
                 block = self.cached_blocks.get(name)
-                if block is None:
+                if block is not None:
+                    self._take(block)
+                elif name in self.host_slots and self.free_blocks:
+                    block = self._restore_from_host(name)
+                    if block is None:
+                        break
+                    self.num_host_hits += self.block_size
+                else:
                     break
-                self._take(block)
                 seq.block_table.append(block)
                 seq.block_hashes.append(name)
                 parent = name
@@ -80,6 +116,28 @@ class BlockManager:
             self.num_prefix_hits += len(seq.block_table) * self.block_size
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
+
+    def _restore_from_host(self, name: bytes) -> int | None:
+        """A fresh device block for a block kept on the host, named, held once, its copy back
+        queued; None when the host let it go to make room (a one-slot host tier)."""
+        slot = self.host_slots[name]
+        self.host_slots.move_to_end(name)  # used now: the eviction just below takes another slot
+        block = self._pop_free_block()
+        if self.host_slots.get(name) != slot:
+            self.free_blocks[block] = None
+            self.free_blocks.move_to_end(block, last=False)
+            return None
+        self.ref_counts[block] = 1
+        self.block_hashes[block] = name
+        self.cached_blocks[name] = block
+        self.pending_copies.append(KVCopy(False, block, slot))
+        self.num_blocks_from_host += 1
+        return block
+
+    def take_copies(self) -> list[KVCopy]:
+        """The copies between the pools queued since the last call, in the order they must be made."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def can_allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
@@ -91,8 +149,7 @@ class BlockManager:
             return False
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         for _ in range(needed):
-            block, _ = self.free_blocks.popitem(last=False)
-            self._evict(block)
+            block = self._pop_free_block()
             self.ref_counts[block] = 1
             seq.block_table.append(block)
         return True
@@ -148,11 +205,29 @@ class BlockManager:
             del self.free_blocks[block]
         self.ref_counts[block] += 1
 
-    def _evict(self, block: int) -> None:
+    def _pop_free_block(self) -> int:
+        """The next free block to reuse, its name forgotten (and its contents kept on the host first)."""
+        block, _ = self.free_blocks.popitem(last=False)
         name = self.block_hashes[block]
         if name is not None:
+            if self.num_host_blocks:
+                self._keep_on_host(name, block)
             del self.cached_blocks[name]
             self.block_hashes[block] = None
+        return block
+
+    def _keep_on_host(self, name: bytes, block: int) -> None:
+        """Copy a named block leaving the device to a host slot (the least recently used one when full)."""
+        if name in self.host_slots:  # restored from there and never changed: the host copy is the same
+            self.host_slots.move_to_end(name)
+            return
+        if self.free_host_slots:
+            slot = self.free_host_slots.pop()
+        else:
+            _, slot = self.host_slots.popitem(last=False)
+        self.host_slots[name] = slot
+        self.pending_copies.append(KVCopy(True, block, slot))
+        self.num_blocks_to_host += 1
 
     def check_invariants(self, seqs: list[Sequence]) -> None:
         """Assert the pool's bookkeeping agrees with the given live sequences (for tests)."""
@@ -165,3 +240,5 @@ class BlockManager:
         for name, block in self.cached_blocks.items():
             assert self.block_hashes[block] == name
         assert sum(h is not None for h in self.block_hashes) == len(self.cached_blocks)
+        slots = list(self.host_slots.values()) + self.free_host_slots
+        assert sorted(slots) == list(range(self.num_host_blocks)), "host slots lost or shared"

@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass, field
 
 from chatd.config import SchedulerConfig
-from chatd.engine.core.block_manager import BlockManager
+from chatd.engine.core.block_manager import BlockManager, KVCopy
 from chatd.engine.core.fairness import FairShare, WaitQueue
 from chatd.engine.core.sequence import Sequence, SequenceStatus
 from chatd.engine.params import FinishReason
@@ -51,6 +51,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Blocks to copy between the device pool and the host tier before the step runs, in order
+    # (made even when nothing is scheduled: a restore may have named a block already).
+    kv_copies: list[KVCopy] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -84,6 +87,12 @@ class EngineStats:
     # Prompt tokens computed per second in recent steps that left requests waiting: how fast a
     # queue drains (LLMEngine measures it; None until a queue has formed).
     queued_prefill_rate: float | None = None
+    # The host KV tier (0 blocks: off).
+    num_host_blocks: int = 0
+    num_host_blocks_used: int = 0
+    host_cache_hits: int = 0  # prompt tokens copied back from the host instead of recomputed
+    num_blocks_to_host: int = 0  # blocks copied out to the host
+    num_blocks_from_host: int = 0  # blocks copied back to the device
 
 
 class Scheduler:
@@ -126,6 +135,10 @@ class Scheduler:
     def num_kv_blocks(self) -> int:
         return self.block_manager.num_blocks
 
+    @property
+    def num_host_kv_blocks(self) -> int:
+        return self.block_manager.num_host_blocks
+
     def kv_blocks_needed(self, num_tokens: int) -> int:
         return self.block_manager.blocks_needed(num_tokens)
 
@@ -137,6 +150,9 @@ class Scheduler:
             kv_cache_usage=blocks.usage, num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
             prefix_cache_queries=blocks.num_prefix_queries, prefix_cache_hits=blocks.num_prefix_hits,
             num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
+            num_host_blocks=blocks.num_host_blocks, num_host_blocks_used=len(blocks.host_slots),
+            host_cache_hits=blocks.num_host_hits, num_blocks_to_host=blocks.num_blocks_to_host,
+            num_blocks_from_host=blocks.num_blocks_from_host,
         )
 
     def add(self, seq: Sequence) -> None:
@@ -220,6 +236,7 @@ class Scheduler:
 
         # The runner wants one-token rows (decodes) first: attention batches them in one call.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        out.kv_copies = self.block_manager.take_copies()
         return out
 
     def postprocess(self, plan: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:

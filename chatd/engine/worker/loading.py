@@ -15,6 +15,7 @@ import torch
 
 from chatd.config import Config, ModelConfig, chatd_home
 from chatd.engine.attention import AttentionShape, resolve_kv_dtype, select_backend
+from chatd.engine.engine import kv_bytes_per_token
 from chatd.engine.models.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
 from chatd.engine.models.loader import (
     DEFAULT_MODEL_INSTALL,
@@ -48,6 +49,7 @@ class EngineParts:
     model_path: Path
     is_demo: bool
     sampling_defaults: dict[str, float]  # what requests that leave a sampling field out get
+    num_host_blocks: int = 0  # the host KV tier's size (0: off)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -116,13 +118,30 @@ def load_engine_parts(config: Config) -> EngineParts:
         str(kv_dtype).removeprefix("torch."),
         num_blocks * block_bytes / 2**30, context,
     )
+    num_host_blocks = size_host_tier(runner, config)
     if device.type == "cuda":
         capture_cuda_graphs(runner, config)
     sampling = sampling_defaults(checkpoint, model_path)
     if sampling:
         log.info("sampling defaults from the model (requests that leave them out): %s",
                  ", ".join(f"{name} {value:g}" for name, value in sampling.items()))
-    return EngineParts(runner, tokenizer, num_blocks, context, model.vocab_size, eos, model_path, demo, sampling)
+    return EngineParts(runner, tokenizer, num_blocks, context, model.vocab_size, eos, model_path, demo, sampling,
+                       num_host_blocks)
+
+
+def size_host_tier(runner: ModelRunner, config: Config) -> int:
+    """Allocate the host KV tier from cache.host_kv_cache_gb (blocks as the device pool stores
+    them) and say what it holds; returns its blocks (0: off)."""
+    if not config.cache.host_kv_cache_gb:
+        return 0
+    if not config.cache.enable_prefix_caching:
+        raise ValueError("cache.host_kv_cache_gb keeps blocks by their prefix hash: it needs cache.enable_prefix_caching")
+    block_bytes = kv_bytes_per_token(runner.kv_caches) * config.cache.block_size
+    num_host_blocks = int(config.cache.host_kv_cache_gb * 2**30 // block_bytes)
+    runner.allocate_host_kv(num_host_blocks)
+    log.info("host KV tier: %d blocks (%.2f GiB%s) keep blocks evicted from the device pool for reuse",
+             num_host_blocks, num_host_blocks * block_bytes / 2**30, ", pinned" if runner.device.type == "cuda" else "")
+    return num_host_blocks
 
 
 def locate_model(config: ModelConfig) -> tuple[Path, bool]:

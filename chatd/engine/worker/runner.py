@@ -11,11 +11,13 @@ back in one (the step's only wait for the GPU), and decode-only steps replay CUD
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
 
 from chatd.engine.attention import AttentionBackend, KVCache, build_step
+from chatd.engine.core.block_manager import KVCopy
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.core.sequence import Sequence
 from chatd.engine.params import SamplingParams
@@ -58,6 +60,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own RNG
         self._seed_source = torch.Generator().manual_seed(seed)  # seeds requests that bring none
         self.kv_caches: list[KVCache] = []
+        self.host_kv_caches: list[KVCache] = []  # the host tier (allocate_host_kv), same layout
         self.graphs: DecodeGraphs | None = None
         self.allocate_kv(num_blocks)
 
@@ -71,6 +74,37 @@ class ModelRunner:
             for _ in range(self.model.num_layers)
         ]
         self.graphs = None
+
+    def allocate_host_kv(self, num_host_blocks: int) -> None:
+        """(Re)allocate the host tier: per layer, keys and values of `num_host_blocks` blocks in
+        host RAM, pinned when the pool is on a GPU (so copies can be asynchronous DMA)."""
+        self.host_kv_caches = []
+        if not num_host_blocks:
+            return
+        k_cache = self.kv_caches[0][0]
+        shape = (num_host_blocks, *k_cache.shape[1:])
+        pin = k_cache.is_cuda
+        self.host_kv_caches = [
+            (torch.zeros(shape, dtype=k_cache.dtype, pin_memory=pin), torch.zeros(shape, dtype=k_cache.dtype, pin_memory=pin))
+            for _ in range(len(self.kv_caches))
+        ]
+
+    @torch.inference_mode()
+    def copy_kv(self, copies: list[KVCopy]) -> None:
+        """Make the scheduler's copies between the device pool and the host tier, in order: each
+        run of copies in one direction is one gather and one transfer per layer and tensor."""
+        for to_host, run in itertools.groupby(copies, key=lambda c: c.to_host):
+            # Within a run the source pool is not written, so only each destination's last copy counts.
+            last = {(c.host_slot if to_host else c.device_block): c for c in run}
+            blocks = torch.tensor([c.device_block for c in last.values()])
+            slots = torch.tensor([c.host_slot for c in last.values()])
+            blocks = blocks.to(self.device)
+            for device_kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
+                for pool, host in zip(device_kv, host_kv):  # keys, then values
+                    if to_host:
+                        host.index_copy_(0, slots, pool.index_select(0, blocks).cpu())
+                    else:
+                        pool.index_copy_(0, blocks, host.index_select(0, slots).to(self.device))
 
     @property
     def num_blocks(self) -> int:
