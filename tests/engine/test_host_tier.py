@@ -175,12 +175,14 @@ def run_sessions(llm, num_sessions: int = 6, turns: int = 3) -> tuple[list[list[
     return replies, llm.engine.stats()
 
 
-def test_sessions_restored_from_the_host_generate_what_never_evicted_and_recomputed_ones_do(model_dirs):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_sessions_restored_from_the_host_generate_what_never_evicted_and_recomputed_ones_do(model_dirs, kv_cache_dtype):
     path = model_dirs["llama"]
-    never_evicted, _ = run_sessions(make_llm(path, num_blocks=256))
+    never_evicted, _ = run_sessions(make_llm(path, num_blocks=256, kv_cache_dtype=kv_cache_dtype))
     # 16 blocks of 8 tokens hold about two sessions' histories: the other four are pushed out.
-    recomputed, recompute_stats = run_sessions(make_llm(path, num_blocks=16))
-    restored, host_stats = run_sessions(make_llm(path, num_blocks=16, host_kv_cache_gb=0.01))
+    recomputed, recompute_stats = run_sessions(make_llm(path, num_blocks=16, kv_cache_dtype=kv_cache_dtype))
+    restored, host_stats = run_sessions(make_llm(path, num_blocks=16, host_kv_cache_gb=0.01,
+                                                 kv_cache_dtype=kv_cache_dtype))
     assert restored == never_evicted
     assert recomputed == never_evicted
     assert host_stats.num_blocks_to_host > 0 and host_stats.num_blocks_from_host > 0

@@ -101,6 +101,8 @@ class ModelRunner:
             blocks = blocks.to(self.device)
             for device_kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
                 for pool, host in zip(device_kv, host_kv):  # keys, then values
+                    # As bytes: the copy is exact whatever the dtype (CPU has no fp8 index_copy_).
+                    pool, host = pool.view(torch.uint8), host.view(torch.uint8)
                     if to_host:
                         host.index_copy_(0, slots, pool.index_select(0, blocks).cpu())
                     else:
