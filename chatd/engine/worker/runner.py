@@ -84,8 +84,10 @@ class ModelRunner:
         k_cache = self.kv_caches[0][0]
         shape = (num_host_blocks, *k_cache.shape[1:])
         pin = k_cache.is_cuda
+        # Empty, not zeros: a slot is always written before it is read, and untouched pages of a
+        # large unpinned tier then cost no RAM until used.
         self.host_kv_caches = [
-            (torch.zeros(shape, dtype=k_cache.dtype, pin_memory=pin), torch.zeros(shape, dtype=k_cache.dtype, pin_memory=pin))
+            (torch.empty(shape, dtype=k_cache.dtype, pin_memory=pin), torch.empty(shape, dtype=k_cache.dtype, pin_memory=pin))
             for _ in range(len(self.kv_caches))
         ]
 
