@@ -10,7 +10,8 @@ from the device by its next turn. Each configuration is a fresh engine:
   host tier off / on   (`cache.host_kv_cache_gb`: evicted blocks kept in host RAM by prefix hash)
   kv dtype model / fp8 (`cache.kv_cache_dtype`: one byte per value, so the same bytes hold more blocks)
 
-For each: time to first token of the last turn (median over sessions), prompt tokens computed
+For each: time to first token of the last turn (median over sessions, then over `--repeats`
+runs of every configuration in turn), prompt tokens computed
 per turn (the rest came from the cache, on the device or copied back from the host), blocks
 copied each way, and the last turn's TTFT as a ratio of the host-off, model-dtype run.
 
@@ -54,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reply-tokens", type=int, default=16, help="tokens each reply generates")
     parser.add_argument("--host-gb", type=float, default=1.0, help="host tier size when it is on")
     parser.add_argument("--kv-dtypes", default="auto,fp8_e4m3", help="comma-separated cache.kv_cache_dtype values")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (figures: medians)")
     parser.add_argument("--quick", action="store_true", help="3 sessions, 3 turns, short messages")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
@@ -120,23 +122,33 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model {model} on {args.device}; {args.sessions} sessions x {args.turns} turns of {args.message_tokens} "
           f"message + {args.reply_tokens} reply tokens ({session_tokens} tokens a session at its longest); "
           f"device KV pool {pool_gb * 1024:.1f} MiB (about {args.fit} sessions in the model dtype)")
+    configs = [(kv_dtype, host_gb) for kv_dtype in args.kv_dtypes.split(",") for host_gb in (0.0, args.host_gb)]
+    runs: list[list[dict]] = [[] for _ in configs]
+    for _ in range(args.repeats):  # configurations in turn, so a slow spell of the machine hits them all
+        for i, (kv_dtype, host_gb) in enumerate(configs):
+            runs[i].append(run(args, model, kv_dtype, host_gb, pool_gb, max_len))
+    first_replies = runs[0][0]["replies"]
     results = []
-    for kv_dtype in args.kv_dtypes.split(","):
-        for host_gb in (0.0, args.host_gb):
-            results.append(run(args, model, kv_dtype, host_gb, pool_gb, max_len))
-    base = results[0]
-    print(f"\n{'kv dtype':14} {'host':>5} {'dev blocks':>10} {'turn-1 TTFT':>11} {'last TTFT':>10} {'vs base':>7} "
+    for config_runs in runs:
+        result = dict(config_runs[0])
+        result["last_turn_ttft_s"] = statistics.median(r["last_turn_ttft_s"] for r in config_runs)
+        result["first_turn_ttft_s"] = statistics.median(r["first_turn_ttft_s"] for r in config_runs)
+        # Each run's last-turn TTFT over the first configuration's in the same repeat.
+        result["last_turn_ttft_ratios"] = [r["last_turn_ttft_s"] / base["last_turn_ttft_s"]
+                                           for r, base in zip(config_runs, runs[0])]
+        result["same_replies_as_first_run"] = all(r.pop("replies") == first_replies for r in config_runs)
+        del result["replies"]
+        results.append(result)
+    print(f"\nmedians of {args.repeats} run(s) each")
+    print(f"{'kv dtype':14} {'host':>5} {'dev blocks':>10} {'turn-1 TTFT':>11} {'last TTFT':>10} {'vs base':>7} "
           f"{'to host':>7} {'from host':>9}  prompt tokens computed per turn (of new + history)")
     for r in results:
         print(f"{r['kv_dtype']:14} {'on' if r['host_gb'] else 'off':>5} {r['device_blocks']:>10} "
               f"{r['first_turn_ttft_s'] * 1e3:>9.1f}ms {r['last_turn_ttft_s'] * 1e3:>8.1f}ms "
-              f"{r['last_turn_ttft_s'] / base['last_turn_ttft_s']:>6.2f}x {r['blocks_to_host']:>7} "
+              f"{statistics.median(r['last_turn_ttft_ratios']):>6.2f}x {r['blocks_to_host']:>7} "
               f"{r['blocks_from_host']:>9}  {r['computed_per_turn']}")
-    first_replies = base["replies"]
-    for r in results:
-        r["same_replies_as_first_run"] = r.pop("replies") == first_replies
     same = sum(r["same_replies_as_first_run"] for r in results)
-    print(f"\nreplies identical to the first run's: {same} of {len(results)} runs "
+    print(f"\nreplies identical to the first configuration's: {same} of {len(results)} configurations "
           "(host on and off must agree; fp8 may differ: benchmarks/kv_accuracy.py measures by how much)")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
