@@ -75,9 +75,11 @@ def room_in_pages(db) -> int:
 
 
 async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
+    """Until the store writes again and has written everything it kept (the first write that
+    succeeds makes it ready; the ones queued behind it follow in order)."""
     for _ in range(200):
-        async with session.get(f"{url}/ready") as r:
-            if r.status == 200:
+        async with session.get(f"{url}/ready") as ready, session.get(f"{url}/health") as health:
+            if ready.status == 200 and (await health.json())["store"]["pending_writes"] == 0:
                 return
         await asyncio.sleep(0.05)
     pytest.fail("the store did not write again")
