@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from chatd.bench import add_parser as add_bench_parser
-from chatd.config import DTYPES, LOG_LEVELS, TOOL_PARSERS, Config, load_config, store_path
+from chatd.config import DTYPES, KV_CACHE_DTYPES, LOG_LEVELS, TOOL_PARSERS, Config, load_config, store_path
 from chatd.logs import setup_logging
 from chatd.store.db import Store
 
@@ -90,7 +90,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def serve_config(args: argparse.Namespace) -> Config:
     """The server's config: the config file, with `chatd serve`'s flags (and CHATD_API_KEY) over it."""
-    overrides: dict[str, dict] = {"model": {}, "server": {}, "auth": {}}
+    overrides: dict[str, dict] = {"model": {}, "server": {}, "auth": {}, "cache": {}}
     if args.model:
         overrides["model"]["path"] = args.model
     if args.device:
@@ -113,6 +113,10 @@ def serve_config(args: argparse.Namespace) -> Config:
         overrides["model"]["dtype"] = args.dtype
     if args.log_level:
         overrides["server"]["log_level"] = args.log_level
+    if args.kv_cache_dtype:
+        overrides["cache"]["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.host_kv_cache_gb is not None:
+        overrides["cache"]["host_kv_cache_gb"] = args.host_kv_cache_gb
     if args.tool_call_parser:
         overrides["model"]["tool_parser"] = args.tool_call_parser
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
@@ -196,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=_positive_int, metavar="TOKENS",
                        help="the context window, prompt and reply, in tokens (default: the model's own)")
     serve.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default auto: float32 on CPU, bfloat16 on CUDA)")
+    serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                       help="how the KV cache stores values (default auto: the model's dtype; fp8 halves bf16's bytes)")
+    serve.add_argument("--host-kv-cache-gb", type=_non_negative_float, metavar="GIB",
+                       help="host RAM for KV blocks evicted from the device pool, copied back on reuse (default 0: off)")
     serve.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
                        help="how the model's tool calls are read (default auto: from its chat template)")
     serve.add_argument("--log-level", choices=LOG_LEVELS, help="the least severe log lines written (default info)")
@@ -255,6 +263,16 @@ def _add_model_flags(parser: argparse.ArgumentParser,
     parser.add_argument("--model", help=model_help)
     parser.add_argument("--config", help="path to a config.toml")
     parser.add_argument("--device", help="auto | cpu | cuda[:N]")
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value >= 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:

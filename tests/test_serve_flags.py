@@ -43,8 +43,10 @@ def test_version_prints_the_installed_version_and_exits_0():
 
 def test_serve_flags_land_in_their_settings(served):
     assert main(["serve", "--served-model-name", "qwen3-8b", "gpt-4o-mini", "--max-model-len", "512",
-                 "--dtype", "bfloat16", "--log-level", "error", "--api-key", KEY, "--tool-call-parser", "mistral"]) == 0
+                 "--dtype", "bfloat16", "--log-level", "error", "--api-key", KEY, "--tool-call-parser", "mistral",
+                 "--kv-cache-dtype", "fp8_e4m3", "--host-kv-cache-gb", "2.5"]) == 0
     [config] = served
+    assert (config.cache.kv_cache_dtype, config.cache.host_kv_cache_gb) == ("fp8_e4m3", 2.5)
     assert config.model.tool_parser == "mistral"
     assert config.server.model_name == ("qwen3-8b", "gpt-4o-mini")
     assert (config.model.max_model_len, config.model.dtype, config.server.log_level) == (512, "bfloat16", "error")
@@ -81,6 +83,9 @@ def test_flags_win_over_the_config_file_and_the_environment(tmp_path, monkeypatc
     (["--max-model-len", "4k"], "argument --max-model-len: must be a whole number, got '4k'"),
     (["--served-model-name"], "argument --served-model-name: expected at least one argument"),
     (["--tool-call-parser", "json"], "argument --tool-call-parser: invalid choice: 'json'"),
+    (["--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: invalid choice: 'fp8'"),
+    (["--host-kv-cache-gb", "-1"], "argument --host-kv-cache-gb: must be 0 or more, got -1"),
+    (["--host-kv-cache-gb", "lots"], "argument --host-kv-cache-gb: must be a number, got 'lots'"),
 ])
 def test_bad_flag_values_exit_2_naming_the_flag(flags, message, served, capsys):
     with pytest.raises(SystemExit) as exited:
