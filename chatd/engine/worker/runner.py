@@ -93,22 +93,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_kv(self, copies: list[KVCopy]) -> None:
-        """Make the scheduler's copies between the device pool and the host tier, in order: each
-        run of copies in one direction is one gather and one transfer per layer and tensor."""
+        """Make the scheduler's copies between the device pool and the host tier, in order. Each
+        run of copies in one direction crosses between host and device in one transfer: the
+        blocks of every layer's keys and values gathered into one tensor on the side they leave."""
+        # As bytes: a copy is exact whatever the dtype (and CPU has no fp8 index_copy_).
+        device_pools = [pool.view(torch.uint8) for kv in self.kv_caches for pool in kv]
+        host_pools = [pool.view(torch.uint8) for kv in self.host_kv_caches for pool in kv]
         for to_host, run in itertools.groupby(copies, key=lambda c: c.to_host):
             # Within a run the source pool is not written, so only each destination's last copy counts.
             last = {(c.host_slot if to_host else c.device_block): c for c in run}
-            blocks = torch.tensor([c.device_block for c in last.values()])
+            blocks = torch.tensor([c.device_block for c in last.values()], device=self.device)
             slots = torch.tensor([c.host_slot for c in last.values()])
-            blocks = blocks.to(self.device)
-            for device_kv, host_kv in zip(self.kv_caches, self.host_kv_caches):
-                for pool, host in zip(device_kv, host_kv):  # keys, then values
-                    # As bytes: the copy is exact whatever the dtype (CPU has no fp8 index_copy_).
-                    pool, host = pool.view(torch.uint8), host.view(torch.uint8)
-                    if to_host:
-                        host.index_copy_(0, slots, pool.index_select(0, blocks).cpu())
-                    else:
-                        pool.index_copy_(0, blocks, host.index_select(0, slots).to(self.device))
+            if to_host:
+                moved = torch.stack([pool.index_select(0, blocks) for pool in device_pools]).cpu()
+                for host, part in zip(host_pools, moved):
+                    host.index_copy_(0, slots, part)
+            else:
+                staged = torch.stack([host.index_select(0, slots) for host in host_pools])
+                if self.device.type == "cuda":
+                    staged = staged.pin_memory()
+                moved = staged.to(self.device, non_blocking=True)
+                for pool, part in zip(device_pools, moved):
+                    pool.index_copy_(0, blocks, part)
 
     @property
     def num_blocks(self) -> int:
