@@ -171,12 +171,15 @@ async def test_html_in_a_reply_or_a_message_never_runs(chat):
     await chat.send('<img src=y onerror="window.__pwned = 6">')
     reply = await chat.reply_done()
     content = reply.locator(".content")
-    await content.locator("b").hover()
+    await content.get_by_text("hover me").hover()
     await content.locator("a").click()
     assert await chat.page.evaluate("window.__pwned") is None
-    assert await content.locator("script, iframe, [onerror], [onmouseover]").count() == 0
+    assert await content.locator("script, iframe, img, b, [onerror], [onmouseover]").count() == 0
     assert await content.locator("a").get_attribute("href") is None
-    assert "hover me" in await content.inner_text() and "end" in await content.inner_text()
+    # The model's raw HTML is shown as the text it wrote (never parsed, so not even refused by the CSP).
+    text = await content.inner_text()
+    assert '<img src=x onerror="window.__pwned = 2">' in text and '<b onmouseover="window.__pwned = 3">hover me</b>' in text
+    assert text.endswith(" end")
     # The user's own message is shown as the text it is.
     assert await chat.user_messages() == ['<img src=y onerror="window.__pwned = 6">']
 
