@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh tests        # the gpu-marked tests (kernels, graphs, memory, greedy)
 #   bash benchmarks/gpu_session.sh throughput   # offline.py: Qwen3-0.6B shape vs transformers' peers
 #   bash benchmarks/gpu_session.sh steps        # steps.py: 8B decode rooflines and TTFT
+#   bash benchmarks/gpu_session.sh kv           # kv_sessions.py (host tier, fp8 KV) and kv_accuracy.py
 #
 # It runs from a checkout without installing chatd (PYTHONPATH), installs wheels carried in
 # .whl/ first if there are any (the GPU machine has no network), and leaves logs and JSON in
@@ -27,6 +28,9 @@ case "${1:-}" in
         "$PYTHON" benchmarks/offline.py --device cuda --skip-steps --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" ;;
     steps)
         "$PYTHON" benchmarks/steps.py --device cuda --tmp-dir /tmp --json "$OUT/steps.json" 2>&1 | tee "$OUT/steps.log" ;;
+    kv)
+        "$PYTHON" benchmarks/kv_sessions.py --device cuda --repeats 3 --json "$OUT/kv_sessions.json" 2>&1 | tee "$OUT/kv.log"
+        "$PYTHON" benchmarks/kv_accuracy.py --device cuda 2>&1 | tee -a "$OUT/kv.log" ;;
     *)
-        echo "usage: bash benchmarks/gpu_session.sh tests|throughput|steps" >&2; exit 2 ;;
+        echo "usage: bash benchmarks/gpu_session.sh tests|throughput|steps|kv" >&2; exit 2 ;;
 esac

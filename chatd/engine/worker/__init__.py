@@ -1,2 +1,3 @@
 """The engine's torch side: loading.py builds a ModelRunner (runner.py), which runs each step's forward,
-samples (sampler.py) and replays CUDA graphs for decodes (cuda_graphs.py)."""
+samples (sampler.py), replays CUDA graphs for decodes (cuda_graphs.py) and moves blocks between the
+device pool and the host KV tier (host_kv.py)."""

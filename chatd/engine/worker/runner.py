@@ -11,7 +11,6 @@ back in one (the step's only wait for the GPU), and decode-only steps replay CUD
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 import torch
@@ -22,6 +21,7 @@ from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.core.sequence import Sequence
 from chatd.engine.params import SamplingParams
 from chatd.engine.worker.cuda_graphs import DecodeGraphs
+from chatd.engine.worker.host_kv import HostKVTier
 from chatd.engine.worker.sampler import Sampler, SamplerOutput, SamplingRow
 
 log = logging.getLogger("chatd.engine")
@@ -60,7 +60,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own RNG
         self._seed_source = torch.Generator().manual_seed(seed)  # seeds requests that bring none
         self.kv_caches: list[KVCache] = []
-        self.host_kv_caches: list[KVCache] = []  # the host tier (allocate_host_kv), same layout
+        self.host_tier: HostKVTier | None = None  # allocate_host_kv
         self.graphs: DecodeGraphs | None = None
         self.allocate_kv(num_blocks)
 
@@ -76,45 +76,13 @@ class ModelRunner:
         self.graphs = None
 
     def allocate_host_kv(self, num_host_blocks: int) -> None:
-        """(Re)allocate the host tier: per layer, keys and values of `num_host_blocks` blocks in
-        host RAM, pinned when the pool is on a GPU (so copies can be asynchronous DMA)."""
-        self.host_kv_caches = []
-        if not num_host_blocks:
-            return
-        k_cache = self.kv_caches[0][0]
-        shape = (num_host_blocks, *k_cache.shape[1:])
-        pin = k_cache.is_cuda
-        # Empty, not zeros: a slot is always written before it is read, and untouched pages of a
-        # large unpinned tier then cost no RAM until used.
-        self.host_kv_caches = [
-            (torch.empty(shape, dtype=k_cache.dtype, pin_memory=pin), torch.empty(shape, dtype=k_cache.dtype, pin_memory=pin))
-            for _ in range(len(self.kv_caches))
-        ]
+        """(Re)allocate the host tier: `num_host_blocks` blocks laid out as the device pool's, in
+        host RAM (pinned when the pool is on a GPU, so copies are asynchronous DMA); 0: none."""
+        self.host_tier = HostKVTier(self.kv_caches, num_host_blocks) if num_host_blocks else None
 
-    @torch.inference_mode()
     def copy_kv(self, copies: list[KVCopy]) -> None:
-        """Make the scheduler's copies between the device pool and the host tier, in order. Each
-        run of copies in one direction crosses between host and device in one transfer: the
-        blocks of every layer's keys and values gathered into one tensor on the side they leave."""
-        # As bytes: a copy is exact whatever the dtype (and CPU has no fp8 index_copy_).
-        device_pools = [pool.view(torch.uint8) for kv in self.kv_caches for pool in kv]
-        host_pools = [pool.view(torch.uint8) for kv in self.host_kv_caches for pool in kv]
-        for to_host, run in itertools.groupby(copies, key=lambda c: c.to_host):
-            # Within a run the source pool is not written, so only each destination's last copy counts.
-            last = {(c.host_slot if to_host else c.device_block): c for c in run}
-            blocks = torch.tensor([c.device_block for c in last.values()], device=self.device)
-            slots = torch.tensor([c.host_slot for c in last.values()])
-            if to_host:
-                moved = torch.stack([pool.index_select(0, blocks) for pool in device_pools]).cpu()
-                for host, part in zip(host_pools, moved):
-                    host.index_copy_(0, slots, part)
-            else:
-                staged = torch.stack([host.index_select(0, slots) for host in host_pools])
-                if self.device.type == "cuda":
-                    staged = staged.pin_memory()
-                moved = staged.to(self.device, non_blocking=True)
-                for pool, part in zip(device_pools, moved):
-                    pool.index_copy_(0, blocks, part)
+        """Make the scheduler's copies between the device pool and the host tier, in order."""
+        self.host_tier.copy(copies, self.kv_caches)
 
     @property
     def num_blocks(self) -> int:
