@@ -40,8 +40,16 @@ class ModelConfig:
     special_tokens_in_messages: bool = False
     # How the model's tool calls are read: auto (from its chat template) | hermes | llama3_json | mistral.
     tool_parser: str = "auto"
+    # Ranks the model is split across (Megatron-style): one per GPU of the node (gloo ranks on CPU).
+    tensor_parallel_size: int = 1
+    # Seconds a tensor-parallel worker may stop answering before it is declared hung and stopped.
+    worker_timeout: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"setting model.tensor_parallel_size must be 1 or more, got {self.tensor_parallel_size}")
+        if not self.worker_timeout > 0:
+            raise ValueError(f"setting model.worker_timeout must be more than 0 seconds, got {self.worker_timeout}")
         if self.tool_parser not in TOOL_PARSERS:
             raise ValueError(f"setting model.tool_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}")
         if self.dtype not in DTYPES:

@@ -5,6 +5,7 @@ Public names (the rest is internal; `chatd.http` imports only these):
     LLM              offline batch generation                                 llm.py
     AsyncEngine      the engine on its own thread, streamed to coroutines     async_engine.py
     EngineClient     what a server needs of an engine (generate, abort, ...)  async_engine.py
+    EngineUnavailable  the engine cannot take requests now (and why)          async_engine.py
     LLMEngine        the synchronous engine: add_request, abort, step          engine.py
     ModelInfo        what the loaded model is (name, context, dtype, ...)      engine.py
     SamplingParams, RequestOutput, CompletionOutput, FinishReason, ParamError  params.py
@@ -25,15 +26,18 @@ Reading order, following one request in:
     core/              no torch: sequence.py (one choice), block_manager.py (the paged KV pool
                        and prefix cache), scheduler.py (the step's batch, preemption, postprocess)
     worker/            torch: runner.py (one forward over a flat batch), sampler.py,
-                       cuda_graphs.py, loading.py (config -> model, tokenizer, KV pool, runner)
+                       cuda_graphs.py, host_kv.py (the host KV tier's copies), loading.py
+                       (config -> model, tokenizer, KV pool, runner), parallel.py
+                       (tensor-parallel ranks: started, fed, supervised)
     attention/         backends over the paged KV cache: sdpa, torch-varlen, triton, flash-attn
-    models/            llama.py (the Llama family), loader.py (checkpoints), demo.py
+    models/            llama.py (the Llama family), tensor_parallel.py (what one rank holds),
+                       loader.py (checkpoints), demo.py
     llm.py             LLM: the same engine, stepped by the caller for offline use
 
 Importing this package loads no torch: the worker is loaded when an engine is built.
 """
 
-from chatd.engine.async_engine import AsyncEngine, EngineClient, RequestHandle, RequestStream
+from chatd.engine.async_engine import AsyncEngine, EngineClient, EngineUnavailable, RequestHandle, RequestStream
 from chatd.engine.core.scheduler import EngineStats
 from chatd.engine.engine import LLMEngine, ModelInfo
 from chatd.engine.llm import LLM
@@ -57,6 +61,7 @@ __all__ = [
     "CompletionOutput",
     "EngineClient",
     "EngineStats",
+    "EngineUnavailable",
     "FinishReason",
     "LLMEngine",
     "ModelInfo",

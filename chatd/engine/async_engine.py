@@ -38,6 +38,10 @@ from chatd.engine.tokenizer import Tokenizer
 log = logging.getLogger("chatd.engine")
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take requests (stopped, or a tensor-parallel rank failed): the reason."""
+
+
 class RequestHandle(Protocol):
     """A running request as a caller holds it: its outputs as an async iterator, and a way to stop it."""
 
@@ -153,7 +157,7 @@ class AsyncEngine:
             return f"engine stopped: {self.error!r}"
         if not self.is_running:
             return "engine stopped"
-        return None
+        return self.engine.health() if self.engine is not None else None
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -216,8 +220,9 @@ class AsyncEngine:
         could read or abort another's request. Its stream is removed when the request finishes
         or is aborted; a caller that stops early must `abort()` it (or use `aclosing`).
         """
-        if self.error is not None or self._stopping or not self.is_running:
-            raise RuntimeError(f"the engine is not running: {self.error!r}")
+        problem = self.health() or ("engine stopping" if self._stopping else None)
+        if problem is not None:
+            raise EngineUnavailable(f"the engine is not running: {problem}")
         request_id = uuid.uuid4().hex
         request = self.engine.prepare_request(request_id, prompt, params, priority, cache_salt, num_shared_prefix_tokens,
                                               tenant, weight)
@@ -276,6 +281,10 @@ class AsyncEngine:
             self.error = exc
         finally:
             self._shutdown()
+            try:
+                self.engine.close()
+            except Exception:  # noqa: BLE001 - stopping anyway; say what went wrong
+                log.exception("closing the engine failed")
 
     def _apply_commands(self) -> None:
         synced = []

@@ -47,8 +47,9 @@ class ModelInfo:
     # (temperature, top_p, top_k, min_p, repetition_penalty), from its generation config.
     sampling_defaults: Mapping[str, float] = field(default_factory=dict)
     kv_cache_dtype: str = ""  # how the KV pool stores values
-    kv_bytes_per_token: int = 0  # keys and values of one token, all layers
+    kv_bytes_per_token: int = 0  # keys and values of one token, all layers (and all ranks)
     num_host_kv_blocks: int = 0  # the host tier's blocks (0: off)
+    tensor_parallel_size: int = 1  # ranks the model is split over
 
     @property
     def name(self) -> str:
@@ -66,6 +67,7 @@ class ModelInfo:
             "num_kv_blocks": self.num_kv_blocks,
             "block_size": self.block_size,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "tensor_parallel_size": self.tensor_parallel_size,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_cache_gib": round(self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30, 3),
             "num_host_kv_blocks": self.num_host_kv_blocks,
@@ -410,6 +412,17 @@ class LLMEngine:
 
     # -- introspection ----------------------------------------------------------------------
 
+    def health(self) -> str | None:
+        """None while the engine can serve; otherwise why not (a tensor-parallel rank failed)."""
+        health = getattr(self.runner, "health", None)
+        return health() if health is not None else None
+
+    def close(self) -> None:
+        """Stop what the runner started (tensor-parallel workers); the engine serves no more."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def stats(self) -> EngineStats:
         """A snapshot of the counters metrics are made of."""
         return dataclasses.replace(self.scheduler.stats(), queued_prefill_rate=self.drain_rate.per_second)
@@ -419,6 +432,7 @@ class LLMEngine:
         runner = self.runner
         graphs = getattr(runner, "graphs", None)
         kv_caches = getattr(runner, "kv_caches", [])
+        tensor_parallel_size = getattr(runner, "tensor_parallel_size", 1)
         return ModelInfo(
             path=self.model_path,
             max_model_len=self.max_model_len,
@@ -432,8 +446,9 @@ class LLMEngine:
             is_demo=self.is_demo,
             sampling_defaults=dict(self.sampling_defaults),
             kv_cache_dtype=str(kv_caches[0][0].dtype).removeprefix("torch.") if kv_caches else "",
-            kv_bytes_per_token=kv_bytes_per_token(kv_caches),
+            kv_bytes_per_token=kv_bytes_per_token(kv_caches) * tensor_parallel_size,
             num_host_kv_blocks=self.scheduler.num_host_kv_blocks,
+            tensor_parallel_size=tensor_parallel_size,
         )
 
     def live_sequences(self) -> list[Sequence]:

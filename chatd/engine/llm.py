@@ -25,6 +25,16 @@ class LLM:
         self.engine = LLMEngine.from_config(config_from_options(**engine_options))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit; `with LLM(...) as llm:` too)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     @property
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer

@@ -12,6 +12,11 @@ and up are one `gate_up_proj`. One GEMM instead of three (or two) per layer mean
 launches and a wider matrix, which keeps the GPU busier when the batch is only a few tokens.
 Checkpoints still hold the separate Hugging Face tensors; load_weights copies each into its row
 range of the fused weight, using the FUSED_SHARDS table below.
+
+Under tensor parallelism (`tp`, tensor_parallel.py) each rank builds the same modules at its own
+sizes: its query and key/value heads, its slice of the MLP and of the vocabulary. Every
+parallel module says which part of a checkpoint tensor it holds (`checkpoint_shard`), so a rank
+reads only that part; o_proj, down_proj and the embedding end in an all-reduce.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from chatd.engine.attention import AttentionBackend, AttentionMetadata, KVCache
+from chatd.engine.models.tensor_parallel import HeadLayout, Shard, TPGroup
 
 # Rope types whose frequencies are fixed at load time; "dynamic" and "longrope" change with the
 # batch's length, which a precomputed table cannot follow.
@@ -98,11 +104,15 @@ class RMSNorm(nn.Module):
 
 
 class FusedLinear(nn.Linear):
-    """Several Linear layers over the same input, stacked row-wise into one weight: one GEMM for all."""
+    """Several Linear layers over the same input, stacked row-wise into one weight: one GEMM for all.
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool):
+    Column-parallel under tensor parallelism: `shards[i]` are the rows of the i-th checkpoint
+    layer this rank holds (None: all of them)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, shards: list[Shard] | None = None):
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = list(output_sizes)
+        self.shards = shards or [None] * len(output_sizes)
 
     def shard_rows(self, index: int) -> slice:
         """The rows of the weight (and bias) that belong to the index-th stacked layer."""
@@ -110,14 +120,55 @@ class FusedLinear(nn.Linear):
         return slice(start, start + self.output_sizes[index])
 
 
+class RowParallelLinear(nn.Linear):
+    """A Linear whose input features are split over the ranks: each computes a partial sum of the
+    output, one all-reduce adds them up, and the bias (held whole by every rank) comes after."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, shard: Shard):
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+        self.shard = Shard(1, shard.start, shard.length)  # columns of the checkpoint's weight
+
+    def checkpoint_shard(self, param_name: str) -> Shard | None:
+        return self.shard if param_name == "weight" and self.tp.size > 1 else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding with the vocabulary split by rows: each rank looks up the ids it holds (zeros
+    for the rest) and one all-reduce joins them. Rows past the vocabulary's end are padding."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
+        super().__init__(tp.padded_vocab(vocab_size), hidden_size)
+        self.tp = tp
+        self.shard = tp.vocab_shard(vocab_size)
+
+    def checkpoint_shard(self, param_name: str) -> Shard | None:
+        return self.shard if self.tp.size > 1 else None
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.shard.start
+        held = (local >= 0) & (local < self.shard.length)
+        x = F.embedding(torch.where(held, local, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(~held.unsqueeze(-1), 0))
+
+
 class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache."""
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, head_dim: int):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, head_dim: int, tp: TPGroup):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        heads = HeadLayout.of(tp, config.num_attention_heads, config.num_key_value_heads)
+        self.num_heads = heads.num_heads  # this rank's
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         attention_bias = getattr(config, "attention_bias", False)
@@ -125,8 +176,10 @@ class Attention(nn.Module):
         qkv_bias = attention_bias or config.model_type == "qwen2"
         hidden = config.hidden_size
         q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        self.qkv_proj = FusedLinear(hidden, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=attention_bias)
+        q_rows, kv_rows = Shard(0, heads.q_start * head_dim, q_size), Shard(0, heads.kv_start * head_dim, kv_size)
+        self.qkv_proj = FusedLinear(hidden, [q_size, kv_size, kv_size], bias=qkv_bias,
+                                    shards=[q_rows, kv_rows, kv_rows] if tp.size > 1 else None)
+        self.o_proj = RowParallelLinear(q_size, hidden, attention_bias, tp, q_rows)
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -155,12 +208,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        intermediate = config.intermediate_size
-        self.gate_up_proj = FusedLinear(config.hidden_size, [intermediate, intermediate], bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        rows = tp.split(config.intermediate_size, "the model's intermediate_size")
+        self.gate_up_proj = FusedLinear(config.hidden_size, [rows.length, rows.length], bias=bias,
+                                        shards=[rows, rows] if tp.size > 1 else None)
+        self.down_proj = RowParallelLinear(rows.length, config.hidden_size, bias, tp, rows)
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [tokens, hidden]; gate, up: [tokens, intermediate], views into one GEMM's output
@@ -171,10 +225,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, head_dim: int):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, head_dim: int, tp: TPGroup):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, head_dim)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_idx, head_dim, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -186,29 +240,31 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The Llama-family decoder, built from a Hugging Face config; weights come in through load_weights."""
+    """The Llama-family decoder, built from a Hugging Face config; weights come in through load_weights.
+    With `tp` of size N it is one rank's part of the model (the module docstring)."""
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, tp: TPGroup = TPGroup()):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only silu")
         self.config = config
+        self.tp = tp
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_kv_heads = HeadLayout.of(tp, config.num_attention_heads, config.num_key_value_heads).num_kv_heads
         self.vocab_size = config.vocab_size
         self.hidden_size = config.hidden_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Module names mirror Hugging Face's (minus the "model." prefix), so loading is a name lookup,
         # except for the fused projections, which FUSED_SHARDS maps.
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.head_dim) for i in range(self.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.head_dim, tp) for i in range(self.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # A tied head reuses embed_tokens.weight at compute time rather than sharing a Parameter:
         # Module.to_empty() (used to load without a random init) silently unties shared Parameters.
         self.lm_head = None
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, tp.padded_vocab(config.vocab_size), bias=False)
         # Built on the current default device: on "meta" it costs nothing and load_model rebuilds it.
         self.register_buffer("rope_cache", build_rope_cache(config, self.head_dim), persistent=False)
 
@@ -232,13 +288,15 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, meta, backend)
         return self.norm(x)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32."""
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32 (on rank 0; None on the others)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = self.tp.gather_columns(F.linear(hidden, weight))  # [N, ranks * vocab rows per rank]
+        return None if logits is None else logits[:, : self.vocab_size].float()
 
-    def checkpoint_destinations(self) -> dict[str, Tensor]:
-        """Every tensor a checkpoint must hold, by Hugging Face name -> the parameter, or rows of one, it fills."""
+    def checkpoint_destinations(self) -> dict[str, tuple[Tensor, Shard | None]]:
+        """Every tensor a checkpoint must hold, by Hugging Face name -> the parameter, or rows of one,
+        it fills, and the part of the checkpoint tensor this rank takes (None: all of it)."""
 
         def checkpoint_name(name: str) -> str:
             return name if name.startswith("lm_head") else f"model.{name}"
@@ -246,21 +304,33 @@ class LlamaForCausalLM(nn.Module):
         destinations = {}
         for module_name, module in self.named_modules():
             for param_name, param in module.named_parameters(recurse=False):
-                if not isinstance(module, FusedLinear):
-                    destinations[checkpoint_name(f"{module_name}.{param_name}")] = param
+                name = checkpoint_name(f"{module_name}.{param_name}")
+                if module is self.lm_head:
+                    shard = self.embed_tokens.checkpoint_shard("weight")  # the same vocabulary rows
+                elif not isinstance(module, FusedLinear):
+                    shard = module.checkpoint_shard(param_name) if hasattr(module, "checkpoint_shard") else None
+                else:
+                    parent, _, fused_name = module_name.rpartition(".")
+                    for shard_name, (fused, index) in FUSED_SHARDS.items():
+                        if fused == fused_name:
+                            # A view: copying into it writes those rows of the fused parameter.
+                            rows = param[module.shard_rows(index)]
+                            destinations[checkpoint_name(f"{parent}.{shard_name}.{param_name}")] = rows, module.shards[index]
                     continue
-                parent, _, fused_name = module_name.rpartition(".")
-                for shard_name, (fused, index) in FUSED_SHARDS.items():
-                    if fused == fused_name:
-                        # A view: copying into it writes those rows of the fused parameter.
-                        rows = param[module.shard_rows(index)]
-                        destinations[checkpoint_name(f"{parent}.{shard_name}.{param_name}")] = rows
+                if shard is not None and shard.dim == 0:
+                    param = param[: shard.length]  # vocabulary rows past the end are padding
+                destinations[name] = param, shard
         return destinations
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the model; every one it needs must be given exactly once."""
+        """Copy Hugging Face-named tensors into the model; every one it needs must be given exactly
+        once, as this rank's part of it (`checkpoint_destinations` says which part)."""
         with torch.no_grad():
             destinations = self.checkpoint_destinations()
+            held = self.embed_tokens.shard.length if self.tp.size > 1 else self.vocab_size
+            for table in (self.embed_tokens, self.lm_head):  # rows past the vocabulary: never read, kept finite
+                if table is not None:
+                    table.weight[held:].zero_()
             # Tracked by checkpoint name, so a missing k_proj is reported as such, not as "qkv_proj".
             missing = set(destinations)
             for hf_name, tensor in weights:
@@ -272,7 +342,7 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint for {self.config.model_type}")
                 if hf_name not in missing:
                     raise ValueError(f"tensor {hf_name!r} appears more than once in the checkpoint")
-                destination = destinations[hf_name]
+                destination, _ = destinations[hf_name]
                 given, expected = tuple(tensor.shape), tuple(destination.shape)
                 if given != expected:
                     raise ValueError(f"tensor {hf_name!r} has shape {given}, the model expects {expected}")

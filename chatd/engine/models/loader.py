@@ -13,7 +13,7 @@ import functools
 import importlib.util
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from chatd.engine.models.gguf import GGUFCheckpoint, find_gguf, is_gguf
 from chatd.engine.models.llama import LlamaForCausalLM, max_positions
+from chatd.engine.models.tensor_parallel import Shard, TPGroup
 
 log = logging.getLogger("chatd.engine")
 
@@ -134,12 +135,26 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one tensor at a time, so host memory holds one tensor, not the checkpoint."""
+def iter_weights(files: list[Path], shards: Mapping[str, Shard | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one tensor at a time, so host memory holds one tensor, not the checkpoint;
+    of a tensor `shards` names, only that part is read (a tensor-parallel rank's rows or columns)."""
+    shards = shards or {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                shard = shards.get(name)
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                part = slice(shard.start, shard.start + shard.length)
+                yield name, f.get_slice(name)[(slice(None),) * shard.dim + (part,)]
+
+
+def narrowed(weights: Iterator[tuple[str, torch.Tensor]], shards: Mapping[str, Shard | None]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole tensors cut down to the parts `shards` names (for sources that cannot read a part)."""
+    for name, tensor in weights:
+        shard = shards.get(name)
+        yield name, tensor if shard is None else tensor.narrow(shard.dim, shard.start, shard.length).contiguous()
 
 
 def count_tensors(files: list[Path]) -> int:
@@ -174,21 +189,25 @@ def open_checkpoint(path: Path, cache_root: Path) -> Checkpoint:
     return Checkpoint(checkpoint.prepare_config_dir(cache_root), checkpoint)
 
 
-def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, PretrainedConfig]:
-    """Build the model from the checkpoint's config and load its weights onto `device` in `dtype`."""
+def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
+               tp: TPGroup = TPGroup()) -> tuple[LlamaForCausalLM, PretrainedConfig]:
+    """Build the model (this rank's part of it, under tensor parallelism) from the checkpoint's
+    config and load its weights onto `device` in `dtype`."""
     hf_config = checkpoint.hf_config
     check_architecture(hf_config)
     # Built on "meta", parameters get storage only on the target device and only once, with no
     # random init that the checkpoint would overwrite anyway.
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config)
+        model = LlamaForCausalLM(hf_config, tp)
     model = model.to(dtype).to_empty(device=device)
     model.reset_rope_cache()
+    shards = {name: shard for name, (_, shard) in model.checkpoint_destinations().items() if shard is not None}
     if checkpoint.gguf is not None:
-        weights, total = checkpoint.gguf.weights(dtype), checkpoint.gguf.num_tensors
+        # A GGUF tensor is dequantized whole; each rank keeps its part.
+        weights, total = narrowed(checkpoint.gguf.weights(dtype), shards), checkpoint.gguf.num_tensors
     else:
         files = safetensors_files(checkpoint.config_dir)
-        weights, total = iter_weights(files), count_tensors(files)
+        weights, total = iter_weights(files, shards), count_tensors(files)
     weights = tqdm(weights, total=total, desc="Loading weights", unit="tensor",
                    disable=None)  # None: a bar on a terminal only, never in a log file
     model.load_weights(weights)

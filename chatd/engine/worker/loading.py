@@ -5,9 +5,7 @@ Kept apart from `engine.py` so the engine itself can be built around a fake runn
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from chatd.engine.engine import kv_bytes_per_token
 from chatd.engine.models.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
 from chatd.engine.models.loader import (
     DEFAULT_MODEL_INSTALL,
+    Checkpoint,
     default_model_path,
     load_model,
     max_model_len,
@@ -27,7 +26,20 @@ from chatd.engine.models.loader import (
     resolve_model_path,
     sampling_defaults,
 )
+from chatd.engine.models.tensor_parallel import TPGroup, check_head_layout
 from chatd.engine.tokenizer import Tokenizer
+from chatd.engine.worker.parallel import (
+    ParallelError,
+    ParallelRunner,
+    Workers,
+    check_gpus,
+    cpu_threads_per_rank,
+    join_group,
+    leave_group,
+    parallel_backend,
+    rank_device,
+    runner_facts,
+)
 from chatd.engine.worker.runner import ModelRunner, kv_block_bytes
 
 log = logging.getLogger("chatd.engine")
@@ -64,69 +76,100 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def kv_budget_bytes(total: int, used: int, activation_peak: int, utilization: float) -> int:
-    """Bytes the KV pool may take: the configured share of the GPU, less what is in use now
-    (weights, CUDA context, other processes) and the peak a step's activations reach."""
-    return int(total * utilization) - used - activation_peak
-
-
-def profile_kv_blocks(runner: ModelRunner, config: Config, block_bytes: int) -> int:
-    """On CUDA: run the largest step, measure its peak, and size the pool from what is left."""
-    device = runner.device
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    runner.profile_step(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
-    torch.cuda.synchronize(device)
-    activation_peak = torch.cuda.max_memory_allocated(device) - before - runner.num_blocks * block_bytes
-    runner.allocate_kv(0)  # free the profiling pool before measuring what is in use
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    budget = kv_budget_bytes(total, total - free, activation_peak, config.cache.gpu_memory_utilization)
-    log.info(
-        "GPU memory: %.1f GiB total, %.1f GiB in use after loading, step peak %.2f GiB; KV budget %.1f GiB "
-        "(gpu_memory_utilization %.2f)",
-        total / 2**30, (total - free) / 2**30, activation_peak / 2**30, max(budget, 0) / 2**30,
-        config.cache.gpu_memory_utilization,
-    )
-    return max(0, budget // block_bytes)
-
-
 def load_engine_parts(config: Config) -> EngineParts:
-    """Load the model (or build the demo model), size the KV pool and build the runner, in the steps below."""
+    """Load the model (or build the demo model), size the KV pool and build the runner, in the steps
+    below; with tensor_parallel_size N, start ranks 1..N-1 first and do every step on all ranks."""
     model_path, demo = locate_model(config.model)
     checkpoint = open_checkpoint(model_path, chatd_home() / "gguf")
     device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device, checkpoint.hf_config.dtype)
-    model, hf_config = load_model(checkpoint, dtype, device)
-    context = context_length(hf_config, config.model)
-    tokenizer, eos = load_tokenizer(checkpoint.config_dir, hf_config, config.model)
-
-    block_size = config.cache.block_size
-    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
-    shape = AttentionShape(hf_config.num_attention_heads, model.num_kv_heads, model.head_dim, block_size, dtype, kv_dtype)
-    backend = select_backend(config.model.attention_backend, device, shape)
-    make_runner = functools.partial(ModelRunner, model, backend, block_size=block_size, device=device, dtype=dtype,
-                                    eos_token_ids=eos, seed=config.model.seed, max_model_len=context, kv_dtype=kv_dtype)
-    block_bytes = kv_block_bytes(model.num_layers, block_size, model.num_kv_heads, model.head_dim, kv_dtype)
-    num_blocks = size_kv_pool(config, device, block_bytes, context, make_runner)
-    runner = make_runner(num_blocks=num_blocks)
-    log.info(
-        "loaded %s: dtype %s, device %s, attention %s, %d KV blocks of %d tokens in %s (%.2f GiB), context %d",
-        model_path, str(dtype).removeprefix("torch."), device, backend.name, num_blocks, block_size,
-        str(kv_dtype).removeprefix("torch."),
-        num_blocks * block_bytes / 2**30, context,
-    )
-    num_host_blocks = size_host_tier(runner, config)
-    if device.type == "cuda":
-        capture_cuda_graphs(runner, config)
+    tokenizer, eos = load_tokenizer(checkpoint.config_dir, checkpoint.hf_config, config.model)
+    size = config.model.tensor_parallel_size
+    runner: ModelRunner | ParallelRunner | None = None
+    workers: Workers | None = None
+    try:
+        if size > 1:
+            check_parallel_layout(checkpoint.hf_config, size, device)
+            if device.type == "cpu":
+                torch.set_num_threads(cpu_threads_per_rank(size))
+            # The workers load from the folder or file rank 0 resolved (downloaded, or a GGUF's config made).
+            workers = Workers(config, str(model_path), device)
+            workers.collect("hello")
+            tp = join_group(0, size, rank_device(device, 0), workers.rendezvous)
+            local = build_runner(config, checkpoint, tp, rank_device(device, 0), eos)
+            runner = ParallelRunner(local, workers)
+            report_ranks(local, workers.collect(), size)
+        else:
+            local = runner = build_runner(config, checkpoint, TPGroup(), device, eos)
+        model, context = local.model, local.max_model_len
+        block_size = config.cache.block_size
+        block_bytes = kv_block_bytes(model.num_layers, block_size, model.num_kv_heads, model.head_dim, local.kv_dtype)
+        num_blocks = size_kv_pool(config, runner, block_bytes, context)
+        runner.allocate_kv(num_blocks)
+        log.info(
+            "loaded %s: dtype %s, device %s, attention %s, %d KV blocks of %d tokens in %s (%.2f GiB%s), context %d",
+            model_path, str(local.dtype).removeprefix("torch."), device, local.backend.name, num_blocks, block_size,
+            str(local.kv_dtype).removeprefix("torch."), num_blocks * block_bytes * size / 2**30,
+            f" over {size} ranks" if size > 1 else "", context,
+        )
+        num_host_blocks = size_host_tier(runner, config)
+        if device.type == "cuda":
+            capture_cuda_graphs(runner, config)
+    except BaseException:
+        if runner is not None and hasattr(runner, "close"):
+            runner.close()
+        elif workers is not None:
+            workers.close()
+            leave_group()
+        raise
     sampling = sampling_defaults(checkpoint, model_path)
     if sampling:
         log.info("sampling defaults from the model (requests that leave them out): %s",
                  ", ".join(f"{name} {value:g}" for name, value in sampling.items()))
     return EngineParts(runner, tokenizer, num_blocks, context, model.vocab_size, eos, model_path, demo, sampling,
                        num_host_blocks)
+
+
+def build_runner(config: Config, checkpoint: Checkpoint, tp: TPGroup, device: torch.device,
+                 eos_token_ids: frozenset[int] = frozenset()) -> ModelRunner:
+    """What every rank does: load its part of the model, choose the attention backend, and make a
+    runner with an empty KV pool (sized afterwards, the same on every rank)."""
+    dtype = resolve_dtype(config.model.dtype, device, checkpoint.hf_config.dtype)
+    model, hf_config = load_model(checkpoint, dtype, device, tp)
+    context = context_length(hf_config, config.model)
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
+    heads = hf_config.num_attention_heads // tp.size
+    shape = AttentionShape(heads, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype, kv_dtype)
+    backend = select_backend(config.model.attention_backend, device, shape)
+    return ModelRunner(model, backend, num_blocks=0, block_size=config.cache.block_size, device=device, dtype=dtype,
+                       eos_token_ids=eos_token_ids, seed=config.model.seed, max_model_len=context, kv_dtype=kv_dtype)
+
+
+def check_parallel_layout(hf_config, size: int, device: torch.device) -> None:
+    """Refuse, naming the numbers, a tensor-parallel layout that cannot work, before any process starts."""
+    check_head_layout(hf_config.num_attention_heads, hf_config.num_key_value_heads, size)
+    if hf_config.intermediate_size % size:
+        raise ValueError(f"the model's intermediate_size ({hf_config.intermediate_size}) is not divisible by "
+                         f"tensor_parallel_size {size}")
+    if device.type == "cuda":
+        check_gpus(device, size, torch.cuda.device_count())
+
+
+def report_ranks(local: ModelRunner, workers: list[dict], size: int) -> None:
+    """Log what each rank holds; refuse ranks that chose different attention backends."""
+    facts = [runner_facts(local), *workers]
+    backends = {f["backend"] for f in facts}
+    if len(backends) > 1:
+        raise ValueError(f"the ranks chose different attention backends ({', '.join(sorted(backends))}); "
+                         "set model.attention_backend to one of them")
+    hf = local.model.config
+    log.info(
+        "tensor parallel over %d ranks (%s): each holds %d of %d query heads, %d of %d key/value heads, %d of %d "
+        "MLP rows and %d of %d vocabulary rows; weights per rank: %s",
+        size, parallel_backend(local.device), hf.num_attention_heads // size, hf.num_attention_heads,
+        local.model.num_kv_heads, hf.num_key_value_heads, hf.intermediate_size // size, hf.intermediate_size,
+        local.model.embed_tokens.weight.shape[0], hf.vocab_size,
+        ", ".join(f"{f['device']} {f['weights_bytes'] / 2**30:.2f} GiB" for f in facts),
+    )
 
 
 def size_host_tier(runner: ModelRunner, config: Config) -> int:
@@ -136,7 +179,8 @@ def size_host_tier(runner: ModelRunner, config: Config) -> int:
         return 0
     if not config.cache.enable_prefix_caching:
         raise ValueError("cache.host_kv_cache_gb keeps blocks by their prefix hash: it needs cache.enable_prefix_caching")
-    block_bytes = kv_bytes_per_token(runner.kv_caches) * config.cache.block_size
+    # The size is for all ranks together: each keeps its part of every block.
+    block_bytes = kv_bytes_per_token(runner.kv_caches) * config.cache.block_size * config.model.tensor_parallel_size
     num_host_blocks = int(config.cache.host_kv_cache_gb * 2**30 // block_bytes)
     runner.allocate_host_kv(num_host_blocks)
     log.info("host KV tier: %d blocks (%.2f GiB%s) keep blocks evicted from the device pool for reuse",
@@ -195,23 +239,27 @@ def load_tokenizer(model_path: Path, hf_config, config: ModelConfig) -> tuple[To
     return tokenizer, eos
 
 
-def size_kv_pool(config: Config, device: torch.device, block_bytes: int, context: int,
-                 make_runner: Callable[..., ModelRunner]) -> int:
-    """How many KV blocks: as configured, else what the memory budget holds (measured on CUDA),
-    never more than max_num_seqs full-length sequences could use; fewer than one such sequence is an error."""
+def size_kv_pool(config: Config, runner, block_bytes: int, context: int) -> int:
+    """How many KV blocks: as configured, else what the memory budget holds (measured on CUDA, on
+    every rank: the least), never more than max_num_seqs full-length sequences could use; fewer
+    than one such sequence is an error. `block_bytes`: one rank's block; on CPU the budget is for
+    all ranks together."""
     if config.cache.num_blocks:
         return config.cache.num_blocks
     blocks_per_seq = -(-context // config.cache.block_size)
     max_useful = config.scheduler.max_num_seqs * blocks_per_seq
-    if device.type == "cuda":
-        num_blocks = min(profile_kv_blocks(make_runner(num_blocks=0), config, block_bytes), max_useful)
+    cuda = runner.device.type == "cuda"
+    if cuda:
+        num_blocks = min(runner.profile_kv_blocks(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
+                                                  config.cache.gpu_memory_utilization, block_bytes), max_useful)
     else:
-        num_blocks = min(int(config.cache.cpu_kv_cache_gb * 2**30 // block_bytes), max_useful)
+        size = config.model.tensor_parallel_size
+        num_blocks = min(int(config.cache.cpu_kv_cache_gb * 2**30 // (block_bytes * size)), max_useful)
     if num_blocks < blocks_per_seq:
         raise ValueError(
             f"the KV cache budget gives {num_blocks} blocks of {config.cache.block_size} tokens, fewer than one sequence of "
             f"max_model_len {context} needs ({blocks_per_seq}); raise the KV memory budget "
-            f"({'gpu_memory_utilization' if device.type == 'cuda' else 'cpu_kv_cache_gb'}) or lower max_model_len"
+            f"({'gpu_memory_utilization' if cuda else 'cpu_kv_cache_gb'}) or lower max_model_len"
         )
     return num_blocks
 
@@ -226,6 +274,9 @@ def capture_cuda_graphs(runner: ModelRunner, config: Config) -> None:
     max_batch = min(config.model.cuda_graph_max_batch, config.scheduler.max_num_seqs)
     try:
         seconds = runner.enable_decode_graphs(max_batch)
+    except ParallelError as exc:  # a rank that failed mid-capture leaves the others in a collective
+        raise ValueError(f"CUDA graph capture failed on a tensor-parallel rank ({exc}); "
+                         "start with --no-cuda-graphs (model.cuda_graphs = false)") from exc
     except Exception as exc:  # serve eagerly rather than not at all; the log says why
         runner.graphs = None
         log.warning("CUDA graph capture failed (%s: %s); every step runs eagerly", type(exc).__name__, exc)

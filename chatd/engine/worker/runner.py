@@ -12,6 +12,7 @@ back in one (the step's only wait for the GPU), and decode-only steps replay CUD
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,38 @@ log = logging.getLogger("chatd.engine")
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one KV block takes across all layers (keys and values)."""
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    """What a step's forward needs, as plain lists: the same on every tensor-parallel rank."""
+
+    token_ids: list[int]  # the new tokens of every sequence, concatenated (one-token rows first)
+    starts: list[int]  # per sequence: tokens already in its KV cache
+    query_lens: list[int]  # per sequence: new tokens this step
+    block_tables: list[list[int]]
+    sampling: list[int]  # the sequences whose chunk reaches their end: they get logits
+
+
+def forward_inputs(scheduled: list[ScheduledSequence]) -> ForwardInputs:
+    """The forward's inputs for a scheduled batch."""
+    token_ids: list[int] = []
+    for s in scheduled:
+        start = s.seq.num_computed_tokens
+        token_ids.extend(s.seq.token_ids[start : start + s.num_new_tokens])
+    return ForwardInputs(
+        token_ids,
+        starts=[s.seq.num_computed_tokens for s in scheduled],
+        query_lens=[s.num_new_tokens for s in scheduled],
+        block_tables=[s.seq.block_table for s in scheduled],
+        sampling=[i for i, s in enumerate(scheduled) if s.samples],
+    )
+
+
+def kv_budget_bytes(total: int, used: int, activation_peak: int, utilization: float) -> int:
+    """Bytes the KV pool may take: the configured share of the GPU, less what is in use now
+    (weights, CUDA context, other processes) and the peak a step's activations reach."""
+    return int(total * utilization) - used - activation_peak
 
 
 class ModelRunner:
@@ -102,35 +135,58 @@ class ModelRunner:
         self.graphs = graphs
         return seconds
 
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> SamplerOutput:
         """Run one step; return the sampled token of each scheduled sequence whose chunk reached its end."""
-        token_ids: list[int] = []
-        for s in scheduled:
-            start = s.seq.num_computed_tokens
-            token_ids.extend(s.seq.token_ids[start : start + s.num_new_tokens])
-        step = build_step(
-            token_ids,
-            starts=[s.seq.num_computed_tokens for s in scheduled],
-            query_lens=[s.num_new_tokens for s in scheduled],
-            block_tables=[s.seq.block_table for s in scheduled],
-            block_size=self.block_size,
-            device=self.device,
-        )
+        inputs = forward_inputs(scheduled)
+        return self.sample(self.forward(inputs), scheduled, inputs)
+
+    @torch.inference_mode()
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor | None:
+        """The step's forward, and the logits of the rows that sample ([rows, vocab]; None when no
+        row samples, or on a tensor-parallel rank other than 0, which only takes part)."""
+        step = build_step(inputs.token_ids, inputs.starts, inputs.query_lens, inputs.block_tables, self.block_size,
+                          self.device)
         meta = step.meta
         if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(meta.num_seqs):
             hidden = self.graphs.run(step)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, self.backend)  # [T, hidden]
-        sampling = [i for i, s in enumerate(scheduled) if s.samples]
-        if not sampling:
-            return SamplerOutput(token_ids=[], logprobs=[])
-        last_token = [meta.query_starts_cpu[i + 1] - 1 for i in sampling]
+        if not inputs.sampling:
+            return None
+        last_token = [meta.query_starts_cpu[i + 1] - 1 for i in inputs.sampling]
         if last_token != list(range(len(hidden))):
             hidden = hidden[torch.tensor(last_token, device=self.device)]
-        logits = self.model.compute_logits(hidden)  # [num_sampling, vocab]
-        rows = [self._sampling_row(scheduled[i].seq) for i in sampling]
+        return self.model.compute_logits(hidden)  # [num_sampling, vocab]
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor | None, scheduled: list[ScheduledSequence], inputs: ForwardInputs) -> SamplerOutput:
+        """The next token of each row of `logits` (the sequences `inputs.sampling` names)."""
+        if logits is None:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        rows = [self._sampling_row(scheduled[i].seq) for i in inputs.sampling]
         return self.sampler(logits, rows)
+
+    def profile_kv_blocks(self, num_tokens: int, num_seqs: int, utilization: float, block_bytes: int) -> int:
+        """On CUDA: run the largest step (`profile_step`), measure its peak, and say how many KV
+        blocks fit in what is left of `utilization` of the GPU's memory."""
+        device = self.device
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        self.profile_step(num_tokens, num_seqs)
+        torch.cuda.synchronize(device)
+        activation_peak = torch.cuda.max_memory_allocated(device) - before - self.num_blocks * block_bytes
+        self.allocate_kv(0)  # free the profiling pool before measuring what is in use
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        budget = kv_budget_bytes(total, total - free, activation_peak, utilization)
+        log.info(
+            "GPU memory on %s: %.1f GiB total, %.1f GiB in use after loading, step peak %.2f GiB; KV budget %.1f GiB "
+            "(gpu_memory_utilization %.2f)",
+            device, total / 2**30, (total - free) / 2**30, activation_peak / 2**30, max(budget, 0) / 2**30, utilization,
+        )
+        return max(0, budget // block_bytes)
 
     @torch.inference_mode()
     def profile_step(self, num_tokens: int, num_seqs: int) -> None:

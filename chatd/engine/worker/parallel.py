@@ -1,0 +1,426 @@
+"""Tensor-parallel ranks as processes: rank 0 (the server) starts ranks 1..N-1, feeds and supervises them.
+
+Every rank holds its part of the model (models/tensor_parallel.py) and its own KV pool, and runs
+the same forward on the same inputs; the collectives inside the forward (NCCL on CUDA, gloo on
+CPU) are the only way the ranks' numbers meet. Only rank 0 schedules and samples. Around that:
+
+- *Start*: workers are spawned (never forked: a forked CUDA or OpenMP runtime is unusable) with
+  the config and the model's path. Each says hello before it joins the process group, so rank 0
+  only joins once every worker is alive, then loads its own shard while they load theirs.
+- *Commands*: rank 0 sends each worker the same messages through a pipe, in order: a step's
+  forward inputs (plain lists: token ids, positions' starts, block tables, which rows sample),
+  the step's KV copies, and set-up calls (allocate the KV pool, profile memory, capture CUDA
+  graphs) that answer back. An idle worker waits on its pipe, never inside a collective, so an
+  idle server has no collective that could time out.
+- *Supervision*: each worker sends a heartbeat twice a second from a thread of its own. A rank-0
+  thread watches the workers' processes and heartbeats: a worker that exits, or stays silent for
+  `model.worker_timeout` seconds, fails the whole group. Every worker is then killed, which
+  breaks any collective rank 0 is waiting in (gloo) or is aborted (NCCL); the step fails its
+  requests with the reason, later steps fail at once, and `health()` says why.
+- *Stop*: `close()` asks the workers to leave, then kills what is left. A worker whose parent is
+  gone (rank 0 killed) notices within a heartbeat and exits, so no rank outlives the server.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from chatd.config import Config
+from chatd.engine.core.block_manager import KVCopy
+from chatd.engine.core.scheduler import ScheduledSequence
+from chatd.engine.models.tensor_parallel import TPGroup
+from chatd.engine.worker.runner import ForwardInputs, ModelRunner, forward_inputs
+from chatd.engine.worker.sampler import SamplerOutput
+
+log = logging.getLogger("chatd.engine")
+
+HEARTBEAT_SECONDS = 0.5
+# How long a collective may wait. Hangs are found sooner by heartbeats; this only bounds what
+# they cannot see (a rank stuck inside a collective while its heartbeat thread still runs).
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+
+class ParallelError(RuntimeError):
+    """The tensor-parallel group failed (a worker died, hung or raised); it cannot serve again."""
+
+
+def parallel_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: the r-th GPU from the configured one (cuda:0 when none is named); CPU for all on CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def check_gpus(device: torch.device, size: int, visible: int) -> None:
+    """ValueError naming the setting when `size` ranks need more GPUs than are visible."""
+    first = device.index or 0
+    if device.type == "cuda" and first + size > visible:
+        raise ValueError(f"model.tensor_parallel_size {size} needs GPUs cuda:{first}..cuda:{first + size - 1}, "
+                         f"but {visible} {'is' if visible == 1 else 'are'} visible")
+
+
+def join_group(rank: int, size: int, device: torch.device, rendezvous: str) -> TPGroup:
+    """Join the process group of `size` ranks (every rank calls this) and return this rank's place."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        # Ranks of one node talk over loopback only: nothing of theirs listens on another interface.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(parallel_backend(device), init_method=f"file://{rendezvous}", rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    return TPGroup(rank, size)
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def cpu_threads_per_rank(size: int) -> int:
+    """Each CPU rank gets an equal share of the cores, so N ranks do not oversubscribe them."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+# -- a worker (ranks 1..N-1), in its own process -----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process needs to become rank `rank`."""
+
+    rank: int
+    size: int
+    config: Config
+    model_path: str  # resolved by rank 0 (downloaded, or a GGUF's config folder prepared) before the start
+    rendezvous: str
+    parent_pid: int
+    log_level: int
+
+
+def _worker_main(spec: WorkerSpec, commands: Connection, events: Connection) -> None:
+    """A worker process: hello, join the group, load this rank's shard, then run commands until told to stop."""
+    from chatd.logs import setup_logging
+
+    setup_logging(spec.config.server.log_json, spec.log_level)
+    send_lock = threading.Lock()
+
+    def report(message) -> None:
+        with send_lock:
+            events.send(message)
+
+    threading.Thread(target=_heartbeat, args=(report, spec.parent_pid), name="chatd-heartbeat", daemon=True).start()
+    try:
+        _serve_commands(spec, commands)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach rank 0 before this process goes
+        log.error("tensor-parallel rank %d failed:\n%s", spec.rank, traceback.format_exc())
+        try:
+            report(("error", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        os._exit(1)  # no collective teardown: the group is broken anyway
+    leave_group()
+
+
+def _heartbeat(report, parent_pid: int) -> None:
+    while True:
+        time.sleep(HEARTBEAT_SECONDS)
+        if os.getppid() != parent_pid:  # rank 0 is gone: no rank outlives it
+            os._exit(1)
+        try:
+            report(None)
+        except OSError:
+            os._exit(1)
+
+
+def _serve_commands(spec: WorkerSpec, commands: Connection) -> None:
+    from chatd.config import chatd_home
+    from chatd.engine.models.loader import open_checkpoint
+    from chatd.engine.worker.loading import build_runner, resolve_device
+
+    config = spec.config
+    device = rank_device(resolve_device(config.model.device), spec.rank)
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(spec.size))
+    commands.send(("hello", os.getpid()))
+    tp = join_group(spec.rank, spec.size, device, spec.rendezvous)
+    runner = build_runner(config, open_checkpoint(Path(spec.model_path), chatd_home() / "gguf"), tp, device)
+    commands.send(("ok", runner_facts(runner)))
+    while True:
+        try:
+            message = pickle.loads(commands.recv_bytes())
+        except EOFError:  # rank 0 closed its end: it is stopping
+            return
+        kind = message[0]
+        if kind == "forward":
+            runner.forward(message[1])
+        elif kind == "copy_kv":
+            runner.copy_kv(message[1])
+        elif kind == "call":
+            _, name, args = message
+            commands.send(("ok", getattr(runner, name)(*args)))
+        elif kind == "stop":
+            return
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+
+
+def runner_facts(runner: ModelRunner) -> dict:
+    """What rank 0 checks and reports of each rank after loading."""
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    return {"backend": runner.backend.name, "weights_bytes": weights, "device": str(runner.device),
+            "num_kv_heads": runner.model.num_kv_heads}
+
+
+# -- rank 0's side ---------------------------------------------------------------------------
+
+
+class Workers:
+    """Ranks 1..N-1 as processes: started, sent commands, watched, stopped."""
+
+    def __init__(self, config: Config, model_path: str, device: torch.device, timeout: float | None = None) -> None:
+        size = config.model.tensor_parallel_size
+        self.size = size
+        self.timeout = timeout if timeout is not None else config.model.worker_timeout
+        self.failure: str | None = None
+        self._failed = threading.Event()
+        self._lock = threading.Lock()
+        self._closing = False
+        self._dir = tempfile.mkdtemp(prefix="chatd-tp-")
+        self.rendezvous = os.path.join(self._dir, "rendezvous")
+        context = multiprocessing.get_context("spawn")
+        self.processes: list[multiprocessing.Process] = []
+        self.commands: list[Connection] = []
+        self._events: list[Connection] = []
+        for rank in range(1, size):
+            ours, theirs = context.Pipe()
+            events_ours, events_theirs = context.Pipe(duplex=False)
+            spec = WorkerSpec(rank, size, config, model_path, self.rendezvous, os.getpid(), logging.getLogger().level)
+            process = context.Process(target=_worker_main, args=(spec, theirs, events_theirs),
+                                      name=f"chatd-tp-rank{rank}", daemon=True)
+            process.start()
+            theirs.close()
+            events_theirs.close()
+            self.processes.append(process)
+            self.commands.append(ours)
+            self._events.append(events_ours)
+        atexit.register(self.close)
+        self._last_seen = [time.monotonic()] * len(self.processes)
+        self._errors: dict[int, str] = {}
+        self._supervisor = threading.Thread(target=self._supervise, name="chatd-tp-supervisor", daemon=True)
+        self._supervisor.start()
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def send(self, *message) -> None:
+        """The same message to every worker, in order after the ones before it."""
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self.commands:
+            try:
+                conn.send_bytes(payload)
+            except OSError:  # a worker that is gone: the supervisor says which and why
+                self.raise_failure(wait=True)
+                raise
+
+    def collect(self, expect: str = "ok") -> list:
+        """Each worker's answer to the last command that answers, waiting as long as they work; a
+        worker that dies or hangs meanwhile raises ParallelError."""
+        answers = []
+        for rank, conn in enumerate(self.commands, start=1):
+            while not conn.poll(HEARTBEAT_SECONDS):
+                self.raise_failure()
+            try:
+                kind, value = conn.recv()
+            except (EOFError, OSError):
+                self.raise_failure(wait=True)
+                raise ParallelError(f"tensor-parallel worker rank {rank} closed its pipe") from None
+            if kind != expect:
+                raise ParallelError(f"tensor-parallel worker rank {rank} answered {kind!r}, expected {expect!r}")
+            answers.append(value)
+        return answers
+
+    def call(self, name: str, *args):
+        """Send a runner call to every worker (rank 0 makes its own meanwhile); `collect()` its answers."""
+        self.send("call", name, args)
+
+    # -- failure ------------------------------------------------------------------------------
+
+    def fail(self, reason: str) -> str:
+        """Mark the group failed (the first reason stays) and kill every worker; returns the reason."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = reason
+                log.error("tensor parallelism failed: %s; stopping every worker", reason)
+                self._kill_all()
+                self._failed.set()
+                if dist.is_initialized() and dist.get_backend() == "nccl":
+                    try:  # NCCL waits forever on a dead peer unless its communicators are aborted
+                        dist.distributed_c10d._abort_process_group()
+                    except Exception as exc:  # noqa: BLE001 - best effort; the workers are dead anyway
+                        log.warning("could not abort the NCCL process group: %s", exc)
+        return self.failure
+
+    def raise_failure(self, wait: bool = False) -> None:
+        """Raise ParallelError if the group failed; `wait`: give the supervisor a moment to find out why
+        (a collective that broke may be the first sign of a worker's death)."""
+        if wait:
+            self._failed.wait(4 * HEARTBEAT_SECONDS)
+        if self.failure is not None:
+            raise ParallelError(self.failure)
+
+    def _supervise(self) -> None:
+        watched = {conn: rank for rank, conn in enumerate(self._events)}
+        while not self._closing and self.failure is None:
+            sentinels = {p.sentinel: i for i, p in enumerate(self.processes)}
+            for ready in wait([*watched, *sentinels], timeout=HEARTBEAT_SECONDS):
+                if ready in watched:
+                    index = watched[ready]
+                    try:
+                        while ready.poll():
+                            message = ready.recv()
+                            self._last_seen[index] = time.monotonic()
+                            if message is not None:
+                                self._errors[index] = message[1]
+                    except (EOFError, OSError):
+                        del watched[ready]  # the process is ending; its sentinel says how
+            if self._closing:
+                return
+            now = time.monotonic()
+            for index, process in enumerate(self.processes):
+                rank = index + 1
+                if not process.is_alive():
+                    process.join(0)
+                    why = self._errors.get(index) or f"exited with code {process.exitcode}"
+                    self.fail(f"worker rank {rank} (pid {process.pid}) {why}")
+                    return
+                if now - self._last_seen[index] > self.timeout:
+                    self.fail(f"worker rank {rank} (pid {process.pid}) stopped answering for {self.timeout:g} s")
+                    return
+
+    def _kill_all(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                try:
+                    os.kill(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    # -- stop ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Ask every worker to stop, kill those that do not within a few seconds, and clean up."""
+        if self._closing:
+            return
+        self._closing = True
+        atexit.unregister(self.close)
+        if self.failure is None:
+            payload = pickle.dumps(("stop",))
+            for conn in self.commands:
+                try:
+                    conn.send_bytes(payload)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 5
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        self._kill_all()
+        for process in self.processes:
+            process.join(5)
+        for conn in (*self.commands, *self._events):
+            conn.close()
+        self._supervisor.join(2 * HEARTBEAT_SECONDS)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class ParallelRunner:
+    """Rank 0's runner under tensor parallelism: its own ModelRunner (`local`), with every call that
+    touches the model or the KV pool sent to the workers first, so all ranks do the same in order."""
+
+    def __init__(self, local: ModelRunner, workers: Workers) -> None:
+        self.local = local
+        self.workers = workers
+
+    # What the engine and the loader read, as rank 0 has it.
+    model = property(lambda self: self.local.model)
+    backend = property(lambda self: self.local.backend)
+    device = property(lambda self: self.local.device)
+    dtype = property(lambda self: self.local.dtype)
+    block_size = property(lambda self: self.local.block_size)
+    kv_caches = property(lambda self: self.local.kv_caches)
+    graphs = property(lambda self: self.local.graphs)
+    num_blocks = property(lambda self: self.local.num_blocks)
+    tensor_parallel_size = property(lambda self: self.workers.size)
+
+    def health(self) -> str | None:
+        return None if self.workers.failure is None else f"tensor parallelism failed: {self.workers.failure}"
+
+    def execute(self, scheduled: list[ScheduledSequence]) -> SamplerOutput:
+        """The step on every rank; rank 0 samples."""
+        self.workers.raise_failure()
+        inputs: ForwardInputs = forward_inputs(scheduled)
+        self.workers.send("forward", inputs)
+        try:
+            logits = self.local.forward(inputs)
+        except Exception as exc:
+            self.workers.raise_failure(wait=True)  # a worker's death, said as such
+            raise ParallelError(self.workers.fail(f"rank 0's forward failed: {exc}")) from exc
+        return self.local.sample(logits, scheduled, inputs)
+
+    def copy_kv(self, copies: list[KVCopy]) -> None:
+        if self.workers.failure is None:  # else the step's execute fails, with the reason
+            self.workers.send("copy_kv", copies)
+            self.local.copy_kv(copies)
+
+    def release(self, seq) -> None:
+        self.local.release(seq)
+
+    def _everywhere(self, name: str, *args) -> tuple[object, list]:
+        """Call a runner method on every rank at once (it may hold collectives); rank 0's result, the workers'."""
+        self.workers.call(name, *args)
+        try:
+            mine = getattr(self.local, name)(*args)
+        except Exception as exc:
+            self.workers.raise_failure(wait=True)
+            raise ParallelError(self.workers.fail(f"rank 0's {name} failed: {exc}")) from exc
+        return mine, self.workers.collect()
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        self._everywhere("allocate_kv", num_blocks)
+
+    def allocate_host_kv(self, num_host_blocks: int) -> None:
+        self._everywhere("allocate_host_kv", num_host_blocks)
+
+    def profile_kv_blocks(self, num_tokens: int, num_seqs: int, utilization: float, block_bytes: int) -> int:
+        """The pool every rank can hold: the least of what each rank measured."""
+        mine, theirs = self._everywhere("profile_kv_blocks", num_tokens, num_seqs, utilization, block_bytes)
+        log.info("KV blocks each rank has room for: %s; the pool takes the least", ", ".join(map(str, [mine, *theirs])))
+        return min([mine, *theirs])
+
+    def enable_decode_graphs(self, max_batch: int, capture: bool = True) -> float:
+        """Capture on every rank at once (the graphs hold collectives); a rank that fails fails the group."""
+        seconds, _ = self._everywhere("enable_decode_graphs", max_batch, capture)
+        return seconds
+
+    def close(self) -> None:
+        self.workers.close()
+        leave_group()
