@@ -45,6 +45,8 @@ def _load_engine(args: argparse.Namespace) -> LLMEngine:
     overrides = {"model": {"path": args.model}} if args.model else {}
     if args.device:
         overrides.setdefault("model", {})["device"] = args.device
+    if args.tensor_parallel_size:
+        overrides.setdefault("model", {})["tensor_parallel_size"] = args.tensor_parallel_size
     return LLMEngine.from_config(load_config(args.config, overrides))
 
 
@@ -95,6 +97,8 @@ def serve_config(args: argparse.Namespace) -> Config:
         overrides["model"]["path"] = args.model
     if args.device:
         overrides["model"]["device"] = args.device
+    if args.tensor_parallel_size:
+        overrides["model"]["tensor_parallel_size"] = args.tensor_parallel_size
     if args.host:
         overrides["server"]["host"] = args.host
     if args.port is not None:
@@ -263,6 +267,8 @@ def _add_model_flags(parser: argparse.ArgumentParser,
     parser.add_argument("--model", help=model_help)
     parser.add_argument("--config", help="path to a config.toml")
     parser.add_argument("--device", help="auto | cpu | cuda[:N]")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, metavar="N",
+                        help="split the model over N ranks: N GPUs from the first (gloo ranks on CPU) (default 1)")
 
 
 def _non_negative_float(text: str) -> float:

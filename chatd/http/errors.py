@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from chatd.engine import ParamError
+from chatd.engine import EngineUnavailable, ParamError
 
 log = logging.getLogger("chatd.http")
 
@@ -74,6 +74,8 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
     except ParamError as exc:
         return error_response(400, str(exc), exc.param)
+    except EngineUnavailable as exc:  # the engine stopped or a tensor-parallel rank failed: /health says the same
+        return error_response(503, str(exc), None, "engine_unavailable")
     except BodyTimeout as exc:
         response = error_response(408, str(exc), None, "request_timeout")
         response.force_close()

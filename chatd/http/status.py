@@ -112,10 +112,14 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Whether to send it traffic: not while warming up, nor while its store cannot record usage."""
+    """Whether to send it traffic: not while warming up, once the engine cannot serve, or while its
+    store cannot record usage."""
     state = request.app[STATE]
     if not state.ready:
         return web.json_response({"status": "warming up"}, status=503)
+    problem = state.engine.health()
+    if problem is not None:
+        return web.json_response({"status": "engine stopped", "error": problem}, status=503)
     if not state.ledger.healthy:
         return web.json_response({"status": "store cannot write", "store": _store_status(state)}, status=503,
                                  headers={"Retry-After": str(state.ledger.retry_after)})

@@ -52,6 +52,8 @@ from chatd.engine.worker.sampler import SamplerOutput
 log = logging.getLogger("chatd.engine")
 
 HEARTBEAT_SECONDS = 0.5
+# A new worker imports torch before its first heartbeat: until then only its exit counts, or this.
+STARTUP_SECONDS = 120
 # How long a collective may wait. Hangs are found sooner by heartbeats; this only bounds what
 # they cannot see (a rank stuck inside a collective while its heartbeat thread still runs).
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
@@ -224,8 +226,8 @@ class Workers:
             self.processes.append(process)
             self.commands.append(ours)
             self._events.append(events_ours)
-        atexit.register(self.close)
-        self._last_seen = [time.monotonic()] * len(self.processes)
+        self._started = time.monotonic()
+        self._last_seen: list[float | None] = [None] * len(self.processes)  # None: no heartbeat yet
         self._errors: dict[int, str] = {}
         self._supervisor = threading.Thread(target=self._supervise, name="chatd-tp-supervisor", daemon=True)
         self._supervisor.start()
@@ -313,7 +315,11 @@ class Workers:
                     why = self._errors.get(index) or f"exited with code {process.exitcode}"
                     self.fail(f"worker rank {rank} (pid {process.pid}) {why}")
                     return
-                if now - self._last_seen[index] > self.timeout:
+                last_seen = self._last_seen[index]
+                if last_seen is None and now - self._started > STARTUP_SECONDS:
+                    self.fail(f"worker rank {rank} (pid {process.pid}) did not start within {STARTUP_SECONDS} s")
+                    return
+                if last_seen is not None and now - last_seen > self.timeout:
                     self.fail(f"worker rank {rank} (pid {process.pid}) stopped answering for {self.timeout:g} s")
                     return
 
@@ -332,7 +338,6 @@ class Workers:
         if self._closing:
             return
         self._closing = True
-        atexit.unregister(self.close)
         if self.failure is None:
             payload = pickle.dumps(("stop",))
             for conn in self.commands:
@@ -359,6 +364,7 @@ class ParallelRunner:
     def __init__(self, local: ModelRunner, workers: Workers) -> None:
         self.local = local
         self.workers = workers
+        atexit.register(self.close)  # an offline LLM nobody closed: no worker outlives the process
 
     # What the engine and the loader read, as rank 0 has it.
     model = property(lambda self: self.local.model)
@@ -422,5 +428,7 @@ class ParallelRunner:
         return seconds
 
     def close(self) -> None:
+        """Stop the workers and leave the process group (again: nothing)."""
+        atexit.unregister(self.close)
         self.workers.close()
         leave_group()
