@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from chatd.config import build_config
 from chatd.engine import LLM, SamplingParams
 from chatd.engine.models.demo import FAMILIES, build_model_dir
-from chatd.engine.models.loader import Checkpoint, default_model_path, load_model
+from chatd.engine.models.llama import LlamaForCausalLM
+from chatd.engine.models.loader import Checkpoint, check_weights_fit, default_model_path, load_model
 from chatd.engine.models.tensor_parallel import HeadLayout, TPGroup
 from chatd.engine.worker.loading import load_engine_parts
 from chatd.engine.worker.parallel import check_gpus
@@ -157,3 +158,15 @@ def test_the_real_default_model_over_three_ranks_answers_as_one_rank_does(tmp_pa
     assert [o.token_ids for o in split] == [o.token_ids for o in whole]
     for a, b in zip(split, whole):
         assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-3)
+
+
+def test_a_part_of_the_weights_that_cannot_fit_its_gpu_is_refused_with_the_sizes(odd_model, monkeypatch):
+    """Checked before anything is allocated (here with the GPU's free memory made up)."""
+    with torch.device("meta"):
+        part = LlamaForCausalLM(Checkpoint(odd_model).hf_config, TPGroup(rank=1, size=4))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1000, 80 * 2**30))
+    with pytest.raises(ValueError, match=r"rank 1's part of the weights \(4 ranks\) need 0\.0 GiB, but cuda:1 has 0\.0 "
+                                         r"of 80\.0 GiB free; raise tensor_parallel_size"):
+        check_weights_fit(part, torch.device("cuda:1"), TPGroup(rank=1, size=4))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30, 80 * 2**30))
+    check_weights_fit(part, torch.device("cuda:1"), TPGroup(rank=1, size=4))

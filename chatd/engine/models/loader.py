@@ -189,6 +189,17 @@ def open_checkpoint(path: Path, cache_root: Path) -> Checkpoint:
     return Checkpoint(checkpoint.prepare_config_dir(cache_root), checkpoint)
 
 
+def check_weights_fit(model: torch.nn.Module, device: torch.device, tp: TPGroup) -> None:
+    """ValueError naming the sizes when the weights (this rank's part) cannot fit the GPU's free memory."""
+    needed = sum(p.numel() * p.element_size() for p in model.parameters())
+    free, total = torch.cuda.mem_get_info(device)
+    if needed > free:
+        part = f"rank {tp.rank}'s part of the weights ({tp.size} ranks)" if tp.size > 1 else "the weights"
+        hint = "raise tensor_parallel_size" if tp.size > 1 else "use tensor_parallel_size > 1 or a smaller dtype"
+        raise ValueError(f"{part} need {needed / 2**30:.1f} GiB, but {device} has {free / 2**30:.1f} of "
+                         f"{total / 2**30:.1f} GiB free; {hint}")
+
+
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
                tp: TPGroup = TPGroup()) -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """Build the model (this rank's part of it, under tensor parallelism) from the checkpoint's
@@ -199,7 +210,10 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     # random init that the checkpoint would overwrite anyway.
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, tp)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if device.type == "cuda":
+        check_weights_fit(model, device, tp)
+    model = model.to_empty(device=device)
     model.reset_rope_cache()
     shards = {name: shard for name, (_, shard) in model.checkpoint_destinations().items() if shard is not None}
     if checkpoint.gguf is not None:

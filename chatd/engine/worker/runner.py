@@ -205,6 +205,8 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.backend)
         rows_index = torch.arange(num_seqs, device=self.device) % num_tokens
         logits = self.model.compute_logits(hidden[rows_index])
+        if logits is None:  # a tensor-parallel rank other than 0: it never samples
+            return
         params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=1)
         generator = torch.Generator(device=self.device).manual_seed(0)
         self.sampler(logits, [SamplingRow(params, [0], [], generator) for _ in range(num_seqs)])
