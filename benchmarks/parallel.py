@@ -67,19 +67,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def decode_step_times(llm: LLM, batch: int, args: argparse.Namespace, offset: int) -> list[float]:
-    """Seconds of each decode-only step of `batch` sequences (their prompts computed first, untimed)."""
+def decode_step_times(llm: LLM, batch: int, args: argparse.Namespace, offset: int,
+                      tokens: dict[str, list[int]]) -> list[float]:
+    """Seconds of each decode-only step of `batch` sequences (their prompts computed first, untimed);
+    the greedy tokens each sequence got go into `tokens`."""
     engine = llm.engine
     params = SamplingParams(max_tokens=args.decode_steps + 1, temperature=0, ignore_eos=True)
     for i in range(batch):
         prompt = [(offset + 31 * i + j) % 1900 + 5 for j in range(args.prompt_len)]  # no shared prefix
-        engine.add_request(f"decode-{offset}-{i}", prompt, params)
+        engine.add_request(f"decode-{offset}-{batch}-{i}", prompt, params)
+
+    def step() -> None:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+
     while engine.scheduler.num_waiting or any(s.num_output_tokens == 0 for s in engine.live_sequences()):
-        engine.step()  # prefill (and the first token)
+        step()  # prefill (and the first token)
     times = []
     while engine.has_unfinished_requests():
         started = time.perf_counter()
-        engine.step()
+        step()
         times.append(time.perf_counter() - started)
     return times[:-1]  # the last step also ends the requests
 
@@ -100,13 +107,15 @@ def run(model: Path, tp: int, args: argparse.Namespace, repeat: int) -> dict[str
     options = dict(device=args.device, dtype=args.dtype, block_size=16, num_blocks=1024,
                    max_num_batched_tokens=max(args.prefill_len, args.batch * args.prompt_len), tensor_parallel_size=tp,
                    enable_prefix_caching=False)
+    tokens: dict[str, list[int]] = {}
     with LLM(str(model), **options) as llm:
-        decode_step_times(llm, 1, args, 10_000 * repeat)  # warm-up
-        return {
-            "decode_1": decode_step_times(llm, 1, args, 10_000 * repeat + 1),
-            f"decode_{args.batch}": decode_step_times(llm, args.batch, args, 10_000 * repeat + 2),
+        decode_step_times(llm, 1, args, 10_000 * repeat, {})  # warm-up
+        times = {
+            "decode_1": decode_step_times(llm, 1, args, 10_000 * repeat + 1, tokens),
+            f"decode_{args.batch}": decode_step_times(llm, args.batch, args, 10_000 * repeat + 2, tokens),
             "prefill": [prefill_step_time(llm, args, 10_000 * repeat + 3 + i) for i in range(3)],
         }
+    return times, tokens
 
 
 def on_paper(p: dict) -> list[str]:
@@ -137,10 +146,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{shape['num_attention_heads']}/{shape['num_key_value_heads']} heads, MLP {shape['intermediate_size']}, "
               f"vocabulary {shape['vocab_size']}, {args.dtype} on {args.device} ({os.cpu_count()} cores)")
         results: dict[int, dict[str, list[float]]] = {1: {}, args.tp: {}}
+        same_tokens = True
         for repeat in range(args.repeats):
+            tokens = {}
             for tp in (1, args.tp):
-                for key, times in run(model, tp, args, repeat).items():
-                    results[tp].setdefault(key, []).extend(times)
+                times, tokens[tp] = run(model, tp, args, repeat)
+                for key, values in times.items():
+                    results[tp].setdefault(key, []).extend(values)
+            same_tokens &= tokens[1] == tokens[args.tp]
+    print(f"greedy tokens of TP={args.tp} equal TP=1's: {'yes' if same_tokens else 'NO'}")
     print(f"\n{'step':<14} {'TP=1 ms':>9} {f'TP={args.tp} ms':>9} {'ratio':>7}   (medians of {args.repeats} runs)")
     table = {}
     for key in results[1]:
@@ -150,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     paper = on_paper(PAPER)
     print("\n" + "\n".join(paper))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "steps": table, "paper": paper}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "steps": table, "same_tokens": same_tokens,
+                                               "paper": paper}, indent=2))
     return 0
 
 
