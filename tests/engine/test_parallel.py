@@ -4,6 +4,8 @@ holds and reads only its part of the checkpoint; impossible layouts are refused 
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -44,6 +46,20 @@ def test_two_ranks_generate_what_one_does(model_dirs, family):
     # The same path was taken: chunks, cache hits and preemptions alike.
     assert tp_stats.num_preemptions == stats.num_preemptions > 0
     assert tp_stats.prefix_cache_hits == stats.prefix_cache_hits > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_the_triton_kernels_serve_each_ranks_own_heads(model_dirs):
+    """The paged kernels (in triton's interpreter here) over a rank's 2 query heads and 1 KV head."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+    with make_llm(model_dirs["qwen2"]) as llm:
+        whole = [o.outputs[0] for o in llm.generate(PROMPTS[:3], params)]
+    with make_llm(model_dirs["qwen2"], tensor_parallel_size=2, attention_backend="triton") as llm:
+        assert llm.engine.model_info().attention_backend == "triton"
+        split = [o.outputs[0] for o in llm.generate(PROMPTS[:3], params)]
+    assert [o.token_ids for o in split] == [o.token_ids for o in whole]
+    for a, b in zip(split, whole):
+        assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -114,12 +114,14 @@ def load_engine_parts(config: Config) -> EngineParts:
         num_host_blocks = size_host_tier(runner, config)
         if device.type == "cuda":
             capture_cuda_graphs(runner, config)
-    except BaseException:
+    except BaseException as exc:
         if runner is not None and hasattr(runner, "close"):
             runner.close()
         elif workers is not None:
             workers.close()
             leave_group()
+        if isinstance(exc, ParallelError):  # a worker that could not start: said as plainly as rank 0's errors
+            raise ValueError(f"tensor parallelism could not start: {exc}") from exc
         raise
     sampling = sampling_defaults(checkpoint, model_path)
     if sampling:

@@ -270,6 +270,8 @@ class Workers:
     def fail(self, reason: str) -> str:
         """Mark the group failed (the first reason stays) and kill every worker; returns the reason."""
         with self._lock:
+            if self._closing:  # workers ending at close() are no failure
+                return self.failure or reason
             if self.failure is None:
                 self.failure = reason
                 log.error("tensor parallelism failed: %s; stopping every worker", reason)
@@ -291,20 +293,12 @@ class Workers:
             raise ParallelError(self.failure)
 
     def _supervise(self) -> None:
-        watched = {conn: rank for rank, conn in enumerate(self._events)}
+        watched = {conn: index for index, conn in enumerate(self._events)}
         while not self._closing and self.failure is None:
             sentinels = {p.sentinel: i for i, p in enumerate(self.processes)}
             for ready in wait([*watched, *sentinels], timeout=HEARTBEAT_SECONDS):
-                if ready in watched:
-                    index = watched[ready]
-                    try:
-                        while ready.poll():
-                            message = ready.recv()
-                            self._last_seen[index] = time.monotonic()
-                            if message is not None:
-                                self._errors[index] = message[1]
-                    except (EOFError, OSError):
-                        del watched[ready]  # the process is ending; its sentinel says how
+                if ready in watched and not self._drain(watched[ready]):
+                    del watched[ready]  # the process is ending; its sentinel says how
             if self._closing:
                 return
             now = time.monotonic()
@@ -312,7 +306,8 @@ class Workers:
                 rank = index + 1
                 if not process.is_alive():
                     process.join(0)
-                    why = self._errors.get(index) or f"exited with code {process.exitcode}"
+                    self._drain(index)  # its last words may still be in the pipe
+                    why = f"failed: {self._errors[index]}" if index in self._errors else f"exited with code {process.exitcode}"
                     self.fail(f"worker rank {rank} (pid {process.pid}) {why}")
                     return
                 last_seen = self._last_seen[index]
@@ -322,6 +317,19 @@ class Workers:
                 if last_seen is not None and now - last_seen > self.timeout:
                     self.fail(f"worker rank {rank} (pid {process.pid}) stopped answering for {self.timeout:g} s")
                     return
+
+    def _drain(self, index: int) -> bool:
+        """Read what a worker sent (heartbeats, its error); False once its pipe is closed."""
+        conn = self._events[index]
+        try:
+            while conn.poll():
+                message = conn.recv()
+                self._last_seen[index] = time.monotonic()
+                if message is not None:
+                    self._errors[index] = message[1]
+        except (EOFError, OSError):
+            return False
+        return True
 
     def _kill_all(self) -> None:
         for process in self.processes:
@@ -351,9 +359,9 @@ class Workers:
         self._kill_all()
         for process in self.processes:
             process.join(5)
+        self._supervisor.join(4 * HEARTBEAT_SECONDS)
         for conn in (*self.commands, *self._events):
             conn.close()
-        self._supervisor.join(2 * HEARTBEAT_SECONDS)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
