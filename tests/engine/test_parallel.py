@@ -48,6 +48,14 @@ def test_two_ranks_generate_what_one_does(model_dirs, family):
     assert tp_stats.prefix_cache_hits == stats.prefix_cache_hits > 0
 
 
+def test_each_rank_keeps_its_part_of_blocks_in_the_host_tier_and_gets_it_back(model_dirs):
+    tokens, logprobs, stats = generate(model_dirs["llama"], host_kv_cache_gb=0.01)
+    tp_tokens, tp_logprobs, tp_stats = generate(model_dirs["llama"], host_kv_cache_gb=0.01, tensor_parallel_size=2)
+    assert tp_tokens == tokens
+    assert torch.allclose(torch.tensor(tp_logprobs), torch.tensor(logprobs), atol=1e-4)
+    assert tp_stats.host_cache_hits == stats.host_cache_hits > 0
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_the_triton_kernels_serve_each_ranks_own_heads(model_dirs):
     """The paged kernels (in triton's interpreter here) over a rank's 2 query heads and 1 KV head."""
