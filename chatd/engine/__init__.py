@@ -28,7 +28,8 @@ Reading order, following one request in:
     worker/            torch: runner.py (one forward over a flat batch), sampler.py,
                        cuda_graphs.py, host_kv.py (the host KV tier's copies), loading.py
                        (config -> model, tokenizer, KV pool, runner), parallel.py
-                       (tensor-parallel ranks: started, fed, supervised)
+                       (tensor-parallel ranks: started, fed, supervised) and
+                       parallel_worker.py (a rank's own process)
     attention/         backends over the paged KV cache: sdpa, torch-varlen, triton, flash-attn
     models/            llama.py (the Llama family), tensor_parallel.py (what one rank holds),
                        loader.py (checkpoints), demo.py

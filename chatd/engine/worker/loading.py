@@ -28,11 +28,8 @@ from chatd.engine.models.loader import (
 )
 from chatd.engine.models.tensor_parallel import TPGroup, check_head_layout
 from chatd.engine.tokenizer import Tokenizer
-from chatd.engine.worker.parallel import (
-    ParallelError,
-    ParallelRunner,
-    Workers,
-    check_gpus,
+from chatd.engine.worker.parallel import ParallelError, ParallelRunner, Workers, check_gpus
+from chatd.engine.worker.parallel_worker import (
     cpu_threads_per_rank,
     join_group,
     leave_group,
