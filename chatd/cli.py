@@ -3,9 +3,10 @@
 Subcommands: `serve` (the OpenAI-compatible server), `bench` (load-test a server), `generate`
 (stream one completion to the terminal), `chat` (chat in the terminal, in-process or with a
 server), `demo-model DIR` (build the random-weight demo model), `keys create|list|revoke` (API
-keys in the store). Each subcommand imports what it runs only when it runs: `chatd keys list`
-loads neither the engine, the HTTP server nor the load generator. `chatd --version` prints the
-installed version.
+keys in the store), `moderation list|show|resolve` (review what the safety pipeline blocked,
+flagged or redacted, and the users' appeals). Each subcommand imports what it runs only when it
+runs: `chatd keys list` loads neither the engine, the HTTP server nor the load generator.
+`chatd --version` prints the installed version.
 
 A shared API key comes from --api-key or else the CHATD_API_KEY environment variable, for
 `serve` (the key callers must send) and `chat --url` (the key it sends) alike.
@@ -29,6 +30,7 @@ from chatd.bench import add_parser as add_bench_parser
 from chatd.config import DTYPES, KV_CACHE_DTYPES, LOG_LEVELS, TOOL_PARSERS, Config, load_config, store_path
 from chatd.logs import setup_logging
 from chatd.store.db import Store
+from chatd.store.moderation import EVENT_STATUSES
 
 if TYPE_CHECKING:
     from chatd.engine import LLMEngine
@@ -181,6 +183,64 @@ def _keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _moderation_list(args: argparse.Namespace) -> int:
+    async def work(store: Store) -> tuple[list, int]:
+        events = await store.list_moderation_events(status=args.status, tenant_id=args.tenant, limit=args.limit)
+        return events, await store.count_moderation_events(status=args.status, tenant_id=args.tenant)
+
+    events, total = _on_store(args, work)
+    if not events:
+        status = f"{args.status} " if args.status else ""
+        print(f"no {status}moderation events" + (f" for tenant {args.tenant}" if args.tenant else ""))
+        return 0
+    rows = [("EVENT ID", "WHEN (UTC)", "TENANT", "STAGE", "ACTION", "CATEGORIES", "STATUS")]
+    rows += [(e.id, _utc(e.created_at), e.tenant_id, e.stage, e.action, ",".join(e.categories) or "-", e.status)
+             for e in events]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    shown = len(events)
+    if shown < total:
+        print(f"{shown} of {total} events (newest first; raise --limit to see more)")
+    else:
+        print(f"{total} event{'' if total == 1 else 's'}")
+    return 0
+
+
+def _moderation_show(args: argparse.Namespace) -> int:
+    event = _on_store(args, lambda store: store.get_moderation_event(args.event_id))
+    if event is None:
+        print(f"chatd: no moderation event {args.event_id!r} (see `chatd moderation list`)", file=sys.stderr)
+        return 1
+    for name, value in vars(event).items():  # the record's fields, in order
+        if name.endswith("_at"):
+            value = _utc(value)
+        elif name == "categories":
+            value = ",".join(value) or "-"
+        elif isinstance(value, str):
+            value = value.replace("\r", "\\r").replace("\n", "\\n")  # a user's text keeps to its one line
+        print(f"{name + ':':<17} {'-' if value is None else value}")
+    return 0
+
+
+def _moderation_resolve(args: argparse.Namespace) -> int:
+    decision = "upheld" if args.uphold else "overturned"
+    try:
+        event = _on_store(args, lambda store: store.resolve_moderation_event(args.event_id, decision, args.note))
+    except LookupError:
+        print(f"chatd: no moderation event {args.event_id!r} (see `chatd moderation list`)", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # already resolved: the first review stands
+        print(f"chatd: {exc}", file=sys.stderr)
+        return 1
+    print(f"{event.id} {event.status}")
+    return 0
+
+
+def _utc(timestamp: float | None) -> str:
+    return "-" if timestamp is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp))
+
+
 def _when(timestamp: float | None) -> str:
     return "-" if timestamp is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
 
@@ -259,6 +319,29 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.set_defaults(func=_keys_revoke)
     for command in (create, list_, revoke):
         command.add_argument("--config", help="path to a config.toml (its [store] db_path says where the keys live)")
+
+    moderation = sub.add_parser("moderation", help="review what the safety pipeline blocked, flagged or redacted, "
+                                                   "and the users' appeals")
+    moderation_sub = moderation.add_subparsers(dest="moderation_command", required=True)
+    list_events = moderation_sub.add_parser("list", help="list moderation events, newest first")
+    list_events.add_argument("--status", choices=EVENT_STATUSES,
+                             help="only events with this status (appealed: the ones waiting for your review)")
+    list_events.add_argument("--tenant", metavar="TENANT_ID", help="only this tenant's events")
+    list_events.add_argument("--limit", type=_positive_int, default=50, metavar="N",
+                             help="list at most N (default 50)")
+    list_events.set_defaults(func=_moderation_list)
+    show = moderation_sub.add_parser("show", help="every field of one event, its appeal and resolution included")
+    show.add_argument("event_id", help="the event (appeal) id, as `chatd moderation list` shows it")
+    show.set_defaults(func=_moderation_show)
+    resolve = moderation_sub.add_parser("resolve", help="end the review of an event, appealed or not: once")
+    resolve.add_argument("event_id", help="the event (appeal) id, as `chatd moderation list` shows it")
+    decision = resolve.add_mutually_exclusive_group(required=True)
+    decision.add_argument("--uphold", action="store_true", help="the decision stands")
+    decision.add_argument("--overturn", action="store_true", help="the decision was wrong")
+    resolve.add_argument("--note", help="why, kept with the event")
+    resolve.set_defaults(func=_moderation_resolve)
+    for command in (list_events, show, resolve):
+        command.add_argument("--config", help="path to a config.toml (its [store] db_path says where the events live)")
     return parser
 
 

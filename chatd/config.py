@@ -188,6 +188,75 @@ class ConversationsConfig:
     save_interval_seconds: float = 1.0  # a growing reply's text is saved this often
 
 
+AUDIT_TEXT = ("hash", "excerpt", "none")
+
+
+@dataclass(frozen=True)
+class SafetyConfig:
+    """The safety pipeline: which stages run; what each category gets is in [policies.CATEGORY]."""
+
+    check_input: bool = False  # every request's input goes through the rules (and the guard model) first
+    check_output: bool = False  # every reply is checked as it streams, and cut at a violation
+    rules_file: str = ""  # word lists and patterns per category (TOML); empty: chatd's shipped rules
+    guard_model: str = ""  # a guard model (a Llama Guard checkpoint) that also judges inputs; empty: none
+    guard_timeout_seconds: float = 10.0  # longer, and the guard counts as failed (each policy's `failure`)
+    guard_max_model_len: int = 4096  # the longest conversation the guard reads, in its tokens
+    audit_text: str = "hash"  # what an audit entry keeps of the text: its SHA-256 "hash", an "excerpt", or "none"
+    output_notice: str = "[This reply was stopped by the content policy.]"  # appended to a reply cut short
+
+    def __post_init__(self) -> None:
+        if self.audit_text not in AUDIT_TEXT:
+            raise ValueError(f"setting safety.audit_text must be one of {', '.join(AUDIT_TEXT)}, got {self.audit_text!r}")
+        if not self.guard_timeout_seconds > 0:
+            raise ValueError(f"setting safety.guard_timeout_seconds must be more than 0, got {self.guard_timeout_seconds}")
+        if self.guard_max_model_len < 64:
+            raise ValueError(f"setting safety.guard_max_model_len must be at least 64 tokens, got {self.guard_max_model_len}")
+
+
+POLICY_ACTIONS = ("block", "flag", "redact")
+FAILURE_MODES = ("open", "closed")
+
+
+@dataclass(frozen=True)
+class CategoryPolicy:
+    """What the safety pipeline does with one category (OpenAI's moderation categories, and pii/*)."""
+
+    action: str = "block"  # block: refuse the request (cut the reply); flag: serve and record; redact: mask the match
+    failure: str = "open"  # when a check cannot run (the guard failed): "open" serves and records, "closed" refuses
+    tiers: tuple[str, ...] = ()  # the tiers it applies to; empty: every tier
+
+    def __post_init__(self) -> None:
+        if self.action not in POLICY_ACTIONS:
+            raise ValueError(f"action must be one of {', '.join(POLICY_ACTIONS)}, got {self.action!r}")
+        if self.failure not in FAILURE_MODES:
+            raise ValueError(f"failure must be one of {', '.join(FAILURE_MODES)}, got {self.failure!r}")
+
+
+# A public service's policies (used once [safety] turns a check on): threats, hate, violent
+# crimes, graphic violence and sexual content are refused; what a person in distress or a
+# curious one writes (self-harm, illicit, violence, harassment) is served and recorded for
+# review; personal data is masked. The worst categories fail closed: when the guard cannot
+# judge, such requests are refused rather than let through.
+DEFAULT_POLICIES: dict[str, CategoryPolicy] = {
+    "harassment": CategoryPolicy("flag"),
+    "harassment/threatening": CategoryPolicy("block"),
+    "hate": CategoryPolicy("block"),
+    "hate/threatening": CategoryPolicy("block"),
+    "illicit": CategoryPolicy("flag"),
+    "illicit/violent": CategoryPolicy("block", "closed"),
+    "self-harm": CategoryPolicy("flag"),
+    "self-harm/intent": CategoryPolicy("flag"),
+    "self-harm/instructions": CategoryPolicy("block", "closed"),
+    "sexual": CategoryPolicy("block"),
+    "sexual/minors": CategoryPolicy("block", "closed"),
+    "violence": CategoryPolicy("flag"),
+    "violence/graphic": CategoryPolicy("block"),
+    "pii/email": CategoryPolicy("redact"),
+    "pii/phone": CategoryPolicy("redact"),
+    "pii/card": CategoryPolicy("redact"),
+}
+
+
 @dataclass(frozen=True)
 class Price:
     """USD per million tokens; cached prompt tokens may have their own price."""
@@ -266,8 +335,10 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     conversations: ConversationsConfig = field(default_factory=ConversationsConfig)
+    safety: SafetyConfig = field(default_factory=SafetyConfig)
     prices: dict[str, Price] = field(default_factory=dict)  # served model name -> its price
     tiers: dict[str, TierConfig] = field(default_factory=lambda: dict(DEFAULT_TIERS))  # tier name -> its limits
+    policies: dict[str, CategoryPolicy] = field(default_factory=lambda: dict(DEFAULT_POLICIES))  # category -> policy
 
     def price(self, model_name: str) -> Price:
         return self.prices.get(model_name, Price())
@@ -284,6 +355,7 @@ SECTIONS: dict[str, type] = {
     "store": StoreConfig,
     "auth": AuthConfig,
     "conversations": ConversationsConfig,
+    "safety": SafetyConfig,
 }
 
 
@@ -302,13 +374,14 @@ def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:
     values = dict(values or {})
     prices = _build_prices(values.pop("prices", {}))
     tiers = _build_tiers(values.pop("tiers", {}))
+    policies = _build_policies(values.pop("policies", {}))
     sections: dict[str, Any] = {}
     for name, section_values in values.items():
         if name not in SECTIONS:
             raise ValueError(f"unknown config section [{name}]; known: {', '.join(SECTIONS)}")
         cls = SECTIONS[name]
         sections[name] = cls(**_checked(name, cls, section_values))
-    config = Config(**sections, prices=prices, tiers=tiers)
+    config = Config(**sections, prices=prices, tiers=tiers, policies=policies)
     if config.auth.local_tier not in tiers:
         raise ValueError(f"setting auth.local_tier names tier {config.auth.local_tier!r}, which is not defined; "
                          f"defined: {', '.join(tiers)}")
@@ -369,6 +442,21 @@ def _build_tiers(values: dict[str, Any]) -> dict[str, TierConfig]:
     return tiers
 
 
+def _build_policies(values: dict[str, Any]) -> dict[str, CategoryPolicy]:
+    """DEFAULT_POLICIES with each [policies."CATEGORY"] table over its category's policy (whether a
+    category name is one the safety pipeline knows is checked when it starts: config knows no list)."""
+    policies = dict(DEFAULT_POLICIES)
+    for name, table in values.items():
+        if not isinstance(table, dict):
+            raise ValueError(f'policies."{name}" must be a table like {{ action = "block" }}, got {table!r}')
+        fields = _checked(f'policies."{name}"', CategoryPolicy, table)
+        try:
+            policies[name] = dataclasses.replace(policies.get(name, CategoryPolicy()), **fields)
+        except ValueError as exc:
+            raise ValueError(f'setting policies."{name}": {exc}') from None
+    return policies
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
     """Read config.toml (when given) and apply overrides (e.g. from command-line flags)."""
     values: dict[str, dict[str, Any]] = {}
@@ -393,6 +481,7 @@ def config_from_options(base: Config | None = None, **options: Any) -> Config:
     values: dict[str, Any] = {name: dataclasses.asdict(getattr(base, name)) for name in SECTIONS}
     values["prices"] = {model: dataclasses.asdict(price) for model, price in base.prices.items()}
     values["tiers"] = {name: dataclasses.asdict(tier) for name, tier in base.tiers.items()}
+    values["policies"] = {name: dataclasses.asdict(policy) for name, policy in base.policies.items()}
     owners = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
     for key, value in options.items():
         if key not in owners:

@@ -91,6 +91,7 @@ class ScriptedChatEngine:
     def __init__(self, pause: float = 0.02, default: str = "Hello from the scripted engine.") -> None:
         self.pause, self.default = pause, default
         self.replies: list[str] = []
+        self.prompts: list[list[int]] = []  # every request's prompt, in order
         self.aborted: set[str] = set()
         self.num_requests = 0
         self.error = None
@@ -99,6 +100,7 @@ class ScriptedChatEngine:
     def generate(self, prompt, params, priority=0, cache_salt=None, num_shared_prefix_tokens=0, tenant=None,
                  weight=1.0) -> ScriptedReply:
         self.num_requests += 1
+        self.prompts.append(list(prompt))
         text = self.replies.pop(0) if self.replies else self.default
         return ScriptedReply(self, f"scripted-{self.num_requests}", prompt, text)
 
@@ -141,7 +143,7 @@ class ScriptedReply:
         self.engine.abort(self.request_id)
 
 
-async def make_server_state(engine, root, config=None, model_name: str = "scripted"):
+async def make_server_state(engine, root, config=None, model_name: str = "scripted", **fields):
     """A ServerState around `engine`, with the demo tokenizer and a real SQLite store made in the
     folder `root`; `close_server_state` ends it."""
     from chatd.engine.models.demo import build_tokenizer
@@ -153,7 +155,8 @@ async def make_server_state(engine, root, config=None, model_name: str = "script
     store = await Store.open(root / "chatd.db")
     ledger = Ledger(store, retry_seconds=1.0)
     ledger.start()
-    fields = {"config": config} if config is not None else {}
+    if config is not None:
+        fields["config"] = config
     return ServerState(engine=engine, tokenizer=Tokenizer.from_pretrained(root / "tokenizer"), model=make_model_info(4096),
                        model_name=model_name, store=store, local_tenant=await store.local_tenant("paid"), ledger=ledger, **fields)
 

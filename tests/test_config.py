@@ -6,7 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from chatd.config import DEFAULT_TIERS, SECTIONS, Config, TierConfig, build_config, config_from_options, load_config
+from chatd.config import (
+    DEFAULT_POLICIES,
+    DEFAULT_TIERS,
+    SECTIONS,
+    CategoryPolicy,
+    Config,
+    TierConfig,
+    build_config,
+    config_from_options,
+    load_config,
+)
 
 CONFIG_TOML = Path(__file__).parent.parent / "config.toml"
 
@@ -25,6 +35,34 @@ def test_config_toml_lists_every_setting_with_its_default_and_a_comment():
             at = next(i for i, line in enumerate(lines) if line.startswith(f"{field.name} ="))
             assert lines[at - 1].startswith("#"), f"{section}.{field.name} has no comment above it"
     assert load_config(CONFIG_TOML) == defaults
+
+
+def test_config_toml_shows_the_shipped_policies_category_by_category():
+    shipped = tomllib.loads(CONFIG_TOML.read_text())["policies"]
+    assert set(shipped) == set(DEFAULT_POLICIES)
+    for name, policy in shipped.items():
+        assert set(policy) == {f.name for f in dataclasses.fields(CategoryPolicy)}, name
+    assert load_config(CONFIG_TOML).policies == DEFAULT_POLICIES
+
+
+@pytest.mark.parametrize("policies, message", [
+    ({"hate": {"action": "ban"}}, 'policies."hate": action must be one of block, flag, redact'),
+    ({"hate": {"failure": "maybe"}}, 'policies."hate": failure must be one of open, closed'),
+    ({"hate": {"severity": 3}}, 'unknown setting policies."hate".severity'),
+    ({"hate": {"tiers": "free"}}, 'policies."hate".tiers must be a list of strings'),
+    ({"hate": "block"}, 'policies."hate" must be a table'),
+])
+def test_bad_policies_are_refused_naming_the_setting(policies, message):
+    with pytest.raises(ValueError) as error:
+        build_config({"policies": policies})
+    assert message in str(error.value)
+
+
+def test_a_policy_table_changes_only_what_it_lists():
+    config = build_config({"policies": {"violence": {"action": "block"}, "sexual": {"tiers": ["free"]}}})
+    assert config.policies["violence"] == CategoryPolicy("block", "open")
+    assert config.policies["sexual"] == CategoryPolicy("block", "open", ("free",))
+    assert config.policies["hate"] == DEFAULT_POLICIES["hate"]
 
 
 def test_unknown_and_mistyped_settings_are_named():

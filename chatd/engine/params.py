@@ -23,6 +23,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    CONTENT_FILTER = "content_filter"  # never the engine's: a server's output check ended it
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import uuid
 
 from aiohttp import web
 
-from chatd.http import completions, conversations, openapi, page, responses, status, tokens
+from chatd.http import completions, conversations, moderation, openapi, page, responses, status, tokens
 from chatd.http.auth import TENANT, auth_middleware
 from chatd.http.cors import Cors
 from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware, error_response
@@ -85,6 +85,9 @@ ROUTES = [
     ("GET", "/ready", status.ready),
     ("GET", "/metrics", status.metrics),
     ("GET", "/openapi.json", openapi.openapi_document),
+    ("POST", "/v1/moderations", moderation.moderations),
+    ("POST", "/v1/appeals", moderation.create_appeal),
+    ("GET", "/v1/appeals/{appeal_id}", moderation.get_appeal),
     ("POST", "/tokenize", tokens.tokenize),
     ("POST", "/detokenize", tokens.detokenize),
 ]

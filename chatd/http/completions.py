@@ -70,6 +70,8 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
     state.check_store_writable()
     timing = _Timing()
     state.precheck(tenant, gen)
+    endpoint = "chat.completions" if chat else "completions"
+    await _check_input(state, request, tenant, endpoint, gen)
     tools = None
     if chat:
         tools = state.tool_use(gen.tools, gen.messages)
@@ -90,7 +92,9 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
     lease, placement = state.admit(tenant, gen, list(prompts.values()), timing.start)
     try:
         # The engine names each request itself; the client's X-Request-Id is only logged and echoed.
-        replies = _Replies(_start(state, tenant, gen, prompts, placement), gen.params.n, lease)
+        handles = [state.safety.watch(handle, tenant, endpoint, gen.params.n, request[REQUEST_ID])
+                   for handle in _start(state, tenant, gen, prompts, placement)]
+        replies = _Replies(handles, gen.params.n, lease)
     except BaseException:
         lease.release(0)
         raise
@@ -113,7 +117,25 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
         used = output_usage(*replies.outputs) if replies.outputs else None
         lease.release(used["total_tokens"] if used else sum(map(len, prompts.values())))
         if replies.outputs:  # what was generated, even if the client left before it was sent
-            _record_usage(state, tenant, "chat.completions" if chat else "completions", replies.outputs)
+            _record_usage(state, tenant, endpoint, replies.outputs)
+
+
+async def _check_input(state: ServerState, request: web.Request, tenant, endpoint: str, gen: GenerationRequest) -> None:
+    """The safety pipeline's input check ([safety] check_input) on every message's text or every
+    text prompt; a refusal is raised, masked text replaces what the client sent."""
+    if gen.messages is not None:
+        texts = await state.safety.check_input(tenant, endpoint, [m["content"] for m in gen.messages], request[REQUEST_ID])
+        for message, text in zip(gen.messages, texts):
+            message["content"] = text
+    elif state.safety.config.check_input:
+        # Token-id prompts are judged as the text they spell (else they would pass unread); one
+        # that must be masked becomes its masked text.
+        given = [prompt if isinstance(prompt, str) else await state.off_loop(state.tokenizer.decode, prompt)
+                 for prompt in gen.prompts.values()]
+        texts = await state.safety.check_input(tenant, endpoint, given, request[REQUEST_ID])
+        for name, before, after in zip(list(gen.prompts), given, texts):
+            if after != before:
+                gen.prompts[name] = after
 
 
 def _start(state: ServerState, tenant, gen: GenerationRequest, prompts: dict[str, list[int]],
@@ -280,7 +302,7 @@ def _log_and_observe(state: ServerState, request_id: str, response_id: str, merg
         reason = "abort"
     else:
         reasons = {c.finish_reason.value for out in outputs for c in out.outputs if c.finish_reason}
-        reason = "length" if reasons == {"length"} else "stop"
+        reason = "content_filter" if "content_filter" in reasons else "length" if reasons == {"length"} else "stop"
     usage = output_usage(*outputs)
     queue_times = [out.queue_time for out in outputs if out.queue_time is not None]
     ttft = None if timing.first_token is None else timing.first_token - timing.start

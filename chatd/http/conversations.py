@@ -15,7 +15,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from chatd.http.auth import TENANT
-from chatd.http.errors import APIError
+from chatd.http.errors import REQUEST_ID, APIError
 from chatd.http.items import item_json, item_page, page_params, parse_items
 from chatd.http.openai_format import token_usage
 from chatd.http.protocol import parse_conversation_update, parse_new_conversation, parse_turn, shown
@@ -36,8 +36,21 @@ async def create_conversation(request: web.Request) -> web.Response:
     state.check_store_writable()
     items, fields = parse_conversation(await read_json(request) if request.can_read_body else None, state)
     state.check_model(fields.pop("model"), tenant)
+    items = await _checked_items(state, request, tenant, items)
+    if fields.get("system_prompt"):
+        [fields["system_prompt"]] = await state.safety.check_input(tenant, "conversations", [fields["system_prompt"]],
+                                                                  request[REQUEST_ID])
     conversation = await state.store.create_conversation(tenant.id, model=state.model_name, items=items, **fields)
     return json_response(_conversation_json(conversation))
+
+
+async def _checked_items(state: ServerState, request: web.Request, tenant, items: list[tuple[str, str]],
+                         conversation_id: str | None = None) -> list[tuple[str, str]]:
+    """Items as the safety pipeline's input check leaves them (they reach the model with the next
+    turn); a refusal is raised before anything is written."""
+    texts = await state.safety.check_input(tenant, "conversations", [text for _, text in items], request[REQUEST_ID],
+                                           conversation_id)
+    return [(role, text) for (role, _), text in zip(items, texts)]
 
 
 def parse_conversation(body, state: ServerState) -> tuple[list[tuple[str, str]], dict]:
@@ -107,7 +120,8 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     turn = parse_turn(await read_json(request), state.config.conversations.max_message_chars, state.model.sampling_defaults)
     state.check_model(turn.gen.model, tenant)
     state.check_store_writable()
-    reply, omitted = await request.app[TURNS].start(tenant, MessageTurn(state, tenant, conversation, turn))
+    reply, omitted = await request.app[TURNS].start(tenant, MessageTurn(state, tenant, conversation, turn),
+                                                     request[REQUEST_ID])
     headers = {"X-Chatd-Messages-Omitted": str(omitted)}
     if turn.gen.stream:
         return await _stream(request, state, reply, 0, headers)
@@ -168,6 +182,7 @@ async def create_items(request: web.Request) -> web.Response:
     items = parse_items(body.get("items"), "items", allow_string=False, limit=MAX_NEW_ITEMS)
     _check_item_sizes(state, items)
     state.check_store_writable()
+    items = await _checked_items(state, request, tenant, items, conversation.id)
     try:
         added = await state.store.add_items(tenant.id, conversation.id, items)
     except LookupError:

@@ -39,13 +39,17 @@ class APIError(Exception):
     """An error a client caused (or must hear about), answered in OpenAI's error shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, extra: dict | None = None) -> None:
+        """`extra`: chatd's own fields beside OpenAI's in the error object (a refusal's categories)."""
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
+        self.extra = extra or {}
 
     def body(self) -> dict:
-        return error_body(self.status, self.message, self.param, self.code)
+        body = error_body(self.status, self.message, self.param, self.code)
+        body["error"].update(self.extra)
+        return body
 
 
 class BodyTimeout(Exception):
@@ -71,7 +75,8 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as exc:
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+        return web.Response(status=exc.status, body=orjson.dumps(exc.body()), content_type="application/json",
+                            headers=exc.headers)
     except ParamError as exc:
         return error_response(400, str(exc), exc.param)
     except EngineUnavailable as exc:  # the engine stopped or a tensor-parallel rank failed: /health says the same

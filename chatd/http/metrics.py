@@ -80,6 +80,32 @@ class ServerMetrics:
                                           "engine's queue before its first schedule, by tier.", ["model_name", "tier"],
                                           buckets=LATENCY_BUCKETS, registry=self.registry)
 
+    def declare_safety(self, categories: Iterable[str]) -> None:
+        """The safety pipeline's series ([safety]): what it blocked, flagged and masked, per
+        category and stage, how long its checks took, and how often the guard model failed."""
+        self._safety_actions = Counter(
+            "chatd:safety_actions_total", "Safety decisions, by category, stage (input, output, moderations) and "
+            "action (block, flag, redact).", ["model_name", "category", "stage", "action"], registry=self.registry)
+        self._safety_seconds = Histogram(
+            "chatd:safety_check_seconds", "Seconds a safety check took, by check (rules, guard).",
+            ["model_name", "check"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._guard_failures = Counter("chatd:safety_guard_failures_total", "Guard model checks that failed or "
+                                       "timed out (each policy's `failure` decided).", ["model_name"], registry=self.registry)
+        self._guard_failures.labels(model_name=self.model_name)
+        for category in categories:
+            for stage in ("input", "output"):
+                for action in ("block", "flag", "redact"):
+                    self._safety_actions.labels(model_name=self.model_name, category=category, stage=stage, action=action)
+
+    def safety_action(self, category: str, stage: str, action: str) -> None:
+        self._safety_actions.labels(model_name=self.model_name, category=category, stage=stage, action=action).inc()
+
+    def safety_check(self, check: str, seconds: float) -> None:
+        self._safety_seconds.labels(model_name=self.model_name, check=check).observe(seconds)
+
+    def guard_failed(self) -> None:
+        self._guard_failures.labels(model_name=self.model_name).inc()
+
     def declare_tiers(self, tiers: Iterable[str]) -> None:
         """Expose each tier's counters at 0 from the start, so rate() works before the first event."""
         for tier in tiers:

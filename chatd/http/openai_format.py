@@ -129,10 +129,13 @@ def _tool_call_delta(delta: ToolCallDelta) -> dict:
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
-    """The engine's finish reason as OpenAI names it: "length", "stop", or None while unfinished."""
+    """The engine's finish reason as OpenAI names it: "length", "content_filter" (the output check
+    cut it), "stop", or None while unfinished."""
     if reason is None:
         return None
-    return "length" if reason == FinishReason.LENGTH else "stop"
+    if reason in (FinishReason.LENGTH, FinishReason.CONTENT_FILTER):
+        return reason.value
+    return "stop"
 
 
 def token_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 import chatd
 from chatd.engine import MAX_LOGPROBS, MAX_N
-from chatd.http import responses
+from chatd.http import moderation, responses
 from chatd.http.auth import is_guarded
 from chatd.http.conversations import MAX_NEW_ITEMS
 from chatd.http.items import MAX_PAGE, TEXT_PARTS
@@ -36,6 +36,7 @@ from chatd.http.protocol import (
 from chatd.http.state import STATE
 from chatd.http.tokens import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 from chatd.http.tools import MAX_TOOLS
+from chatd.safety.rules import CATEGORIES as MODERATION_CATEGORIES
 from chatd.store.db import STATUSES
 
 Schema = dict[str, Any]
@@ -264,7 +265,7 @@ def body_schema(fields: Fields, model_name: str) -> Schema:
 # -- response shapes ----------------------------------------------------------------------------
 
 COUNT = {"type": "integer", "minimum": 0}
-FINISH_REASON = {"enum": ["stop", "length", "tool_calls"]}
+FINISH_REASON = {"enum": ["stop", "length", "tool_calls", "content_filter"]}
 
 
 def _completion(object_name: str, choice: Schema, chunk: bool) -> Schema:
@@ -442,6 +443,19 @@ COMPONENTS: dict[str, Schema] = {
                               "total_tokens": COUNT}),
     "ResponseStreamEvent": {"oneOf": RESPONSE_EVENTS, "description": "the events of a Responses stream, by `type`"},
     "ResponseDeleted": _object({"id": STRING, "object": {"const": "response"}, "deleted": {"const": True}}),
+    "Moderation": _object({"id": STRING, "model": STRING, "results": {"type": "array", "items": _object({
+        "flagged": {"type": "boolean"},
+        "categories": _object({c: {"type": "boolean"} for c in MODERATION_CATEGORIES}),
+        "category_scores": _object({c: {"type": "number", "minimum": 0, "maximum": 1} for c in MODERATION_CATEGORIES}),
+        "category_applied_input_types": _object({c: {"type": "array", "items": {"const": "text"}}
+                                                 for c in MODERATION_CATEGORIES}),
+    })}}),
+    "Appeal": _object({
+        "id": STRING, "object": {"const": "appeal"}, "status": {"enum": ["open", "appealed", "upheld", "overturned"]},
+        "stage": {"enum": ["input", "output"]}, "action": {"enum": ["blocked", "flagged", "redacted", "guard_failed"]},
+        "categories": {"type": "array", "items": STRING}, "created_at": UNIX_SECONDS,
+        "appealed_at": nullable(UNIX_SECONDS), "resolved_at": nullable(UNIX_SECONDS), "resolution_note": nullable(STRING),
+    }),
 }
 
 
@@ -572,6 +586,23 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     },
     ("POST", "/detokenize"): {"request": Fields(DETOKENIZE_FIELDS, ("tokens",)), "response": ref("Detokenized")},
     ("GET", "/openapi.json"): {"response": {"type": "object", "description": "this document"}},
+    ("POST", "/v1/moderations"): {
+        "request": Fields({"input", "model"}, ("input",), {
+            "input": {"anyOf": [STRING, {"type": "array", "minItems": 1, "maxItems": moderation.MAX_INPUTS, "items": {
+                "anyOf": [STRING, _object({"type": {"const": "text"}, "text": STRING})]}}],
+                "description": "a text, or a list of texts or text parts (images are refused)"},
+            "model": {"type": "string", "description": "accepted and echoed; chatd's own checks answer"},
+        }),
+        "response": ref("Moderation"),
+    },
+    ("POST", "/v1/appeals"): {
+        "request": Fields({"appeal_id", "reason"}, ("appeal_id", "reason"), {
+            "appeal_id": {"type": "string", "description": "the appeal id a refusal (or a cut reply's record) gave"},
+            "reason": {"type": "string", "minLength": 1, "maxLength": moderation.MAX_REASON_CHARS},
+        }),
+        "response": ref("Appeal"),
+    },
+    ("GET", "/v1/appeals/{appeal_id}"): {"response": ref("Appeal")},
 }
 ERROR_RESPONSE = {"description": "OpenAI's error shape", "content": {"application/json": {"schema": ref("Error")}}}
 # {name} or aiohttp's {name:regex} in a route's path; OpenAPI's template is {name}.

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import functools
 import time
+import dataclasses
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from chatd.engine import ParamError, RequestOutput
 from chatd.http.auth import TENANT
-from chatd.http.errors import APIError
+from chatd.http.errors import REQUEST_ID, APIError
 from chatd.http.history import render_history
 from chatd.http.items import item_json, item_page, page_params, parse_items
 from chatd.http import structured
@@ -163,6 +164,14 @@ class ResponseTurn:
         self.record: Response | None = None
         self.omitted = 0
 
+    def input_texts(self) -> list[str]:
+        return [text for _, text in self.req.inputs] + ([self.req.instructions] if self.req.instructions else [])
+
+    def use_input_texts(self, texts: list[str]) -> None:
+        inputs = [(role, text) for (role, _), text in zip(self.req.inputs, texts)]
+        instructions = texts[len(inputs)] if self.req.instructions else None
+        self.req = dataclasses.replace(self.req, inputs=inputs, instructions=instructions)
+
     async def prepare(self) -> tuple[list[int], int]:
         store, system = self.state.store, None
         if self.conversation is not None:
@@ -250,9 +259,9 @@ def response_object(state: ServerState, record: Response, output: Message | None
                  "output_tokens": output.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": output.prompt_tokens + output.completion_tokens}
         if output.status == "complete":
-            status = "incomplete" if output.finish_reason == "length" else "completed"
-            if status == "incomplete":
-                incomplete = {"reason": "max_output_tokens"}
+            status = "incomplete" if output.finish_reason in ("length", "content_filter") else "completed"
+            if status == "incomplete":  # OpenAI's two reasons, as its output item is cut short
+                incomplete = {"reason": "max_output_tokens" if output.finish_reason == "length" else "content_filter"}
         elif output.status == "partial":
             status = "cancelled" if stopped_by in ("cancel", "delete") else "incomplete"
         else:
@@ -305,7 +314,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     turns = request.app[TURNS]
     job = ResponseTurn(state, tenant, req, conversation, previous)
     try:
-        reply, _ = await turns.start(tenant, job)
+        reply, _ = await turns.start(tenant, job, request[REQUEST_ID])
     except ParamError as exc:  # named as the client named it
         if exc.param == "max_tokens":
             raise APIError(400, str(exc).replace("max_tokens", "max_output_tokens"), "max_output_tokens") from None

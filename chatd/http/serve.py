@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import functools
 import logging
@@ -26,17 +27,21 @@ from chatd.config import Config, StoreConfig, store_path
 from chatd.engine import AsyncEngine, LLMEngine, SamplingParams, Tokenizer
 from chatd.http.app import create_app
 from chatd.http.state import ServerState
+from chatd.safety.guard import GuardModel
+from chatd.safety.pipeline import SafetyPipeline
 from chatd.store.db import SCHEMA_VERSION, Store
 from chatd.store.ledger import Ledger
 
 log = logging.getLogger("chatd.http")
 
 SHUTDOWN_WRITE_SECONDS = 2.0
+GUARD_SEQUENCES = 8  # inputs the guard model judges at once: its KV pool holds this many full contexts
 LEDGER_FLUSH_SECONDS = 10.0  # at stop, billing writes the store refuses are retried this long
 
 
 async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
     """Run the server until SIGINT/SIGTERM (or `stop` is set)."""
+    SafetyPipeline.build(config.safety, config.policies)  # a bad rules file or policy: said now, not after loading
     sock = reserve_port(config.server.host, config.server.port)
     try:
         path = store_path(config)
@@ -91,6 +96,48 @@ def reserve_port(host: str, port: int) -> socket.socket:
 
 
 async def _serve(config: Config, store: Store, ledger: Ledger, sock: socket.socket, stop: asyncio.Event | None) -> None:
+    # The guard model first: on a GPU the main engine then sizes its KV pool from what the guard left.
+    guard_engine, guard = await _start_guard(config)
+    try:
+        await _serve_with(config, store, ledger, sock, stop, guard)
+    finally:
+        if guard_engine is not None:
+            await guard_engine.stop()
+
+
+async def _start_guard(config: Config) -> tuple[AsyncEngine | None, GuardModel | None]:
+    """[safety] guard_model on an engine of its own in this process (its own thread), or none."""
+    if not config.safety.guard_model:
+        return None, None
+    guard_config = guard_engine_config(config)
+    engine = AsyncEngine(functools.partial(LLMEngine.from_config, guard_config))
+    info = await engine.start()
+    if engine.tokenizer is None or not engine.tokenizer.hf.chat_template:
+        await engine.stop()
+        raise ValueError(f"safety.guard_model {config.safety.guard_model!r} has no chat template: a guard model renders "
+                         "its own instructions with it")
+    guard = GuardModel(engine, engine.tokenizer, info.max_model_len, config.safety.guard_timeout_seconds)
+    log.info("guard model %s: %s verdicts, context %d, timeout %g s", info.name, guard.family.name, info.max_model_len,
+             config.safety.guard_timeout_seconds)
+    return engine, guard
+
+
+def guard_engine_config(config: Config) -> Config:
+    """The guard's engine: the guard model on the server's device, one rank, a small KV pool of its own."""
+    block_size = config.cache.block_size
+    context = config.safety.guard_max_model_len
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, path=config.safety.guard_model, max_model_len=context,
+                                  tensor_parallel_size=1, dtype="auto", tool_parser="auto"),
+        cache=dataclasses.replace(config.cache, num_blocks=GUARD_SEQUENCES * -(-context // block_size),
+                                  host_kv_cache_gb=0.0, kv_cache_dtype="auto"),
+        scheduler=dataclasses.replace(config.scheduler, max_num_seqs=GUARD_SEQUENCES),
+    )
+
+
+async def _serve_with(config: Config, store: Store, ledger: Ledger, sock: socket.socket, stop: asyncio.Event | None,
+                      guard: GuardModel | None) -> None:
     # Loaded on the engine thread, where all of the server's torch work runs (see async_engine.py).
     async_engine = AsyncEngine(functools.partial(LLMEngine.from_config, config))
     model = await async_engine.start()
@@ -109,6 +156,7 @@ async def _serve(config: Config, store: Store, ledger: Ledger, sock: socket.sock
         local_tenant=await store.local_tenant(config.auth.local_tier),
         ledger=ledger,
         config=config,
+        guard=guard,
     )
     state.shared_prefixes = await state.off_loop(_shared_prefixes, tokenizer, config.cache.shared_system_prompts)
     app = create_app(state, config.server.max_body_bytes)

@@ -21,8 +21,11 @@ from chatd.http.errors import APIError
 from chatd.http.limits import Lease, Limits
 from chatd.http.metrics import ServerMetrics
 from chatd.http.protocol import GenerationRequest, shown
+from chatd.http.safety import Safety
 from chatd.http.tool_calls import ToolParser
 from chatd.http.tools import ToolRequest, ToolUse, tool_parser, tool_use
+from chatd.safety.guard import GuardModel
+from chatd.safety.pipeline import SafetyPipeline
 from chatd.store.db import Store, Tenant
 from chatd.store.ledger import Ledger, cannot_write_now
 
@@ -46,8 +49,10 @@ class ServerState:
     model_aliases: tuple[str, ...] = ()  # other names a request may use ([server] model_name's others)
     ready: bool = False
     stopping: bool = False  # set at shutdown: replies cut short now are partial, not failed
+    guard: GuardModel | None = None  # [safety] guard_model, on its own engine (serve.py starts it)
     metrics: ServerMetrics = field(init=False)
     limits: Limits = field(init=False)  # the tiers' buckets, bounds and load shedding
+    safety: Safety = field(init=False)  # input checks, output windows, moderation, the audit trail
     # Token ids of the chat template's rendering of each [cache] shared_system_prompts entry.
     shared_prefixes: list[list[int]] = field(default_factory=list)
     # Rendering and tokenizing run here, off the event loop. Two threads: a huge prompt does not
@@ -61,6 +66,8 @@ class ServerState:
         self.metrics = ServerMetrics(self.model_name, self.model.kv_bytes_per_token, self.model.block_size)
         self.metrics.declare_tiers(self.config.tiers)
         self.limits = Limits(self.config.tiers, self.config.auth.enabled, self.metrics)
+        pipeline = SafetyPipeline.build(self.config.safety, self.config.policies, self.guard)
+        self.safety = Safety(pipeline, self.store, self.metrics)
 
     @property
     def max_model_len(self) -> int:

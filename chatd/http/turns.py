@@ -127,6 +127,12 @@ class TurnJob(Protocol):
     named_events: bool  # whether its stream names each event (`event:` lines)
     endpoint: str  # what its usage event is billed as
 
+    def input_texts(self) -> list[str]:
+        """What the client sent for this turn, as texts for the safety pipeline's input check."""
+
+    def use_input_texts(self, texts: list[str]) -> None:
+        """The checked texts (masked where a policy redacts) in place of what was sent."""
+
     async def prepare(self) -> tuple[list[int], int]:
         """The prompt, and how many of the oldest messages it left out to fit the window."""
 
@@ -156,16 +162,17 @@ class Turns:
         """The reply to an assistant message while it is in memory; None once only its row is left."""
         return self._replies.get(message_id)
 
-    async def start(self, tenant: Tenant, job: TurnJob) -> tuple[ReplyStream, int]:
+    async def start(self, tenant: Tenant, job: TurnJob, request_id: str | None = None) -> tuple[ReplyStream, int]:
         """Start a turn in the background; once its reply has begun, the reply and how many of the
-        oldest messages its prompt left out. 409 while the conversation has a turn under way."""
+        oldest messages its prompt left out. 409 while the conversation has a turn under way.
+        `request_id` labels what the safety pipeline records of it."""
         if job.busy_key is not None:
             if job.busy_key in self._busy:
                 raise APIError(409, "a reply is being generated in this conversation; post the next message when it has "
                                     "finished", None, "conversation_busy")
             self._busy.add(job.busy_key)  # released by the turn task; no await between the check and this
         started: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.state.spawn(self._run(tenant, job, started), name=f"turn {job.busy_key or job.endpoint}")
+        self.state.spawn(self._run(tenant, job, started, request_id), name=f"turn {job.busy_key or job.endpoint}")
         # Shielded: a client that leaves now does not stop the turn; it finishes and is saved.
         return await asyncio.shield(started)
 
@@ -190,13 +197,16 @@ class Turns:
 
     # -- the turn task ----------------------------------------------------------------------------
 
-    async def _run(self, tenant: Tenant, job: TurnJob, started: asyncio.Future) -> None:
-        """Render, start and run one turn; `started` gets (reply, omitted) or the error that stopped it."""
+    async def _run(self, tenant: Tenant, job: TurnJob, started: asyncio.Future, request_id: str | None) -> None:
+        """Check, render, start and run one turn; `started` gets (reply, omitted) or the error that stopped it."""
         state = self.state
         lease = None
         try:
             try:
                 state.precheck(tenant, job.gen)
+                # Before any row is written: a refused message is kept only in the audit trail.
+                job.use_input_texts(await state.safety.check_input(tenant, job.endpoint, job.input_texts(), request_id,
+                                                                  job.busy_key))
                 prompt, omitted = await job.prepare()
                 await state.check_structured(job.gen.params.structured)
                 lease, placement = state.admit(tenant, job.gen, [prompt])
@@ -210,6 +220,8 @@ class Turns:
                 results.abort()
                 _fail(started, job.not_found() if isinstance(exc, LookupError) else exc)
                 raise
+            results = state.safety.watch(results, tenant, job.endpoint, 1, request_id, assistant.conversation_id,
+                                         assistant.id)
             reply = ReplyStream(assistant.conversation_id, assistant.id, results.request_id, job.named_events)
             self._replies[assistant.id] = reply
             events = job.events(assistant, omitted)
@@ -303,6 +315,12 @@ class MessageTurn:
         self.gen = turn.gen
         self.busy_key = conversation.id
 
+    def input_texts(self) -> list[str]:
+        return [self.turn.content]
+
+    def use_input_texts(self, texts: list[str]) -> None:
+        self.turn.content = texts[0]
+
     async def prepare(self) -> tuple[list[int], int]:
         history = await self.state.store.list_messages(self.conversation.id)
         # Rendering a long history and tokenizing it is CPU work: off the event loop.
@@ -360,8 +378,8 @@ def _fail(started: asyncio.Future, exc: BaseException) -> None:
 def _reply_token_ids(state: ServerState, gen: GenerationRequest, output: CompletionOutput | None) -> list[int] | None:
     """A reply's tokens as the next turn's prompt holds them: what was generated, less the stop
     token that ended it (the template writes its own end of turn)."""
-    if output is None or not output.token_ids:
-        return None
+    if output is None or not output.token_ids or output.finish_reason == FinishReason.CONTENT_FILTER:
+        return None  # (a reply the output check cut is stored as the text that was sent)
     ids = list(output.token_ids)
     stop_ids = set(gen.params.stop_token_ids) | (state.tokenizer.eos_token_ids if state.tokenizer else set())
     if output.finish_reason == FinishReason.STOP and not isinstance(output.stop_reason, str) and ids[-1] in stop_ids:

@@ -1,5 +1,6 @@
 """The store: one SQLite file, read and written through aiosqlite, holding who may call the API
-(tenants, API keys), their conversations and messages, and what each request used.
+(tenants, API keys), their conversations and messages, what each request used, and the safety
+pipeline's moderation events (moderation.py).
 
 It knows nothing of HTTP or the engine; it hands out the frozen records of records.py. The
 schema is `schema.sql` (version 1) followed by the steps in MIGRATIONS, tracked in
@@ -27,6 +28,7 @@ import aiosqlite
 import orjson
 
 from chatd.config import TIER_NAME  # which tiers exist is the config's to say; a name's spelling is checked here
+from chatd.store.moderation import MODERATION_MIGRATION, ModerationLog
 from chatd.store.records import ApiKey, Conversation, Message, Response, Tenant, Usage
 
 SCHEMA_FILE = Path(__file__).with_name("schema.sql")
@@ -95,6 +97,8 @@ MIGRATIONS: list[list[str]] = [
     # 4: a reply's token ids as the model generated them (int32s, native byte order), so the next
     # turn's prompt holds exactly the tokens the prefix cache has. NULL: only its text is known.
     ["ALTER TABLE messages ADD COLUMN token_ids BLOB"],
+    # 5: the safety pipeline's decisions and their appeals (its SQL lives in moderation.py).
+    MODERATION_MIGRATION,
 ]
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 
@@ -119,8 +123,9 @@ def _whole(method):
     return run
 
 
-class Store:
-    """chatd's SQLite file. One connection; an asyncio lock keeps each transaction whole."""
+class Store(ModerationLog):
+    """chatd's SQLite file. One connection; an asyncio lock keeps each transaction whole.
+    (The moderation events' methods come from ModerationLog, in moderation.py.)"""
 
     def __init__(self, conn: aiosqlite.Connection, path: Path, clock: Callable[[], float]):
         self._conn = conn

@@ -1,7 +1,8 @@
-"""What the store hands out: frozen records of tenants, keys, conversations, messages, responses
-and usage.
+"""What the store hands out: frozen records of tenants, keys, conversations, messages, responses,
+usage, and the safety pipeline's moderation events.
 
-Timestamps are unix seconds; costs are USD. Import them from here or from chatd.store.db.
+Timestamps are unix seconds; costs are USD. Import them from here or from chatd.store.db (a
+ModerationEvent: from here or from chatd.store.moderation).
 """
 
 from __future__ import annotations
@@ -92,3 +93,26 @@ class Usage:
     cached_tokens: int
     output_tokens: int
     cost: float
+
+
+@dataclass(frozen=True)
+class ModerationEvent:
+    """One decision of the safety pipeline: what was blocked, flagged or redacted, for whom, and its appeal."""
+
+    id: str  # the appeal id a user is given: "modr_" + 24 hex
+    tenant_id: str
+    stage: str  # input (a request's messages or prompt) | output (a streamed reply) | moderations (/v1/moderations)
+    action: str  # blocked | flagged | redacted | guard_failed
+    categories: tuple[str, ...]  # e.g. ("harassment", "pii/card")
+    endpoint: str  # chat.completions | responses | conversations | moderations | ...
+    excerpt: str | None  # up to 200 characters of the text, when the operator keeps excerpts
+    text_sha256: str | None  # hex digest of the whole text, when the operator keeps hashes
+    request_id: str | None  # the server's request id, to find the request in the logs
+    conversation_id: str | None
+    message_id: str | None
+    created_at: float
+    status: str  # open | appealed | upheld | overturned
+    appeal_reason: str | None
+    appealed_at: float | None
+    resolved_at: float | None
+    resolution_note: str | None

@@ -150,7 +150,7 @@ def test_request_success_is_counted_per_finish_reason():
     observe(metrics, finish_reason=FinishReason.LENGTH)  # the enum is accepted as well as its value
     samples = scrape(metrics)
     count = {r.value: samples[f"chatd:request_success_total{{finished_reason={r.value},model_name={MODEL}}}"] for r in FinishReason}
-    assert count == {"stop": 2, "length": 1, "abort": 0, "error": 0}
+    assert count == {"stop": 2, "length": 1, "abort": 0, "error": 0, "content_filter": 0}
 
 
 def test_an_unknown_finish_reason_is_refused():

@@ -19,7 +19,7 @@ from chatd.store import db
 from chatd.store.db import SCHEMA_VERSION, Store, StoreFileError, Tenant
 
 START = 1_800_000_000.0
-TABLES = ("tenants", "api_keys", "conversations", "messages", "usage_events", "responses")
+TABLES = ("tenants", "api_keys", "conversations", "messages", "usage_events", "responses", "moderation_events")
 MAX_BYTES = 64 * 4096  # 64 pages: the schema takes about 20
 
 
@@ -99,7 +99,7 @@ async def test_a_new_file_gets_its_folder_the_schema_and_the_version(tmp_path):
     async with await Store.open(path):
         tables = {name for (name,) in read_sql(path, "SELECT name FROM sqlite_master WHERE type = 'table'")}
         assert set(TABLES) <= tables
-        assert user_version(path) == SCHEMA_VERSION == 4
+        assert user_version(path) == SCHEMA_VERSION == 5
         assert read_sql(path, "PRAGMA journal_mode") == [("wal",)]
 
 

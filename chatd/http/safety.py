@@ -1,0 +1,183 @@
+"""The safety pipeline in the server: inputs refused or masked, replies cut as they stream, an audit trail.
+
+Views call `Safety.check_input` with the texts of a request before rendering it: a category
+whose policy blocks is a 400 in OpenAI's shape (`code: "content_policy_violation"`, with the
+categories and an appeal id beside OpenAI's fields), a guard that cannot judge what must fail
+closed is a 503, and what passes comes back masked where a policy redacts. `Safety.watch` wraps
+an engine request so its text is checked as it streams (chatd/safety/stream.py): at a blocked
+match the choice ends with `finish_reason: "content_filter"` and the policy notice, and the
+engine request is stopped at once. Every block, flag and redaction is stored as a moderation
+event (its id is the appeal id: POST /v1/appeals), counted in /metrics and logged.
+
+The checks themselves are chatd/safety/; this module only applies them to requests and replies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from chatd.config import SafetyConfig
+from chatd.engine import FinishReason, RequestHandle, RequestOutput
+from chatd.http.errors import APIError
+from chatd.http.metrics import ServerMetrics
+from chatd.safety.pipeline import SafetyPipeline
+from chatd.safety.policy import Decision
+from chatd.safety.rules import ALL_CATEGORIES
+from chatd.safety.stream import OutputWindow
+from chatd.store.db import Store, Tenant
+
+log = logging.getLogger("chatd.http")
+
+ACTION_EVENTS = {"block": "blocked", "flag": "flagged", "redact": "redacted"}  # a policy's action, as recorded
+
+
+class Safety:
+    """The safety pipeline as the server applies it: checks, refusals, the audit trail, metrics."""
+
+    def __init__(self, pipeline: SafetyPipeline, store: Store, metrics: ServerMetrics) -> None:
+        self.pipeline, self.store, self.metrics = pipeline, store, metrics
+        self.config: SafetyConfig = pipeline.config
+        metrics.declare_safety(ALL_CATEGORIES)
+
+    # -- inputs -----------------------------------------------------------------------------------
+
+    async def check_input(self, tenant: Tenant, endpoint: str, texts: list[str], request_id: str | None,
+                          conversation_id: str | None = None) -> list[str]:
+        """The request's texts as the model may see them (masked where a policy redacts); raises the
+        refusal when a policy blocks, or when the guard failed on a category that fails closed."""
+        if not self.config.check_input or not any(texts):
+            return texts
+        timings: dict[str, float] = {}
+        decision = await self.pipeline.check_input(texts, tenant.tier, timings)
+        for check, seconds in timings.items():
+            self.metrics.safety_check(check, seconds)
+        record = _Recorder(self, tenant, "input", endpoint, "\n\n".join(texts), request_id, conversation_id)
+        if decision.guard_failed is not None:
+            self.metrics.guard_failed()
+            log.warning("the guard model could not judge a request (%s); policies decide by their failure mode",
+                        decision.guard_failed, extra={"request_id": request_id, "tenant": tenant.id})
+        if decision.refused_unchecked:
+            await record("guard_failed", decision.refused_unchecked)
+            raise APIError(503, "the safety check could not run, and this service refuses what it cannot check "
+                                f"({', '.join(decision.refused_unchecked)}); try again shortly", None,
+                           "safety_check_unavailable", headers={"Retry-After": "5"})
+        self._count(decision, "input")
+        blocked = decision.blocked
+        if blocked:
+            event = await record("blocked", blocked)
+            raise APIError(400, f"this request was refused by the content policy ({', '.join(blocked)}); to contest "
+                                f"it, POST /v1/appeals with appeal_id {event.id!r}", None, "content_policy_violation",
+                           extra={"categories": blocked, "appeal_id": event.id})
+        for action in ("flag", "redact"):
+            if decision.categories(action):
+                await record(ACTION_EVENTS[action], decision.categories(action))
+        if decision.guard_failed is not None:
+            await record("guard_failed", ())
+        return decision.texts
+
+    def _count(self, decision: Decision, stage: str) -> None:
+        for finding in {(f.category, f.action) for f in decision.findings}:
+            self.metrics.safety_action(finding[0], stage, finding[1])
+
+    # -- outputs ----------------------------------------------------------------------------------
+
+    def watch(self, handle: RequestHandle, tenant: Tenant, endpoint: str, num_choices: int, request_id: str | None,
+              conversation_id: str | None = None, message_id: str | None = None) -> RequestHandle:
+        """The engine request with its text checked as it streams (as it was, when outputs are not checked)."""
+        if not self.config.check_output:
+            return handle
+
+        async def on_end(window: OutputWindow) -> None:
+            """Record what one choice's window found, once it has ended."""
+            record = _Recorder(self, tenant, "output", endpoint, window.text, request_id, conversation_id, message_id)
+            for finding in {(f.category, f.action) for f in window.findings}:
+                self.metrics.safety_action(finding[0], "output", finding[1])
+            if window.violation is not None:  # as for inputs, a refusal is the one record of its text
+                await record("blocked", sorted({f.category for f in window.findings if f.action == "block"}))
+                return
+            for action in ("flag", "redact"):
+                found = sorted({f.category for f in window.findings if f.action == action})
+                if found:
+                    await record(ACTION_EVENTS[action], found)
+
+        return WatchedReply(handle, lambda: self.pipeline.output_window(tenant.tier), num_choices,
+                            self.config.output_notice, on_end)
+
+
+class WatchedReply:
+    """An engine request (a RequestHandle) whose choices' text passes through OutputWindows.
+
+    Text is held back a few dozen characters; a choice cut by a blocked match ends with
+    `content_filter` and the notice, later deltas of it are dropped (their tokens still count),
+    and once every choice has ended the engine request is aborted so it computes no more."""
+
+    def __init__(self, handle: RequestHandle, make_window: Callable[[], OutputWindow], num_choices: int,
+                 notice: str, on_end: Callable[[OutputWindow], Awaitable[None]]) -> None:
+        self.handle, self.request_id = handle, handle.request_id
+        self.make_window, self.num_choices, self.notice, self.on_end = make_window, num_choices, notice, on_end
+        self.windows: dict[int, OutputWindow] = {}
+        self.ended: set[int] = set()
+        self._iterator = handle.__aiter__()
+        self._finished = False
+
+    def abort(self) -> None:
+        self.handle.abort()
+
+    def __aiter__(self) -> WatchedReply:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished:
+            raise StopAsyncIteration
+        out = await self._iterator.__anext__()
+        outputs = []
+        for choice in out.outputs:
+            window = self.windows.setdefault(choice.index, self.make_window())
+            if choice.index in self.ended:  # cut earlier: nothing more is sent, its tokens still count
+                outputs.append(dataclasses.replace(choice, text="", finish_reason=None, stop_reason=None, logprobs=None))
+                continue
+            text = window.feed(choice.text, final=choice.finish_reason is not None)
+            if window.stopped:
+                choice = dataclasses.replace(choice, text=text + _notice(window, self.notice),
+                                             finish_reason=FinishReason.CONTENT_FILTER, stop_reason=None)
+            else:
+                choice = dataclasses.replace(choice, text=text)
+            if choice.finish_reason is not None:
+                self.ended.add(choice.index)
+                await self.on_end(window)
+            outputs.append(choice)
+        finished = out.finished or len(self.ended) >= self.num_choices
+        if finished and not out.finished:
+            self.handle.abort()  # every choice was cut: stop computing the rest now
+        self._finished = finished
+        return dataclasses.replace(out, outputs=outputs, finished=finished)
+
+
+def _notice(window: OutputWindow, notice: str) -> str:
+    """The notice, in a paragraph of its own unless nothing of the reply was sent."""
+    if not notice:
+        return ""
+    return notice if not window.text[: window.released].strip() else "\n\n" + notice
+
+
+class _Recorder:
+    """Stores moderation events for one request's text, keeping of it what [safety] audit_text says."""
+
+    def __init__(self, safety: Safety, tenant: Tenant, stage: str, endpoint: str, text: str, request_id: str | None,
+                 conversation_id: str | None = None, message_id: str | None = None) -> None:
+        self.safety, self.tenant, self.stage, self.endpoint = safety, tenant, stage, endpoint
+        self.text, self.request_id, self.conversation_id, self.message_id = text, request_id, conversation_id, message_id
+
+    async def __call__(self, action: str, categories) -> object:
+        keep = self.safety.config.audit_text
+        event = await self.safety.store.add_moderation_event(
+            self.tenant.id, stage=self.stage, action=action, categories=list(categories), endpoint=self.endpoint,
+            excerpt=self.text if keep == "excerpt" else None,
+            text_sha256=hashlib.sha256(self.text.encode()).hexdigest() if keep == "hash" else None,
+            request_id=self.request_id, conversation_id=self.conversation_id, message_id=self.message_id)
+        log.info("safety %s", action, extra={"request_id": self.request_id, "tenant": self.tenant.id, "stage": self.stage,
+                                             "categories": ",".join(categories), "appeal_id": event.id})
+        return event

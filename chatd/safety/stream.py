@@ -1,0 +1,92 @@
+"""The output check: a reply's text checked as it streams, held back just enough to be safe.
+
+A reply arrives in deltas of a few characters. A match can span deltas ("kill your" + "self"),
+so each choice's text goes through an `OutputWindow` that releases all but its last
+`RuleSet.MAX_MATCH_CHARS` characters: no rule matches more than that, so every match is seen
+whole, and judged, before any of it is sent. A match that ends where the text so far ends may
+still grow ("kill" + "ing"), so it is judged only once a character follows it or the reply ends.
+
+What the policies say then: a `block` match ends the reply at the match (what came before it is
+sent, nothing after), a `redact` match is sent masked, a `flag` is recorded and sent as is.
+Each finding is reported once, however often the overlapping scans see it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from chatd.config import CategoryPolicy
+from chatd.safety.policy import REDACTIONS, Finding, findings_from_matches
+from chatd.safety.rules import RuleSet
+
+
+class OutputWindow:
+    """One choice's reply as it streams: what may be sent now, and what the rules found in it."""
+
+    def __init__(self, rules: RuleSet, policies: Mapping[str, CategoryPolicy], hold: int | None = None) -> None:
+        self.rules = rules
+        self.policies = dict(policies)
+        self.hold = rules.MAX_MATCH_CHARS if hold is None else hold
+        self.text = ""  # the whole reply so far, as the model wrote it
+        self.released = 0  # characters of `text` sent (as themselves, or masked)
+        self.violation: Finding | None = None  # the block that ended it
+        self.findings: list[Finding] = []  # every finding, each once, in the order seen
+        self._seen: set[tuple[str, int, int]] = set()
+        self._redactions: list[Finding] = []  # judged, not yet released
+
+    @property
+    def stopped(self) -> bool:
+        return self.violation is not None
+
+    def feed(self, delta: str, final: bool = False) -> str:
+        """Take the next delta (`final`: the reply ends with it); return the text that may be sent
+        now. After a block, the text before the match, then nothing ever again."""
+        if self.stopped:
+            return ""
+        self.text += delta
+        self._judge(final)
+        if self.violation is not None:
+            return self._release(max(self.violation.start, self.released))
+        return self._release(len(self.text) if final else len(self.text) - self.hold)
+
+    def _judge(self, final: bool) -> None:
+        # Rescan from a little before what was sent (a match may begin there), starting at a word's
+        # start so that a word cut in two cannot match as a shorter word.
+        start = max(0, self.released - self.hold)
+        while start > 0 and not self.text[start - 1].isspace():
+            start -= 1
+        segment = self.text[start:]
+        for finding in findings_from_matches(self.rules.scan(segment, self.policies), self.policies):
+            finding = Finding(finding.category, finding.action, finding.stage, finding.start + start,
+                              finding.end + start, finding.rule)
+            if not final and finding.end >= len(self.text):
+                continue  # it may still grow: judged when more text comes
+            key = (finding.category, finding.start, finding.end)
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            self.findings.append(finding)
+            if finding.action == "block" and (self.violation is None or finding.start < self.violation.start):
+                self.violation = finding
+            elif finding.action == "redact":
+                self._redactions.append(finding)
+
+    def _release(self, upto: int) -> str:
+        """Send text up to `upto` (not into a match judged for masking: through its end, masked)."""
+        for r in self._redactions:
+            if r.start < upto < r.end:
+                upto = r.end
+        if upto <= self.released:
+            return ""
+        pieces, at = [], self.released
+        for r in sorted(self._redactions, key=lambda f: f.start):
+            if r.end <= at or r.start >= upto:
+                continue
+            pieces.append(self.text[at:max(r.start, at)])
+            if r.start >= at:
+                pieces.append(REDACTIONS.get(r.category, "[redacted]"))
+            at = r.end
+        pieces.append(self.text[at:upto])
+        self._redactions = [r for r in self._redactions if r.end > upto]
+        self.released = upto
+        return "".join(pieces)
