@@ -191,3 +191,11 @@ async def test_the_guards_verdict_blocks_through_the_server_and_is_counted(serve
         metrics = (await http.get("/metrics")).text
     assert 'chatd:safety_actions_total{action="block",category="hate",model_name="scripted",stage="input"} 1.0' in metrics
     assert 'chatd:safety_check_seconds_count{check="guard",model_name="scripted"} 1.0' in metrics
+
+
+async def test_a_response_cut_by_the_policy_is_incomplete_for_content_filter(serve):
+    state, url, keys = await serve()
+    state.engine.replies.append("Well. " + THREAT + " The end.")
+    response = await client(url, keys["alice"]).responses.create(model="scripted", input="Go on.")
+    assert response.status == "incomplete" and response.incomplete_details.reason == "content_filter"
+    assert "kill" not in response.output_text and response.output_text.endswith(state.config.safety.output_notice)
