@@ -1,8 +1,9 @@
 """The package layout is the architecture: imports point one way, and the engine's core needs no torch.
 
-`http -> engine (its package's public names only), store`; `engine` and `store` never import
-each other nor http; `engine/core` imports no torch; `config` imports nothing of chatd. Every
-import in a module counts, those inside functions too. (docs/design.md, "Layout".)
+`http -> engine (its package's public names only), store, safety`; `safety -> engine (public
+names)`; `engine` and `store` never import each other, nor http or safety; `engine/core` imports
+no torch; `config` imports nothing of chatd. Every import in a module counts, those inside
+functions too. (docs/design.md, "Layout".)
 """
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ def test_http_uses_only_the_engine_packages_public_names():
 def test_engine_and_store_never_import_each_other_nor_http():
     assert violations("engine", lambda m, _: within(m, "chatd.store") or within(m, "chatd.http")) == []
     assert violations("store", lambda m, _: within(m, "chatd.engine") or within(m, "chatd.http")) == []
+
+
+def test_safety_knows_nothing_of_http_or_the_store_and_only_the_engines_public_names():
+    public = set(chatd.engine.__all__)
+    assert violations("safety", lambda m, names: within(m, "chatd.http") or within(m, "chatd.store")
+                      or (within(m, "chatd.engine") and (m != "chatd.engine" or not set(names) <= public))) == []
+    assert violations("engine", lambda m, _: within(m, "chatd.safety")) == []
 
 
 def test_engine_core_imports_no_torch():
