@@ -18,7 +18,7 @@ from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, APIError
 from chatd.http.items import item_json, item_page, page_params, parse_items
 from chatd.http.openai_format import token_usage
-from chatd.http.protocol import parse_conversation_update, parse_new_conversation, parse_turn, shown
+from chatd.http.protocol import json_body, parse_conversation_update, parse_new_conversation, parse_turn, shown
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import TURNS, MessageTurn, ReplyStream, conversation_not_found, stored_reply
 from chatd.http.wire import json_response, read_json, stream_events
@@ -170,12 +170,7 @@ async def create_items(request: web.Request) -> web.Response:
     """Add items (messages, at most 20) to the end of a conversation."""
     state, tenant = request.app[STATE], request[TENANT]
     conversation = await _own_conversation(state, tenant, request.match_info["conversation_id"])
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - {"items", "include"})
-    if unknown:
-        raise APIError(400, f"unknown field {unknown[0]!r}", unknown[0])
+    body = json_body(await read_json(request), {"items", "include"})
     # The openai SDK sends include in the query, as `include[]=...`.
     if body.get("include") is not None and body["include"] != [] or {"include", "include[]"} & set(request.query):
         raise APIError(400, "include is not supported by chatd (items carry only their text)", "include")

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from chatd.http.auth import TENANT
 from chatd.http.errors import APIError
+from chatd.http.protocol import json_body
 from chatd.http.state import STATE
 from chatd.http.wire import json_response, read_json
 from chatd.safety.rules import CATEGORIES
@@ -30,12 +31,7 @@ MAX_REASON_CHARS = 2000
 async def moderations(request: web.Request) -> web.Response:
     """OpenAI's moderation of one text or a list: per text, whether it is flagged and by which categories."""
     state = request.app[STATE]
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - {"input", "model"})
-    if unknown:
-        raise APIError(400, f"unknown field {unknown[0]!r}", unknown[0])
+    body = json_body(await read_json(request), {"input", "model"})
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise APIError(400, "model must be a string", "model")
     texts = _inputs(body.get("input"), state.config.conversations.max_message_chars)
@@ -94,12 +90,7 @@ def _inputs(given, max_chars: int) -> list[str]:
 async def create_appeal(request: web.Request) -> web.Response:
     """Contest one of the safety pipeline's decisions about the caller: `{"appeal_id", "reason"}`."""
     state, tenant = request.app[STATE], request[TENANT]
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - {"appeal_id", "reason"})
-    if unknown:
-        raise APIError(400, f"unknown field {unknown[0]!r}", unknown[0])
+    body = json_body(await read_json(request), {"appeal_id", "reason"})
     appeal_id, reason = body.get("appeal_id"), body.get("reason")
     if not isinstance(appeal_id, str) or not appeal_id:
         raise APIError(400, "appeal_id must be the id a refusal gave (\"modr_...\")", "appeal_id")

@@ -414,6 +414,13 @@ def _content(content: Any, where: str) -> str:
     return content
 
 
+def json_body(body: Any, allowed: set[str]) -> dict:
+    """A request body that must be a JSON object of these fields only (400 naming the first other one)."""
+    body = _object(body)
+    _check_fields(body, allowed)
+    return body
+
+
 def _object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
