@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from chatd.bench import add_parser as add_bench_parser
-from chatd.config import DTYPES, KV_CACHE_DTYPES, LOG_LEVELS, TOOL_PARSERS, Config, load_config, store_path
+from chatd.config import DTYPES, KV_CACHE_DTYPES, LOG_LEVELS, QUANTIZATIONS, TOOL_PARSERS, Config, load_config, store_path
 from chatd.logs import setup_logging
 from chatd.store.db import Store
 from chatd.store.moderation import EVENT_STATUSES
@@ -49,6 +49,8 @@ def _load_engine(args: argparse.Namespace) -> LLMEngine:
         overrides.setdefault("model", {})["device"] = args.device
     if args.tensor_parallel_size:
         overrides.setdefault("model", {})["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.quantization:
+        overrides.setdefault("model", {})["quantization"] = args.quantization
     return LLMEngine.from_config(load_config(args.config, overrides))
 
 
@@ -101,6 +103,8 @@ def serve_config(args: argparse.Namespace) -> Config:
         overrides["model"]["device"] = args.device
     if args.tensor_parallel_size:
         overrides["model"]["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.quantization:
+        overrides["model"]["quantization"] = args.quantization
     if args.host:
         overrides["server"]["host"] = args.host
     if args.port is not None:
@@ -350,6 +354,9 @@ def _add_model_flags(parser: argparse.ArgumentParser,
     parser.add_argument("--model", help=model_help)
     parser.add_argument("--config", help="path to a config.toml")
     parser.add_argument("--device", help="auto | cpu | cuda[:N]")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS,
+                        help="weights in fewer bits, on CPU: int8, int4, or gguf (a GGUF file's own 4-bit blocks) "
+                             "(default none)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, metavar="N",
                         help="split the model over N ranks: N GPUs from the first (gloo ranks on CPU) (default 1)")
 

@@ -21,6 +21,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,17 @@ class ModelConfig:
     special_tokens_in_messages: bool = False
     # How the model's tool calls are read: auto (from its chat template) | hermes | llama3_json | mistral.
     tool_parser: str = "auto"
+    # Weights stored and computed in fewer bits: "none", "int8" (per output channel), "int4" (groups
+    # of 32), or "gguf" (a GGUF file's 4-bit blocks kept as int4 exactly, its other quantized tensors int8).
+    quantization: str = "none"
     # Ranks the model is split across (Megatron-style): one per GPU of the node (gloo ranks on CPU).
     tensor_parallel_size: int = 1
     # Seconds a tensor-parallel worker may stop answering before it is declared hung and stopped.
     worker_timeout: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"setting model.quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"setting model.tensor_parallel_size must be 1 or more, got {self.tensor_parallel_size}")
         if not self.worker_timeout > 0:

@@ -50,6 +50,7 @@ class ModelInfo:
     kv_bytes_per_token: int = 0  # keys and values of one token, all layers (and all ranks)
     num_host_kv_blocks: int = 0  # the host tier's blocks (0: off)
     tensor_parallel_size: int = 1  # ranks the model is split over
+    quantization: str = "none"  # model.quantization: how the weights are stored and computed
 
     @property
     def name(self) -> str:
@@ -68,6 +69,7 @@ class ModelInfo:
             "block_size": self.block_size,
             "kv_cache_dtype": self.kv_cache_dtype,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "quantization": self.quantization,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_cache_gib": round(self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30, 3),
             "num_host_kv_blocks": self.num_host_kv_blocks,
@@ -449,6 +451,7 @@ class LLMEngine:
             kv_bytes_per_token=kv_bytes_per_token(kv_caches) * tensor_parallel_size,
             num_host_kv_blocks=self.scheduler.num_host_kv_blocks,
             tensor_parallel_size=tensor_parallel_size,
+            quantization=getattr(getattr(runner, "model", None), "quantization", "none"),
         )
 
     def live_sequences(self) -> list[Sequence]:

@@ -47,9 +47,10 @@ def permute_rope_rows(values: np.ndarray, num_heads: int) -> np.ndarray:
     return values.reshape(num_heads, 2, head_dim // 2, *values.shape[1:]).swapaxes(1, 2).reshape(values.shape)
 
 
-def write_gguf(folder: Path, out: Path, sampling: dict | None = None) -> Path:
+def write_gguf(folder: Path, out: Path, sampling: dict | None = None,
+               quant: gguf.GGMLQuantizationType | None = None) -> Path:
     """Write a Hugging Face folder's model as an F32 GGUF file with no tokenizer metadata
-    (and `general.sampling.<key>` values, when given)."""
+    (and `general.sampling.<key>` values, when given; `quant`: its 2-D weights in that block format)."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     config = model.config
     arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -75,7 +76,10 @@ def write_gguf(folder: Path, out: Path, sampling: dict | None = None) -> Path:
             values = permute_rope_rows(values, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             values = permute_rope_rows(values, config.num_key_value_heads)
-        writer.add_tensor(gguf_name(name), np.ascontiguousarray(values))
+        if quant is not None and values.ndim == 2:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(np.ascontiguousarray(values), quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(values))
     for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
         write()
     writer.close()

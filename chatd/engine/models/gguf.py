@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
+from chatd.engine.models.gguf_quant import INT4_TYPES, int4_parts
+
 log = logging.getLogger("chatd.engine")
 
 # general.architecture -> the transformers config class and the architecture name chatd serves it as.
@@ -182,6 +184,32 @@ class GGUFCheckpoint:
             if not values.flags.writeable:  # an unquantized tensor is a view of the read-only file mapping
                 values = values.copy()
             yield name, torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+
+    def _tensor(self, hf: str):
+        """The file's tensor of a Hugging Face name, or None."""
+        if not hasattr(self, "_by_hf_name"):
+            self._by_hf_name = {hf_name(t.name): t for t in self.reader.tensors}
+        return self._by_hf_name.get(hf)
+
+    def is_quantized(self, hf: str) -> bool:
+        """Whether the file stores this tensor in a block format (not F32, F16 or BF16)."""
+        tensor = self._tensor(hf)
+        return tensor is not None and tensor.tensor_type.name not in ("F32", "F16", "BF16", "F64")
+
+    def int4_parts(self, hf: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """A Q4_0, Q4_1 or Q4_K tensor as the int4 kernel's (q, scales, zeros), rows in Hugging
+        Face's order (q/k rows of `llama` files put back as weights() does); None for other types."""
+        tensor = self._tensor(hf)
+        if tensor is None or tensor.tensor_type.name not in INT4_TYPES:
+            return None
+        parts = int4_parts(np.asarray(tensor.data), tensor.tensor_type.name, int(tensor.shape[0]))
+        heads = int(self.field(f"{self.architecture}.attention.head_count"))
+        kv_heads = int(self.field(f"{self.architecture}.attention.head_count_kv", heads))
+        if self.architecture == "llama" and tensor.name.endswith("attn_q.weight"):
+            parts = tuple(unpermute_rope_rows(part, heads) for part in parts)
+        elif self.architecture == "llama" and tensor.name.endswith("attn_k.weight"):
+            parts = tuple(unpermute_rope_rows(part, kv_heads) for part in parts)
+        return parts
 
     def prepare_config_dir(self, cache_root: Path) -> Path:
         """A folder with config.json, the tokenizer files (and chat template) and the recommended

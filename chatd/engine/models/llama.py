@@ -22,6 +22,7 @@ reads only that part; o_proj, down_proj and the embedding end in an all-reduce.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,18 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from chatd.engine.attention import AttentionBackend, AttentionMetadata, KVCache
+from chatd.engine.models.quant import Int4Linear, quantize_linear
 from chatd.engine.models.tensor_parallel import HeadLayout, Shard, TPGroup
+
+class GGUFBlocks(Protocol):
+    """What quantize("gguf") reads of a GGUF file (gguf.GGUFCheckpoint), by Hugging Face tensor name."""
+
+    def int4_parts(self, name: str) -> tuple | None:
+        """(q, scales, zeros) numpy arrays of a 4-bit tensor, rows as the model wants them; None otherwise."""
+
+    def is_quantized(self, name: str) -> bool:
+        """Whether the file stores the tensor quantized (in any block format)."""
+
 
 # Rope types whose frequencies are fixed at load time; "dynamic" and "longrope" change with the
 # batch's length, which a precomputed table cannot follow.
@@ -113,11 +125,22 @@ class FusedLinear(nn.Linear):
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = list(output_sizes)
         self.shards = shards or [None] * len(output_sizes)
+        self.quantized: nn.Module | None = None
 
     def shard_rows(self, index: int) -> slice:
         """The rows of the weight (and bias) that belong to the index-th stacked layer."""
         start = sum(self.output_sizes[:index])
         return slice(start, start + self.output_sizes[index])
+
+    def quantize(self, quantized: nn.Module | None) -> None:
+        """Compute with `quantized` (quant.py: the weight and bias in it) and drop the float weight; None: stay float."""
+        self.quantized = quantized
+        if quantized is not None:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.quantized(x) if self.quantized is not None else F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
@@ -128,14 +151,22 @@ class RowParallelLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
         self.shard = Shard(1, shard.start, shard.length)  # columns of the checkpoint's weight
+        self.quantized: nn.Module | None = None
 
     def checkpoint_shard(self, param_name: str) -> Shard | None:
         return self.shard if param_name == "weight" and self.tp.size > 1 else None
 
+    def quantize(self, quantized: nn.Module | None) -> None:
+        """Compute the partial sums with `quantized` (no bias in it: the bias comes after the sum); None: stay float."""
+        self.quantized = quantized
+        if quantized is not None:
+            self.register_parameter("weight", None)
+
     def forward(self, x: Tensor) -> Tensor:
-        if self.tp.size == 1:
+        if self.quantized is None and self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.quantized(x) if self.quantized is not None else F.linear(x, self.weight)
+        out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 
@@ -265,6 +296,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, tp.padded_vocab(config.vocab_size), bias=False)
+        self.quantized_head: nn.Module | None = None  # the LM head as quant.py computes it (quantize())
+        self.quantization = "none"  # what quantize() was asked for
         # Built on the current default device: on "meta" it costs nothing and load_model rebuilds it.
         self.register_buffer("rope_cache", build_rope_cache(config, self.head_dim), persistent=False)
 
@@ -290,9 +323,53 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """hidden [N, hidden_size] -> logits [N, vocab_size] in float32 (on rank 0; None on the others)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.tp.gather_columns(F.linear(hidden, weight))  # [N, ranks * vocab rows per rank]
+        if self.quantized_head is not None:
+            local = self.quantized_head(hidden)
+        else:
+            local = F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        logits = self.tp.gather_columns(local)  # [N, ranks * vocab rows per rank]
         return None if logits is None else logits[:, : self.vocab_size].float()
+
+    def quantize(self, kind: str, gguf: GGUFBlocks | None = None) -> None:
+        """Weight-only quantization of every projection and the LM head (quant.py); the embedding,
+        norms and biases stay as they are. A tied head gets a quantized copy of the embedding.
+        `kind` "gguf": a layer whose GGUF tensors are 4-bit blocks keeps them (int4, exactly),
+        another quantized one is int8, a float one stays float."""
+        self.quantization = kind
+        for name, module in self.named_modules():
+            if isinstance(module, FusedLinear):
+                parent, _, fused = name.rpartition(".")
+                parts = [f"model.{parent}.{shard}.weight" for shard, (owner, _) in FUSED_SHARDS.items() if owner == fused]
+                module.quantize(self._quantized(kind, module.weight, module.bias, parts, gguf))
+            elif isinstance(module, RowParallelLinear):
+                module.quantize(self._quantized(kind, module.weight, None, [f"model.{name}.weight"], gguf))
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        self.quantized_head = self._quantized(kind, head, None, [head_name], gguf)
+        if self.quantized_head is not None and self.lm_head is not None:
+            self.lm_head.register_parameter("weight", None)
+
+    def quantized_layers(self) -> dict[str, int]:
+        """How many projections (and the head) each kind of layer computes, for the startup log."""
+        layers = [m.quantized for m in self.modules() if isinstance(m, (FusedLinear, RowParallelLinear))]
+        counts: dict[str, int] = {}
+        for layer in [*layers, self.quantized_head]:
+            name = "float" if layer is None else type(layer).__name__.removesuffix("Linear").lower()
+            counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    def _quantized(self, kind: str, weight: Tensor, bias: Tensor | None, names: list[str],
+                   gguf: GGUFBlocks | None) -> nn.Module | None:
+        if kind != "gguf":
+            return quantize_linear(weight, bias, kind)
+        # The blocks are whole rows and columns of the file's tensors: exact only on one rank.
+        parts = [gguf.int4_parts(name) for name in names] if gguf is not None and self.tp.size == 1 else [None]
+        if all(part is not None for part in parts):
+            q, scales, zeros = (torch.cat([torch.from_numpy(part[i]) for part in parts]) for i in range(3))
+            return Int4Linear(q.to(torch.int32), scales, zeros, bias)
+        if gguf is not None and any(gguf.is_quantized(name) for name in names):
+            return quantize_linear(weight, bias, "int8")
+        return None
 
     def checkpoint_destinations(self) -> dict[str, tuple[Tensor, Shard | None]]:
         """Every tensor a checkpoint must hold, by Hugging Face name -> the parameter, or rows of one,

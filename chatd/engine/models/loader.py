@@ -201,11 +201,17 @@ def check_weights_fit(model: torch.nn.Module, device: torch.device, tp: TPGroup)
 
 
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
-               tp: TPGroup = TPGroup()) -> tuple[LlamaForCausalLM, PretrainedConfig]:
+               tp: TPGroup = TPGroup(), quantization: str = "none") -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """Build the model (this rank's part of it, under tensor parallelism) from the checkpoint's
-    config and load its weights onto `device` in `dtype`."""
+    config and load its weights onto `device` in `dtype`, then quantize them if asked."""
     hf_config = checkpoint.hf_config
     check_architecture(hf_config)
+    if quantization == "gguf" and checkpoint.gguf is None:
+        raise ValueError("model.quantization \"gguf\" keeps a GGUF file's blocks; this model is not a GGUF file "
+                         "(use \"int8\" or \"int4\")")
+    if quantization != "none" and device.type != "cpu":
+        raise ValueError(f"model.quantization {quantization!r} runs on CPU only (PyTorch's int8/int4 CPU kernels); "
+                         f"on {device.type} use model.quantization = \"none\"")
     # Built on "meta", parameters get storage only on the target device and only once, with no
     # random init that the checkpoint would overwrite anyway.
     with torch.device("meta"):
@@ -225,4 +231,8 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     weights = tqdm(weights, total=total, desc="Loading weights", unit="tensor",
                    disable=None)  # None: a bar on a terminal only, never in a log file
     model.load_weights(weights)
+    if quantization != "none":
+        model.quantize(quantization, checkpoint.gguf)
+        log.info("quantization %s: %s (of %d projections and the LM head)", quantization,
+                 ", ".join(f"{n} {kind}" for kind, n in model.quantized_layers().items()), 4 * model.num_layers)
     return model.eval(), hf_config

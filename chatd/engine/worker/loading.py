@@ -133,7 +133,7 @@ def build_runner(config: Config, checkpoint: Checkpoint, tp: TPGroup, device: to
     """What every rank does: load its part of the model, choose the attention backend, and make a
     runner with an empty KV pool (sized afterwards, the same on every rank)."""
     dtype = resolve_dtype(config.model.dtype, device, checkpoint.hf_config.dtype)
-    model, hf_config = load_model(checkpoint, dtype, device, tp)
+    model, hf_config = load_model(checkpoint, dtype, device, tp, config.model.quantization)
     context = context_length(hf_config, config.model)
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
     heads = hf_config.num_attention_heads // tp.size
