@@ -233,9 +233,9 @@ def bench_server(name: str, command: list[str], port: int, ready, args, work: Pa
         server.stop()
 
 
-def chatd_command(model: Path, config_path: Path, port: int) -> list[str]:
+def chatd_command(model: Path, config_path: Path, port: int, quantization: str = "none") -> list[str]:
     return [sys.executable, "-m", "chatd", "serve", "--model", str(model), "--config", str(config_path),
-            "--host", HOST, "--port", str(port), "--device", "cpu"]
+            "--host", HOST, "--port", str(port), "--device", "cpu", "--quantization", quantization]
 
 
 def llama_command(binary: Path, model: Path, port: int, args) -> list[str]:
@@ -328,7 +328,9 @@ def print_tables(report: dict) -> None:
 
 # --- main ------------------------------------------------------------------------------------
 
-RUNS = ("chatd", "llama-f32", "llama-q4_1")
+# chatd on the F32 file; chatd on the Q4_1 file keeping its blocks (model.quantization "gguf");
+# llama-server on each.
+RUNS = ("chatd", "chatd-q4_1", "llama-f32", "llama-q4_1")
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -423,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             if run == "chatd":
                 name, command, ready = "chatd F32", chatd_command(f32, config_path, port), chatd_ready
+            elif run == "chatd-q4_1":
+                name, command, ready = "chatd Q4_1", chatd_command(source, config_path, port, "gguf"), chatd_ready
             else:
                 model = f32 if run == "llama-f32" else source
                 name = "llama.cpp F32" if run == "llama-f32" else "llama.cpp Q4_1"
@@ -431,9 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     report["run_seconds"] = time.perf_counter() - run_start
     report["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     report["load_after"] = os.getloadavg()
-    chatd = report["runs"].get("chatd F32")
-    report["ratios"] = {f"chatd / {name}": ratios(chatd, run) for name, run in report["runs"].items()
-                        if chatd is not None and name.startswith("llama") and run["levels"]}
+    report["ratios"] = {}
+    for mine, theirs in (("chatd F32", "llama.cpp F32"), ("chatd F32", "llama.cpp Q4_1"), ("chatd Q4_1", "llama.cpp Q4_1")):
+        ours, peer = report["runs"].get(mine), report["runs"].get(theirs)
+        if ours is not None and peer is not None and peer["levels"]:
+            report["ratios"][f"{mine} / {theirs}"] = ratios(ours, peer)
     print_tables(report)
     print(f"\nruns took {report['run_seconds'] / 60:.1f} min ({report['started_utc']} to {report['finished_utc']}); "
           f"load average before {report['load_before'][0]:.2f}, after {report['load_after'][0]:.2f}")
