@@ -434,33 +434,31 @@ def _build_prices(values: dict[str, Any]) -> dict[str, Price]:
 
 def _build_tiers(values: dict[str, Any]) -> dict[str, TierConfig]:
     """DEFAULT_TIERS with each [tiers.NAME] table over its tier (a new name starts from no limits)."""
-    tiers = dict(DEFAULT_TIERS)
-    for name, table in values.items():
+    for name in values:
         if not TIER_NAME.fullmatch(name):
             raise ValueError(f"tier name {name!r} must be 1-32 lower-case letters, digits, '-' or '_'")
-        if not isinstance(table, dict):
-            raise ValueError(f"tiers.{name} must be a table like {{ requests_per_minute = 60 }}, got {table!r}")
-        fields = _checked(f"tiers.{name}", TierConfig, table)
-        try:
-            tiers[name] = dataclasses.replace(tiers.get(name, TierConfig()), **fields)
-        except ValueError as exc:
-            raise ValueError(f"setting tiers.{name}: {exc}") from None
-    return tiers
+    return _overlay(values, DEFAULT_TIERS, TierConfig, lambda name: f"tiers.{name}", "{ requests_per_minute = 60 }")
 
 
 def _build_policies(values: dict[str, Any]) -> dict[str, CategoryPolicy]:
     """DEFAULT_POLICIES with each [policies."CATEGORY"] table over its category's policy (whether a
     category name is one the safety pipeline knows is checked when it starts: config knows no list)."""
-    policies = dict(DEFAULT_POLICIES)
+    return _overlay(values, DEFAULT_POLICIES, CategoryPolicy, lambda name: f'policies."{name}"', '{ action = "block" }')
+
+
+def _overlay(values: dict[str, Any], defaults: dict[str, Any], cls: type, where, example: str) -> dict[str, Any]:
+    """`defaults` with each named table's settings over its entry (a new name starts from `cls()`);
+    ValueError naming `where(name)` and the setting."""
+    entries = dict(defaults)
     for name, table in values.items():
         if not isinstance(table, dict):
-            raise ValueError(f'policies."{name}" must be a table like {{ action = "block" }}, got {table!r}')
-        fields = _checked(f'policies."{name}"', CategoryPolicy, table)
+            raise ValueError(f"{where(name)} must be a table like {example}, got {table!r}")
+        fields = _checked(where(name), cls, table)
         try:
-            policies[name] = dataclasses.replace(policies.get(name, CategoryPolicy()), **fields)
+            entries[name] = dataclasses.replace(entries.get(name, cls()), **fields)
         except ValueError as exc:
-            raise ValueError(f'setting policies."{name}": {exc}') from None
-    return policies
+            raise ValueError(f"setting {where(name)}: {exc}") from None
+    return entries
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
