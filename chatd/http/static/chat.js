@@ -39,7 +39,7 @@ async function connect() {
   await loadConversations(false);
   const id = location.hash.slice(1);
   if (id) await openConversation(id);
-  else newChat();
+  else newChat(false); // the page opened on a new chat: keep what was typed while it loaded
 }
 
 function fillModels(models) {
@@ -77,18 +77,20 @@ function renderSidebar() {
 
 // -- opening, starting and deleting conversations --------------------------------------------
 
-function newChat() {
+/** Show an empty chat; `clear`: also empty the system prompt (false at start, where a user may
+ * already be typing in it while the page loads its conversations). */
+function newChat(clear = true) {
   leaveReply();
   page.current = null;
   history.replaceState(null, "", location.pathname);
   $("title").textContent = "New chat";
   $("setup").hidden = false;
-  $("system-prompt").value = "";
+  if (clear) $("system-prompt").value = "";
   $("about").hidden = true;
   $("messages").replaceChildren();
   renderSidebar();
   closeSidebar();
-  $("input").focus();
+  if (clear || document.activeElement === document.body) $("input").focus();
 }
 
 async function openConversation(id) {
@@ -350,7 +352,7 @@ $("input").addEventListener("keydown", (event) => {
   }
 });
 $("stop").addEventListener("click", stop);
-$("new-chat").addEventListener("click", newChat);
+$("new-chat").addEventListener("click", () => newChat());
 $("older").addEventListener("click", () => loadConversations(true));
 $("menu").addEventListener("click", () => {
   $("scrim").hidden = !$("app").classList.toggle("sidebar-open");
