@@ -161,6 +161,10 @@ async def test_moderations_answer_in_openais_shape(serve):
     with pytest.raises(openai.BadRequestError) as refused:
         await client(url, keys["alice"]).moderations.create(input=[{"type": "image_url", "image_url": {"url": "x"}}])
     assert refused.value.body["param"] == "input[0]"
+    limit = state.config.conversations.max_message_chars
+    with pytest.raises(openai.BadRequestError) as refused:  # the checks' cost is bounded per request
+        await client(url, keys["alice"]).moderations.create(input=["a" * (limit // 2 + 1)] * 2)
+    assert refused.value.body["param"] == "input" and str(limit) in refused.value.message
     assert await state.store.list_moderation_events() == []  # asking about a text blocks no one
 
 
