@@ -113,6 +113,8 @@ def serve_config(args: argparse.Namespace) -> Config:
         overrides["model"]["attention_backend"] = args.attention_backend
     if args.no_cuda_graphs:
         overrides["model"]["cuda_graphs"] = False
+    if args.no_compile:
+        overrides["model"]["compile"] = False
     if args.allowed_origins is not None:
         overrides["server"]["allowed_origins"] = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     if args.served_model_name:
@@ -262,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated browser origins allowed to call the API (CORS), e.g. https://a.example")
     serve.add_argument("--attention-backend", help="auto | flash-attn | torch-varlen | triton | sdpa")
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graphs)")
+    serve.add_argument("--no-compile", action="store_true",
+                       help="on CPU, run decode steps eagerly (no torch.compile at start)")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="the model ids requests may name; the first is the one replies show (default: the model "
                             "folder's name)")

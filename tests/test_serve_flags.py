@@ -44,9 +44,11 @@ def test_version_prints_the_installed_version_and_exits_0():
 def test_serve_flags_land_in_their_settings(served):
     assert main(["serve", "--served-model-name", "qwen3-8b", "gpt-4o-mini", "--max-model-len", "512",
                  "--dtype", "bfloat16", "--log-level", "error", "--api-key", KEY, "--tool-call-parser", "mistral",
-                 "--kv-cache-dtype", "fp8_e4m3", "--host-kv-cache-gb", "2.5", "-tp", "8", "--quantization", "int4"]) == 0
+                 "--kv-cache-dtype", "fp8_e4m3", "--host-kv-cache-gb", "2.5", "-tp", "8", "--quantization", "int4",
+                 "--no-compile"]) == 0
     [config] = served
     assert (config.model.tensor_parallel_size, config.model.quantization) == (8, "int4")
+    assert config.model.compile is False
     assert (config.cache.kv_cache_dtype, config.cache.host_kv_cache_gb) == ("fp8_e4m3", 2.5)
     assert config.model.tool_parser == "mistral"
     assert config.server.model_name == ("qwen3-8b", "gpt-4o-mini")

@@ -51,6 +51,7 @@ class ModelInfo:
     num_host_kv_blocks: int = 0  # the host tier's blocks (0: off)
     tensor_parallel_size: int = 1  # ranks the model is split over
     quantization: str = "none"  # model.quantization: how the weights are stored and computed
+    compiled_decode: bool = False  # decode steps run through torch.compile (CPU; worker/compiled.py)
 
     @property
     def name(self) -> str:
@@ -65,6 +66,7 @@ class ModelInfo:
             "device": self.device,
             "attention_backend": self.attention_backend,
             "cuda_graph_max_batch": self.cuda_graph_max_batch,
+            "compiled_decode": self.compiled_decode,
             "num_kv_blocks": self.num_kv_blocks,
             "block_size": self.block_size,
             "kv_cache_dtype": self.kv_cache_dtype,
@@ -452,6 +454,7 @@ class LLMEngine:
             num_host_kv_blocks=self.scheduler.num_host_kv_blocks,
             tensor_parallel_size=tensor_parallel_size,
             quantization=getattr(getattr(runner, "model", None), "quantization", "none"),
+            compiled_decode=getattr(runner, "compiled", None) is not None,
         )
 
     def live_sequences(self) -> list[Sequence]:

@@ -13,11 +13,18 @@ from pathlib import Path
 import pytest
 
 
-def start_server(root: Path, model_dir: Path, config_text: str) -> tuple[subprocess.Popen, str, Path]:
-    """Start chatd serve on a free loopback port; return the process, its URL and its log file."""
+def start_server(root: Path, model_dir: Path, config_text: str,
+                 environment: dict[str, str | None] | None = None) -> tuple[subprocess.Popen, str, Path]:
+    """Start chatd serve on a free loopback port; return the process, its URL and its log file.
+    `environment` sets variables of the server's environment (None: removes one)."""
     config = root / "config.toml"
     config.write_text(config_text)
     env = {**os.environ, "CHATD_HOME": str(root / "home")}  # the store file lands here unless configured
+    for name, value in (environment or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     # The log goes to a file, not a pipe: nobody drains a pipe during the tests, and a full pipe
     # would block the server's logging (and with it its event loop).
     log_path = root / "serve.log"

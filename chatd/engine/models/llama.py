@@ -103,6 +103,21 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+# A compiled decode step (worker/compiled.py) computes a float projection of this many rows or fewer
+# as one reduction per row, which inductor turns into a loop that streams the weight at memory speed;
+# a matmul library's small-batch path can be far slower (measured in docs/design.md).
+DENSE_ROWS_AS_REDUCTIONS = 2
+
+
+def dense(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear, except inside torch.compile for a few rows: x [rows, in] . weight [out, in] row by row."""
+    rows = x.shape[0]
+    if not torch.compiler.is_compiling() or x.dim() != 2 or rows > DENSE_ROWS_AS_REDUCTIONS:
+        return F.linear(x, weight, bias)
+    out = torch.stack([(weight * x[i]).sum(-1) for i in range(rows)])  # [rows, out]
+    return out if bias is None else out + bias
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and scaled after casting back, in transformers' order."""
 
@@ -140,7 +155,7 @@ class FusedLinear(nn.Linear):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.quantized(x) if self.quantized is not None else F.linear(x, self.weight, self.bias)
+        return self.quantized(x) if self.quantized is not None else dense(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
@@ -164,7 +179,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.quantized is None and self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return dense(x, self.weight, self.bias)
         out = self.quantized(x) if self.quantized is not None else F.linear(x, self.weight)
         out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
@@ -314,19 +329,24 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> Tensor:
         """input_ids, positions: [T] flat batch -> hidden states [T, hidden_size] after the final norm."""
-        x = self.embed_tokens(input_ids)  # x: [tokens, hidden]
-        # Like transformers, cos/sin are computed in float32 and cast to the activations' dtype.
-        cos, sin = self.rope_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)  # [tokens, 1, head_dim // 2]
+        x, cos, sin = self.embed(input_ids, positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta, backend)
         return self.norm(x)
+
+    def embed(self, input_ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """What the first layer takes: the tokens' embeddings [T, hidden] and their rope cos, sin [T, 1, head_dim // 2]."""
+        x = self.embed_tokens(input_ids)
+        # Like transformers, cos/sin are computed in float32 and cast to the activations' dtype.
+        cos, sin = self.rope_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return x, cos, sin
 
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """hidden [N, hidden_size] -> logits [N, vocab_size] in float32 (on rank 0; None on the others)."""
         if self.quantized_head is not None:
             local = self.quantized_head(hidden)
         else:
-            local = F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+            local = dense(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
         logits = self.tp.gather_columns(local)  # [N, ranks * vocab rows per rank]
         return None if logits is None else logits[:, : self.vocab_size].float()
 

@@ -6,6 +6,7 @@ Kept apart from `engine.py` so the engine itself can be built around a fake runn
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from chatd.engine.models.loader import (
 )
 from chatd.engine.models.tensor_parallel import TPGroup, check_head_layout
 from chatd.engine.tokenizer import Tokenizer
+from chatd.engine.worker.compiled import unavailable_reason
 from chatd.engine.worker.parallel import ParallelError, ParallelRunner, Workers, check_gpus
 from chatd.engine.worker.parallel_worker import (
     cpu_threads_per_rank,
@@ -111,6 +113,8 @@ def load_engine_parts(config: Config) -> EngineParts:
         num_host_blocks = size_host_tier(runner, config)
         if device.type == "cuda":
             capture_cuda_graphs(runner, config)
+        else:
+            compile_decode(local, config)
     except BaseException as exc:
         if runner is not None and hasattr(runner, "close"):
             runner.close()
@@ -261,6 +265,28 @@ def size_kv_pool(config: Config, runner, block_bytes: int, context: int) -> int:
             f"({'gpu_memory_utilization' if cuda else 'cpu_kv_cache_gb'}) or lower max_model_len"
         )
     return num_blocks
+
+
+def compile_decode(runner: ModelRunner, config: Config) -> None:
+    """On CPU, compile decode steps when configured (worker/compiled.py); a failed compile serves eagerly."""
+    if not config.model.compile:
+        return
+    reason = unavailable_reason(runner.model, runner.device)
+    if reason:
+        log.info("decode steps run eagerly: %s", reason)
+        return
+    # Inductor keeps what it compiled on disk; under chatd's home it outlives a reboot's /tmp.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(chatd_home() / "compiled"))
+    log.info("compiling decode steps (torch.compile; once per model and machine this takes a minute or so, "
+             "later starts read it back; model.compile = false or --no-compile skips it)")
+    try:
+        seconds = runner.enable_compiled_decode()
+    except Exception as exc:  # no C++ compiler, an operation inductor refuses: serve eagerly, say why
+        runner.compiled = None
+        log.warning("compiling decode steps failed (%s: %s); every step runs eagerly", type(exc).__name__,
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+    else:
+        log.info("compiled decode steps in %.1f s", seconds)
 
 
 def capture_cuda_graphs(runner: ModelRunner, config: Config) -> None:

@@ -21,6 +21,7 @@ from chatd.engine.core.block_manager import KVCopy
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.core.sequence import Sequence
 from chatd.engine.params import SamplingParams
+from chatd.engine.worker.compiled import CompiledDecode
 from chatd.engine.worker.cuda_graphs import DecodeGraphs
 from chatd.engine.worker.host_kv import HostKVTier
 from chatd.engine.worker.sampler import Sampler, SamplerOutput, SamplingRow
@@ -95,6 +96,7 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.host_tier: HostKVTier | None = None  # allocate_host_kv
         self.graphs: DecodeGraphs | None = None
+        self.compiled: CompiledDecode | None = None  # enable_compiled_decode
         self.allocate_kv(num_blocks)
 
     def allocate_kv(self, num_blocks: int) -> None:
@@ -107,6 +109,7 @@ class ModelRunner:
             for _ in range(self.model.num_layers)
         ]
         self.graphs = None
+        self.compiled = None
 
     def allocate_host_kv(self, num_host_blocks: int) -> None:
         """(Re)allocate the host tier: `num_host_blocks` blocks laid out as the device pool's, in
@@ -135,6 +138,13 @@ class ModelRunner:
         self.graphs = graphs
         return seconds
 
+    def enable_compiled_decode(self) -> float:
+        """Run decode-only steps through torch.compile (compiled.py); returns the seconds compiling took."""
+        compiled = CompiledDecode(self.model, self.kv_caches, self.block_size, self.backend.k_scale, self.backend.v_scale)
+        seconds = compiled.warm_up()
+        self.compiled = compiled
+        return seconds
+
     def execute(self, scheduled: list[ScheduledSequence]) -> SamplerOutput:
         """Run one step; return the sampled token of each scheduled sequence whose chunk reached its end."""
         inputs = forward_inputs(scheduled)
@@ -147,6 +157,8 @@ class ModelRunner:
         step = build_step(inputs.token_ids, inputs.starts, inputs.query_lens, inputs.block_tables, self.block_size,
                           self.device)
         meta = step.meta
+        if self.compiled is not None and meta.max_query_len == 1 and len(inputs.sampling) == meta.num_seqs:
+            return self.compiled.logits(step.input_ids, step.positions, meta)
         if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(meta.num_seqs):
             hidden = self.graphs.run(step)
         else:

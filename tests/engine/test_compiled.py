@@ -1,0 +1,97 @@
+"""Compiled decode steps (worker/compiled.py): the same tokens as eager steps, no compile after start.
+
+The suite runs with torch.compile off (tests/conftest.py); these tests turn it on. Decode-only
+attention (attention/decode.py) is checked against the sdpa backend on its own, eagerly; the
+compiled engine is checked against the eager engine on the same weights, over a generation whose
+decode batch shrinks from five sequences to one (every graph: batch 1, 2 and the dynamic one)
+with contexts that cross block boundaries.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatd.engine import SamplingParams
+from chatd.engine.attention import SdpaBackend, quantize_kv
+from chatd.engine.attention.decode import DecodeAttention, DecodeContext
+from chatd.engine.worker.compiled import compile_count
+from tests.engine.conftest import make_llm
+from tests.engine.test_attention import make_problem
+
+
+@pytest.fixture
+def compile_on():
+    with torch._dynamo.config.patch(disable=False):
+        yield
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2)])
+def test_decode_attention_matches_sdpa(heads, kv_heads, kv_dtype):
+    # Contexts of 1, 8 (one whole block), 38 and 64 tokens; tables out of order, with holes; blocks
+    # no sequence owns hold large values, so attending past a row's end would show.
+    problem = make_problem([0, 7, 37, 63], [1, 1, 1, 1], heads, kv_heads, 16, 8, torch.float32, torch.device("cpu"))
+    caches = [quantize_kv(c, kv_dtype, 0.5) for c in (problem.k_cache, problem.v_cache)]
+    outputs = []
+    for backend in (DecodeAttention(0.5, 0.5), SdpaBackend(0.5, 0.5)):
+        cache = (caches[0].clone(), caches[1].clone())
+        meta = problem.step.meta
+        if isinstance(backend, DecodeAttention):
+            meta = DecodeContext.of(meta, 8, torch.float32)
+        backend.write_kv(cache, problem.k, problem.v, meta)
+        outputs.append((backend.attend(problem.q, problem.k, problem.v, cache, meta, problem.scale), cache))
+    (out, cache), (want, want_cache) = outputs
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(cache, want_cache))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+PROMPTS = [[5 + i, 40, 41, 42] * (3 + 4 * i) for i in range(5)]  # 12 to 76 tokens: across blocks of 8
+MAX_TOKENS = [3, 9, 14, 20, 27]  # the decode batch shrinks 5, 4, 3, 2, 1 as they finish
+
+
+def generate(llm) -> list:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in MAX_TOKENS]
+    return [out.outputs[0] for out in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # GQA; q/k/v biases; q/k norms
+def test_compiled_decode_gives_the_eager_tokens_and_never_compiles_after_start(model_dirs, family, compile_on):
+    with make_llm(model_dirs[family], compile=False) as eager_llm:
+        assert eager_llm.engine.runner.compiled is None
+        want = generate(eager_llm)
+    with make_llm(model_dirs[family]) as llm:  # model.compile defaults to true
+        assert llm.engine.runner.compiled is not None
+        assert llm.engine.model_info().details()["compiled_decode"] is True
+        before = compile_count()
+        got = generate(llm)
+        assert compile_count() == before, "a decode step compiled after start"
+    for g, w in zip(got, want, strict=True):
+        assert list(g.token_ids) == list(w.token_ids)
+        for g_lp, w_lp in zip(g.logprobs, w.logprobs):
+            assert abs(g_lp.logprob - w_lp.logprob) < 1e-4
+
+
+def test_compiled_int8_decode_stays_close_to_eager_int8(model_dirs, compile_on):
+    """Quantized layers compute in bfloat16, where fusing changes the rounding: logprobs stay close."""
+    with make_llm(model_dirs["llama"], compile=False, quantization="int8") as eager_llm:
+        want = generate(eager_llm)
+    with make_llm(model_dirs["llama"], quantization="int8") as llm:
+        assert llm.engine.runner.compiled is not None
+        got = generate(llm)
+    # The first token of each prompt comes from the (eager) prefill; then compare while the tokens agree.
+    compared = 0
+    for g, w in zip(got, want, strict=True):
+        for g_tok, w_tok, g_lp, w_lp in zip(g.token_ids, w.token_ids, g.logprobs, w.logprobs):
+            if g_tok != w_tok:
+                break
+            assert abs(g_lp.logprob - w_lp.logprob) < 0.05
+            compared += 1
+    assert compared >= len(PROMPTS) + 10
+
+
+def test_compile_is_off_when_configured_or_disabled(model_dirs):
+    with make_llm(model_dirs["llama"]) as llm:  # TORCH_COMPILE_DISABLE=1 here: chatd respects it
+        assert llm.engine.runner.compiled is None
+    with torch._dynamo.config.patch(disable=False), make_llm(model_dirs["llama"], compile=False) as llm:
+        assert llm.engine.runner.compiled is None
