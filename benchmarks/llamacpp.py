@@ -5,8 +5,9 @@ It builds `llama-server` once from the llama.cpp source vendored in the llama-cp
 the default model (the Q4_1 file's metadata as is, every tensor dequantized by the `gguf`
 library, llama.cpp's names and row order kept), and caches both in `--llama-cpp-dir`. Then, one
 server at a time (never two at once: the CPU machine has two cores), it starts chatd on the F32
-file, llama-server on the same F32 file, and llama-server on the original Q4_1 file (as llama.cpp
-users run it), each on a free 127.0.0.1 port, drives it with chatd's load generator
+file (with its decode steps compiled, its default, and once more with --no-compile), chatd on the
+Q4_1 file keeping its blocks (--quantization gguf), llama-server on the same F32 file, and
+llama-server on the original Q4_1 file (as llama.cpp users run it), each on a free 127.0.0.1 port, drives it with chatd's load generator
 (`chatd.bench.load.run_bench`: streamed chat completions, temperature 0, EOS ignored so every
 request makes exactly `max_tokens`) at each concurrency level, and stops it.
 
@@ -233,9 +234,10 @@ def bench_server(name: str, command: list[str], port: int, ready, args, work: Pa
         server.stop()
 
 
-def chatd_command(model: Path, config_path: Path, port: int, quantization: str = "none") -> list[str]:
+def chatd_command(model: Path, config_path: Path, port: int, quantization: str = "none", compile: bool = True) -> list[str]:
     return [sys.executable, "-m", "chatd", "serve", "--model", str(model), "--config", str(config_path),
-            "--host", HOST, "--port", str(port), "--device", "cpu", "--quantization", quantization]
+            "--host", HOST, "--port", str(port), "--device", "cpu", "--quantization", quantization,
+            *([] if compile else ["--no-compile"])]
 
 
 def llama_command(binary: Path, model: Path, port: int, args) -> list[str]:
@@ -330,7 +332,7 @@ def print_tables(report: dict) -> None:
 
 # chatd on the F32 file; chatd on the Q4_1 file keeping its blocks (model.quantization "gguf");
 # llama-server on each.
-RUNS = ("chatd", "chatd-q4_1", "llama-f32", "llama-q4_1")
+RUNS = ("chatd", "chatd-eager", "chatd-q4_1", "llama-f32", "llama-q4_1")
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -425,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             if run == "chatd":
                 name, command, ready = "chatd F32", chatd_command(f32, config_path, port), chatd_ready
+            elif run == "chatd-eager":  # decode steps not compiled (--no-compile): what compiling gains
+                name, command, ready = "chatd F32 eager", chatd_command(f32, config_path, port, compile=False), chatd_ready
             elif run == "chatd-q4_1":
                 name, command, ready = "chatd Q4_1", chatd_command(source, config_path, port, "gguf"), chatd_ready
             else:
@@ -436,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     report["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     report["load_after"] = os.getloadavg()
     report["ratios"] = {}
-    for mine, theirs in (("chatd F32", "llama.cpp F32"), ("chatd F32", "llama.cpp Q4_1"), ("chatd Q4_1", "llama.cpp Q4_1")):
+    for mine, theirs in (("chatd F32", "llama.cpp F32"), ("chatd F32 eager", "llama.cpp F32"),
+                         ("chatd F32", "llama.cpp Q4_1"), ("chatd Q4_1", "llama.cpp Q4_1")):
         ours, peer = report["runs"].get(mine), report["runs"].get(theirs)
         if ours is not None and peer is not None and peer["levels"]:
             report["ratios"][f"{mine} / {theirs}"] = ratios(ours, peer)

@@ -75,7 +75,13 @@ TINY = dict(
     hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
     intermediate_size=256, vocab_size=2048, tie_word_embeddings=False, max_position_embeddings=4096,
 )
-SHAPES = {"Llama-3.1-8B": LLAMA_8B, "tiny Llama": TINY}
+# SmolLM2-135M's shape (chatd's default model): what a CPU serves.
+SMOLLM2_135M = dict(
+    hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+    rope_parameters=dict(rope_type="default", rope_theta=100000.0),
+)
+SHAPES = {"Llama-3.1-8B": LLAMA_8B, "SmolLM2-135M": SMOLLM2_135M, "tiny Llama": TINY}
 # The workload; --quick swaps in the tiny model and a small workload.
 DEFAULTS = dict(batches=(1, 8, 64, 256), context=1024, decode_steps=30, warmup_steps=5, ttft_prompt=2000,
                 ttft_cached=1900, ttft_repeats=5, max_num_batched_tokens=8192, copy_mib=2048, gemm_size=8192)
@@ -207,7 +213,7 @@ def run(args: argparse.Namespace) -> dict:
     from chatd import LLM, SamplingParams
 
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    args.shape = "tiny Llama" if args.quick else "Llama-3.1-8B"
+    args.shape = "tiny Llama" if args.quick else args.shape or "Llama-3.1-8B"
     shape = dict(SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
@@ -231,7 +237,7 @@ def run(args: argparse.Namespace) -> dict:
         started = time.perf_counter()
         options = dict(device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE, max_num_seqs=max(args.batches),
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-                       enable_prefix_caching=True)
+                       enable_prefix_caching=True, compile=not args.no_compile)
         if args.gpu_memory_utilization:
             options["gpu_memory_utilization"] = args.gpu_memory_utilization
         llm = LLM(tmp, **options)
@@ -361,6 +367,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-repeats", dest="ttft_repeats", type=int, help="timed TTFT runs per case (5)")
     p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, help="chatd's step budget (8192)")
     p.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float, help="chatd's (default its own)")
+    p.add_argument("--shape", choices=[name for name in SHAPES if name != "tiny Llama"],
+                   help="the random model's shape (default Llama-3.1-8B)")
+    p.add_argument("--no-compile", dest="no_compile", action="store_true",
+                   help="on CPU, decode steps eagerly (chatd's --no-compile)")
     p.add_argument("--layers", type=int, help="fewer decoder layers than the shape's (a quicker look on a GPU)")
     p.add_argument("--copy-mib", dest="copy_mib", type=int, help="size of the copy that measures bandwidth (2048)")
     p.add_argument("--gemm-size", dest="gemm_size", type=int, help="size of the matmul that measures the rate (8192)")
