@@ -206,6 +206,7 @@ class ChatdPeer:
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             max_num_seqs=max(256, len(self.workload.prompts)),
+            compile=not self.args.no_compile,  # compiling (on CPU, at start) is untimed, as the warm-up is
         )
         if self.args.max_num_batched_tokens is not None:  # None: chatd's own default
             options["max_num_batched_tokens"] = self.args.max_num_batched_tokens
@@ -422,6 +423,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, help="vocabulary size (cpu preset: 32000)")
     p.add_argument("--dtype", choices=DTYPES, help="cpu preset: float32")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, from {','.join(PEERS)}")
+    p.add_argument("--no-compile", dest="no_compile", action="store_true",
+                   help="chatd: on CPU, decode steps eagerly (chatd's --no-compile)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the median is reported")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload")
     p.add_argument("--json", help="write the results to this file")

@@ -73,7 +73,8 @@ def test_compiled_decode_gives_the_eager_tokens_and_never_compiles_after_start(m
 
 
 def test_compiled_int8_decode_stays_close_to_eager_int8(model_dirs, compile_on):
-    """Quantized layers compute in bfloat16, where fusing changes the rounding: logprobs stay close."""
+    """Quantized layers compute in bfloat16, where fusing changes the rounding: logprobs stay within
+    bfloat16's step at the demo model's logits (8 bits of mantissa: ~0.4% of logits of 10-30)."""
     with make_llm(model_dirs["llama"], compile=False, quantization="int8") as eager_llm:
         want = generate(eager_llm)
     with make_llm(model_dirs["llama"], quantization="int8") as llm:
@@ -85,7 +86,7 @@ def test_compiled_int8_decode_stays_close_to_eager_int8(model_dirs, compile_on):
         for g_tok, w_tok, g_lp, w_lp in zip(g.token_ids, w.token_ids, g.logprobs, w.logprobs):
             if g_tok != w_tok:
                 break
-            assert abs(g_lp.logprob - w_lp.logprob) < 0.05
+            assert abs(g_lp.logprob - w_lp.logprob) < 0.15
             compared += 1
     assert compared >= len(PROMPTS) + 10
 

@@ -31,6 +31,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from chatd.engine.attention import AttentionBackend, AttentionMetadata, KVCache
+from chatd.engine.models.matvec import dense
 from chatd.engine.models.quant import Int4Linear, quantize_linear
 from chatd.engine.models.tensor_parallel import HeadLayout, Shard, TPGroup
 
@@ -101,21 +102,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # x: [tokens, heads, head_dim]; cos, sin: [tokens, 1, head_dim // 2]
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-# A compiled decode step (worker/compiled.py) computes a float projection of this many rows or fewer
-# as one reduction per row, which inductor turns into a loop that streams the weight at memory speed;
-# a matmul library's small-batch path can be far slower (measured in docs/design.md).
-DENSE_ROWS_AS_REDUCTIONS = 2
-
-
-def dense(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear, except inside torch.compile for a few rows: x [rows, in] . weight [out, in] row by row."""
-    rows = x.shape[0]
-    if not torch.compiler.is_compiling() or x.dim() != 2 or rows > DENSE_ROWS_AS_REDUCTIONS:
-        return F.linear(x, weight, bias)
-    out = torch.stack([(weight * x[i]).sum(-1) for i in range(rows)])  # [rows, out]
-    return out if bias is None else out + bias
 
 
 class RMSNorm(nn.Module):

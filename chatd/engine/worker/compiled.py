@@ -4,33 +4,36 @@ An eager decode step at batch 1 spends its time in two places a compiler can fix
 projection goes to the matmul library's one-row path, which on the CPUs measured here streams the
 weight at a third of the memory bandwidth; and some 25 small operations per layer (norms, rope,
 residuals, the KV write, the context gather) each cost their dispatch and a pass over memory.
-Compiled with inductor, a projection of one or two rows becomes a reduction loop that reads
-the weight once at memory speed (llama.dense), attention reads the pages where they lie
+Compiled with inductor, a projection of a few rows becomes reduction loops that stream the
+weight at memory speed (models/matvec.py), attention reads the pages where they lie
 (attention/decode.py), and the small operations fuse into a few loops per layer.
 
 What is compiled is one decoder layer, and the final norm with the LM head; every layer of the model
 runs the same compiled code with its own weights (they are inputs of the graph, not constants),
-so compiling costs what one layer costs, not what thirty do. Graphs: batch 1 and batch 2
-(specialized: the projections as reductions) and one for every larger decode batch (a dynamic
-size: the projections stay matmuls, which pay there), each with the context width dynamic. All
-of them are compiled at start by `warm_up` (logged with the time it took: seconds with inductor's
-on-disk cache warm, a minute for a 30-layer model on two cores cold), so no request waits for a
-compile (`compile_count` says whether a later step compiled again: tests check none does).
+so compiling costs what one layer costs, not what thirty do. Graphs: batches 1 to 4, each
+specialized (float and int8 projections as one reduction per row), and one for every larger
+decode batch (a dynamic size: the projections stay matmuls, which pay there), each with the
+context width dynamic. All of them are compiled at start by `warm_up` (logged with the time it
+took: SmolLM2-135M on two cores, 32 s cold, 6 s with inductor's on-disk cache warm), so no
+request waits for a compile (`compile_count` says whether a later step compiled again: tests check none does).
 
-Prefill chunks and mixed steps run eagerly: their work is in large matmuls already. So do
-quantized layers (quant.py: their kernels are called from the graph as they are).
+Prefill chunks and mixed steps run eagerly: their work is in large matmuls already. An int4
+layer's kernel (quant.py) is called from the graph as it is: written as a reduction, int4 was
+8x slower than that kernel.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from chatd.engine.attention import AttentionMetadata, KVCache, build_step
 from chatd.engine.attention.decode import DecodeAttention, DecodeContext
-from chatd.engine.models.llama import DENSE_ROWS_AS_REDUCTIONS
+from chatd.engine.models.matvec import ROWS_AS_REDUCTIONS
 
 
 def unavailable_reason(model: nn.Module, device: torch.device) -> str | None:
@@ -42,6 +45,17 @@ def unavailable_reason(model: nn.Module, device: torch.device) -> str | None:
     if torch._dynamo.config.disable:
         return "torch.compile is disabled in this process (TORCH_COMPILE_DISABLE=1)"
     return None
+
+
+def keep_compiled_in(folder: Path) -> None:
+    """Inductor's on-disk cache in `folder` rather than its default under /tmp (gone at a reboot),
+    unless TORCHINDUCTOR_CACHE_DIR names a place. Importing torch._dynamo sets that variable to
+    the default itself, so the default counts as not named."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if named is None or os.path.abspath(named) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
 def _layer(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, context: DecodeContext,
@@ -77,7 +91,7 @@ class CompiledDecode:
         # Sizes the graphs keep dynamic; the others (batch 1 and 2) are specialized.
         torch._dynamo.maybe_mark_dynamic(context.context_slots, 1)
         torch._dynamo.maybe_mark_dynamic(context.context_bias, 1)
-        if batch > DENSE_ROWS_AS_REDUCTIONS:
+        if batch > ROWS_AS_REDUCTIONS:
             for tensor in (input_ids, positions, context.slot_mapping, context.context_slots, context.context_bias):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
         x, cos, sin = self.model.embed(input_ids, positions)
@@ -87,11 +101,11 @@ class CompiledDecode:
 
     @torch.inference_mode()  # as the runner's steps run: inference tensors are a guard of the graphs
     def warm_up(self) -> float:
-        """Compile every graph (batch 1, 2 and a larger one) on a dummy step; returns the seconds it took.
+        """Compile every graph (batches 1 to 4 and a larger one) on dummy steps; returns the seconds it took.
 
         The dummy steps write their K/V into the pool's first blocks, which hold nothing yet."""
         started = time.perf_counter()
-        for batch in (1, DENSE_ROWS_AS_REDUCTIONS, DENSE_ROWS_AS_REDUCTIONS + 1):
+        for batch in range(1, ROWS_AS_REDUCTIONS + 2):
             for context in (2, self.block_size + 2):  # two widths: the dynamic one is compiled now, not at a later step
                 tables = [[0, 1] for _ in range(batch)]
                 step = build_step([0] * batch, [context - 1] * batch, [1] * batch, tables, self.block_size,

@@ -6,7 +6,6 @@ Kept apart from `engine.py` so the engine itself can be built around a fake runn
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from chatd.engine.models.loader import (
 )
 from chatd.engine.models.tensor_parallel import TPGroup, check_head_layout
 from chatd.engine.tokenizer import Tokenizer
-from chatd.engine.worker.compiled import unavailable_reason
+from chatd.engine.worker.compiled import keep_compiled_in, unavailable_reason
 from chatd.engine.worker.parallel import ParallelError, ParallelRunner, Workers, check_gpus
 from chatd.engine.worker.parallel_worker import (
     cpu_threads_per_rank,
@@ -275,8 +274,7 @@ def compile_decode(runner: ModelRunner, config: Config) -> None:
     if reason:
         log.info("decode steps run eagerly: %s", reason)
         return
-    # Inductor keeps what it compiled on disk; under chatd's home it outlives a reboot's /tmp.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(chatd_home() / "compiled"))
+    keep_compiled_in(chatd_home() / "compiled")
     log.info("compiling decode steps (torch.compile; once per model and machine this takes a minute or so, "
              "later starts read it back; model.compile = false or --no-compile skips it)")
     try:
