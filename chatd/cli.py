@@ -40,11 +40,14 @@ T = TypeVar("T")
 API_KEY_ENV = "CHATD_API_KEY"
 
 
-def _load_engine(args: argparse.Namespace) -> LLMEngine:
-    """The LLMEngine for `generate` and `chat`: the config file, with --model and --device over it."""
+def _load_engine(args: argparse.Namespace, one_reply: bool = False) -> LLMEngine:
+    """The LLMEngine for `generate` and `chat`: the config file, with --model and --device over it.
+    For one reply, decode steps are not compiled: compiling (seconds to a minute) would not repay."""
     from chatd.engine import LLMEngine
 
     overrides = {"model": {"path": args.model}} if args.model else {}
+    if one_reply:
+        overrides.setdefault("model", {})["compile"] = False
     if args.device:
         overrides.setdefault("model", {})["device"] = args.device
     if args.tensor_parallel_size:
@@ -55,7 +58,7 @@ def _load_engine(args: argparse.Namespace) -> LLMEngine:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    engine = _load_engine(args)
+    engine = _load_engine(args, one_reply=True)
     prompt: str | list[int] = args.prompt
     tokenizer = engine.tokenizer
     if tokenizer is not None and not args.raw and tokenizer.hf.chat_template:

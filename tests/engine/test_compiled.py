@@ -9,6 +9,9 @@ with contexts that cross block boundaries.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -18,6 +21,14 @@ from chatd.engine.attention.decode import DecodeAttention, DecodeContext
 from chatd.engine.worker.compiled import compile_count
 from tests.engine.conftest import make_llm
 from tests.engine.test_attention import make_problem
+
+
+def has_cpp_compiler() -> bool:
+    """Inductor compiles C++ with $CXX (default g++): without it chatd serves eagerly (test_compiled_serve.py)."""
+    return shutil.which(os.environ.get("CXX", "g++")) is not None
+
+
+needs_cpp_compiler = pytest.mark.skipif(not has_cpp_compiler(), reason="no C++ compiler: torch.compile cannot run here")
 
 
 @pytest.fixture
@@ -55,6 +66,7 @@ def generate(llm) -> list:
     return [out.outputs[0] for out in llm.generate(PROMPTS, params)]
 
 
+@needs_cpp_compiler
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # GQA; q/k/v biases; q/k norms
 def test_compiled_decode_gives_the_eager_tokens_and_never_compiles_after_start(model_dirs, family, compile_on):
     with make_llm(model_dirs[family], compile=False) as eager_llm:
@@ -72,6 +84,7 @@ def test_compiled_decode_gives_the_eager_tokens_and_never_compiles_after_start(m
             assert abs(g_lp.logprob - w_lp.logprob) < 1e-4
 
 
+@needs_cpp_compiler
 def test_compiled_int8_decode_stays_close_to_eager_int8(model_dirs, compile_on):
     """Quantized layers compute in bfloat16, where fusing changes the rounding: logprobs stay within
     bfloat16's step at the demo model's logits (8 bits of mantissa: ~0.4% of logits of 10-30)."""
@@ -96,3 +109,20 @@ def test_compile_is_off_when_configured_or_disabled(model_dirs):
         assert llm.engine.runner.compiled is None
     with torch._dynamo.config.patch(disable=False), make_llm(model_dirs["llama"], compile=False) as llm:
         assert llm.engine.runner.compiled is None
+
+
+def test_compiled_code_is_kept_under_chatd_home_unless_the_user_named_a_place(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from chatd.engine.worker.compiled import keep_compiled_in
+
+    for before in (None, default_cache_dir()):  # unset, or the default importing torch._dynamo set
+        if before is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
+        keep_compiled_in(tmp_path / "compiled")
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compiled")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    keep_compiled_in(tmp_path / "compiled")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

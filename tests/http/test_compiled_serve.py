@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from chatd.engine.models.demo import build_demo_model
+from tests.engine.test_compiled import needs_cpp_compiler
 from tests.http.serving import create_key, start_server, stop_server
 
 pytestmark = pytest.mark.slow
@@ -31,6 +32,7 @@ def reply(url: str, key: str, content: str) -> str:
     return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
 
 
+@needs_cpp_compiler
 def test_two_tenants_batched_in_compiled_steps_get_what_each_gets_alone(tmp_path):
     text = config_text(tmp_path)
     (tmp_path / "config.toml").write_text(text)
