@@ -330,9 +330,15 @@ def print_tables(report: dict) -> None:
 
 # --- main ------------------------------------------------------------------------------------
 
-# chatd on the F32 file; chatd on the Q4_1 file keeping its blocks (model.quantization "gguf");
-# llama-server on each.
+# chatd on the F32 file; chatd on the file as given (the default model's Q4_1; --model names another,
+# and the rows are named by its type) keeping its blocks (model.quantization "gguf"); llama-server on each.
 RUNS = ("chatd", "chatd-eager", "chatd-q4_1", "llama-f32", "llama-q4_1")
+
+
+def quant_name(path: Path) -> str:
+    """The file's type as its name says it (`...Q4_1.gguf` -> Q4_1), else "GGUF"."""
+    stem = Path(path).stem
+    return stem.rsplit(".", 1)[-1] if "." in stem else "GGUF"
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -411,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     if report["build_seconds"] is not None:
         print(f"built llama-server in {report['build_seconds'] / 60:.1f} min", flush=True)
     f32 = f32_gguf(source, args.llama_cpp_dir)
+    quant = quant_name(source)  # how the runs on the file as given are named (Q4_1 for the default model)
     report["files"] = {"q4_1": str(source), "f32": str(f32)}
     run_start = time.perf_counter()
     report["runs"] = {}
@@ -430,10 +437,10 @@ def main(argv: list[str] | None = None) -> int:
             elif run == "chatd-eager":  # decode steps not compiled (--no-compile): what compiling gains
                 name, command, ready = "chatd F32 eager", chatd_command(f32, config_path, port, compile=False), chatd_ready
             elif run == "chatd-q4_1":
-                name, command, ready = "chatd Q4_1", chatd_command(source, config_path, port, "gguf"), chatd_ready
+                name, command, ready = f"chatd {quant}", chatd_command(source, config_path, port, "gguf"), chatd_ready
             else:
                 model = f32 if run == "llama-f32" else source
-                name = "llama.cpp F32" if run == "llama-f32" else "llama.cpp Q4_1"
+                name = "llama.cpp F32" if run == "llama-f32" else f"llama.cpp {quant}"
                 command, ready = llama_command(binary, model, port, args), llama_ready(port)
             report["runs"][name] = bench_server(name, command, port, ready, args, work)
     report["run_seconds"] = time.perf_counter() - run_start
@@ -441,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     report["load_after"] = os.getloadavg()
     report["ratios"] = {}
     for mine, theirs in (("chatd F32", "llama.cpp F32"), ("chatd F32 eager", "llama.cpp F32"),
-                         ("chatd F32", "llama.cpp Q4_1"), ("chatd Q4_1", "llama.cpp Q4_1")):
+                         ("chatd F32", f"llama.cpp {quant}"), (f"chatd {quant}", f"llama.cpp {quant}")):
         ours, peer = report["runs"].get(mine), report["runs"].get(theirs)
         if ours is not None and peer is not None and peer["levels"]:
             report["ratios"][f"{mine} / {theirs}"] = ratios(ours, peer)
