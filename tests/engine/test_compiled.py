@@ -85,6 +85,16 @@ def test_compiled_decode_gives_the_eager_tokens_and_never_compiles_after_start(m
 
 
 @needs_cpp_compiler
+def test_compiled_decode_over_an_fp8_cache_gives_the_eager_tokens(model_dirs, compile_on):
+    with make_llm(model_dirs["llama"], compile=False, kv_cache_dtype="fp8_e4m3") as eager_llm:
+        want = generate(eager_llm)
+    with make_llm(model_dirs["llama"], kv_cache_dtype="fp8_e4m3") as llm:
+        assert llm.engine.runner.compiled is not None
+        got = generate(llm)
+    assert [list(g.token_ids) for g in got] == [list(w.token_ids) for w in want]
+
+
+@needs_cpp_compiler
 def test_compiled_int8_decode_stays_close_to_eager_int8(model_dirs, compile_on):
     """Quantized layers compute in bfloat16, where fusing changes the rounding: logprobs stay within
     bfloat16's step at the demo model's logits (8 bits of mantissa: ~0.4% of logits of 10-30)."""
