@@ -27,6 +27,7 @@ const ENDINGS = {
 
 async function connect() {
   showError(null);
+  const opened = location.hash.slice(1); // the conversation the page was opened on, if any
   try {
     fillModels((await api.models()).data);
   } catch (error) {
@@ -37,8 +38,10 @@ async function connect() {
   }
   $("key-form").hidden = !apiKey.get();
   await loadConversations(false);
-  const id = location.hash.slice(1);
-  if (id) await openConversation(id);
+  // A chat sent while the lists loaded (a key typed, then a message at once) is left as it is:
+  // opening or clearing one here would stop following its reply.
+  if (page.current !== null || page.reply) return;
+  if (opened) await openConversation(opened);
   else newChat(false); // the page opened on a new chat: keep what was typed while it loaded
 }
 
