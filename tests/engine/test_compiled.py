@@ -3,7 +3,7 @@
 The suite runs with torch.compile off (tests/conftest.py); these tests turn it on. Decode-only
 attention (attention/decode.py) is checked against the sdpa backend on its own, eagerly; the
 compiled engine is checked against the eager engine on the same weights, over a generation whose
-decode batch shrinks from five sequences to one (every graph: batch 1, 2 and the dynamic one)
+decode batch shrinks from five sequences to one (every graph: batches 1 to 4 and the dynamic one)
 with contexts that cross block boundaries.
 """
 

@@ -88,7 +88,7 @@ class CompiledDecode:
         """Logits [B, vocab] of a decode-only step (one new token per sequence), in float32."""
         context = DecodeContext.of(meta, self.block_size, self.model.embed_tokens.weight.dtype)
         batch = len(meta.seq_lens_cpu)
-        # Sizes the graphs keep dynamic; the others (batch 1 and 2) are specialized.
+        # Sizes the graphs keep dynamic; batches of 1 to ROWS_AS_REDUCTIONS are specialized.
         torch._dynamo.maybe_mark_dynamic(context.context_slots, 1)
         torch._dynamo.maybe_mark_dynamic(context.context_bias, 1)
         if batch > ROWS_AS_REDUCTIONS:

@@ -275,7 +275,7 @@ def compile_decode(runner: ModelRunner, config: Config) -> None:
         log.info("decode steps run eagerly: %s", reason)
         return
     keep_compiled_in(chatd_home() / "compiled")
-    log.info("compiling decode steps (torch.compile; once per model and machine this takes a minute or so, "
+    log.info("compiling decode steps (torch.compile; the first time for a model this takes up to a minute, "
              "later starts read it back; model.compile = false or --no-compile skips it)")
     try:
         seconds = runner.enable_compiled_decode()
