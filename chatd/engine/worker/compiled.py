@@ -103,17 +103,18 @@ class CompiledDecode:
     def warm_up(self) -> float:
         """Compile every graph (batches 1 to 4 and a larger one) on dummy steps; returns the seconds it took.
 
-        The dummy steps write their K/V into the pool's first blocks, which hold nothing yet."""
+        The dummy steps' tables name block 0 twice (so a pool of one block will do); their K/V
+        go into it, which holds nothing yet, and it is zeroed afterwards."""
         started = time.perf_counter()
         for batch in range(1, ROWS_AS_REDUCTIONS + 2):
             for context in (2, self.block_size + 2):  # two widths: the dynamic one is compiled now, not at a later step
-                tables = [[0, 1] for _ in range(batch)]
+                tables = [[0, 0] for _ in range(batch)]
                 step = build_step([0] * batch, [context - 1] * batch, [1] * batch, tables, self.block_size,
                                   torch.device("cpu"))
                 self.logits(step.input_ids, step.positions, step.meta)
         for cache in self.kv_caches:
             for pool in cache:
-                pool[:2].zero_()
+                pool[:1].zero_()
         return time.perf_counter() - started
 
 

@@ -280,7 +280,6 @@ def compile_decode(runner: ModelRunner, config: Config) -> None:
     try:
         seconds = runner.enable_compiled_decode()
     except Exception as exc:  # no C++ compiler, an operation inductor refuses: serve eagerly, say why
-        runner.compiled = None
         log.warning("compiling decode steps failed (%s: %s); every step runs eagerly", type(exc).__name__,
                     str(exc).strip().splitlines()[0] if str(exc).strip() else "")
     else:
