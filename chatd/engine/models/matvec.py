@@ -25,7 +25,21 @@ def as_reductions(x: Tensor) -> bool:
 
 def row_products(x: Tensor, weight: Tensor) -> Tensor:
     """x [rows, in] . weight [out, in] -> [rows, out], one reduction per row (weight of any dtype x promotes to)."""
+    x = stored(x)
     return torch.stack([(weight * x[i]).sum(-1) for i in range(x.shape[0])])
+
+
+def stored(x: Tensor) -> Tensor:
+    """x computed once into memory before the reductions read it, not recomputed inside them.
+
+    Inductor inlines a pointwise producer into the reduction that consumes it: the RMSNorm (and
+    the residual add before it) that feeds q/k/v and gate/up was recomputed for every output
+    row, several loads and multiplies per weight. A float32 weight hides that behind its own
+    bytes; an int8 weight does not: its loop became compute-bound, and SmolLM2's Q8_0 step went
+    from 12.5 to 8.3 ms once the norm was stored first. `as_strided` is an op inductor gives
+    only stored inputs, so this identity view makes it store x (outside torch.compile it is a view).
+    """
+    return x.as_strided(x.shape, x.stride())
 
 
 def dense(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
