@@ -43,7 +43,8 @@ class ModelConfig:
     # How the model's tool calls are read: auto (from its chat template) | hermes | llama3_json | mistral.
     tool_parser: str = "auto"
     # Weights stored and computed in fewer bits: "none", "int8" (per output channel), "int4" (groups
-    # of 32), or "gguf" (a GGUF file's 4-bit blocks kept as int4 exactly, its other quantized tensors int8).
+    # of 32), or "gguf" (a GGUF file's Q4_0/Q4_1/Q4_K blocks kept as int4 and Q8_0 blocks as int8,
+    # exactly; its other quantized tensors int8 per row).
     quantization: str = "none"
     # Ranks the model is split across (Megatron-style): one per GPU of the node (gloo ranks on CPU).
     tensor_parallel_size: int = 1

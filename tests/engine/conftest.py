@@ -11,12 +11,22 @@ from chatd.engine import LLM
 from chatd.engine.models.demo import FAMILIES, build_model_dir
 
 
-
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny random-weight model folder per supported family (weights + the demo tokenizer)."""
     root = tmp_path_factory.mktemp("models")
     return {family: build_model_dir(root / family, family, seed=1) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def q8_gguf(model_dirs, tmp_path_factory) -> Path:
+    """The llama family's random model as a GGUF file of Q8_0 blocks (llama.cpp's 8-bit format)."""
+    import gguf
+
+    from tests.engine.test_gguf import write_gguf
+
+    return write_gguf(model_dirs["llama"], tmp_path_factory.mktemp("q8") / "llama.Q8_0.gguf",
+                      quant=gguf.GGMLQuantizationType.Q8_0)
 
 
 def make_llm(path: Path, **options) -> LLM:

@@ -95,14 +95,19 @@ def test_compiled_decode_over_an_fp8_cache_gives_the_eager_tokens(model_dirs, co
 
 
 @needs_cpp_compiler
-def test_compiled_int8_decode_stays_close_to_eager_int8(model_dirs, compile_on):
+@pytest.mark.parametrize("quantization", ["int8", "gguf"])  # a scale per row; Q8_0's scale per 32 weights
+def test_compiled_int8_decode_stays_close_to_eager_int8(model_dirs, q8_gguf, quantization, compile_on):
     """Quantized layers compute in bfloat16, where fusing changes the rounding: logprobs stay within
     bfloat16's step at the demo model's logits (8 bits of mantissa: ~0.4% of logits of 10-30)."""
-    with make_llm(model_dirs["llama"], compile=False, quantization="int8") as eager_llm:
+    model = model_dirs["llama"] if quantization == "int8" else q8_gguf
+    with make_llm(model, compile=False, quantization=quantization) as eager_llm:
         want = generate(eager_llm)
-    with make_llm(model_dirs["llama"], quantization="int8") as llm:
+    with make_llm(model, quantization=quantization) as llm:
         assert llm.engine.runner.compiled is not None
+        assert llm.engine.runner.model.quantized_layers() == {"int8" if quantization == "int8" else "int8 per 32-weight block": 9}
+        before = compile_count()
         got = generate(llm)
+        assert compile_count() == before, "a decode step compiled after start"
     # The first token of each prompt comes from the (eager) prefill; then compare while the tokens agree.
     compared = 0
     for g, w in zip(got, want, strict=True):

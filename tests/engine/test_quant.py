@@ -1,6 +1,7 @@
 """Weight-only quantization: each quantized linear computes what its dequantized weight would, for
-every shape class; GGUF's 4-bit blocks become int4 groups without rounding again (checked against
-the gguf library), rows unpermuted as the float path does; quantized models keep their greedy
+every shape class and for a decode step's few rows and a prefill's many; GGUF's 4-bit blocks
+become int4 groups and its Q8_0 blocks int8 blocks without rounding again (checked against the
+gguf library), rows unpermuted as the float path does; quantized models keep their greedy
 answers within the agreement measured here; a quantization the device cannot run is refused by name."""
 
 from __future__ import annotations
@@ -12,35 +13,52 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from chatd.engine import SamplingParams
-from chatd.engine.models.gguf_quant import int4_parts
+from chatd.engine.models.gguf_quant import int4_parts, int8_parts
 from chatd.engine.models.loader import Checkpoint, default_model_path, load_model, open_checkpoint
-from chatd.engine.models.quant import GROUP_SIZE, Int4Linear, Int8Linear, quantize_linear
+from chatd.engine.models.quant import DEQUANTIZED_ROWS, GROUP_SIZE, Int4Linear, Int8Linear, quantize_linear
 from tests.engine.conftest import make_llm
 from tests.engine.test_gguf import write_gguf
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (100, 96), (16, 32), (49, 64)]  # rows not in sixteens too
 
 
-@pytest.mark.parametrize("kind", [Int8Linear, Int4Linear])
+LAYERS = {"int8": Int8Linear.from_float, "int8 per block": lambda w, b: Int8Linear.from_float(w, b, per_block=True),
+          "int4": Int4Linear.from_float}
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
 @pytest.mark.parametrize("out_features, in_features", SHAPES)
-def test_a_quantized_linear_computes_what_its_dequantized_weight_would(kind, out_features, in_features):
+@pytest.mark.parametrize("tokens", [6, DEQUANTIZED_ROWS])  # a decode step's few rows (kernels), a prefill's many (bfloat16 matmul)
+def test_a_quantized_linear_computes_what_its_dequantized_weight_would(kind, out_features, in_features, tokens):
     generator = torch.Generator().manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator)
-    layer = kind.from_float(weight, bias)
-    x = torch.randn(3, 2, in_features, generator=generator)  # [batch, tokens, in]: any leading shape
+    layer = LAYERS[kind](weight, bias)
+    x = torch.randn(tokens // 2, 2, in_features, generator=generator)  # [batch, tokens, in]: any leading shape
     reference = x.to(torch.bfloat16).float() @ layer.dequantized().T + bias  # the kernel's inputs are bfloat16
     y = layer(x)
-    assert y.shape == (3, 2, out_features) and y.dtype == torch.float32
+    assert y.shape == (tokens // 2, 2, out_features) and y.dtype == torch.float32
     assert (y - reference).abs().max() <= 0.02 * reference.abs().max()
     # The dequantized weight is the float one within half a quantization step, and the kernel's
     # bfloat16 scales and zeros (8 bits of mantissa: a few tenths of a percent of the weights' size).
     groups = weight.reshape(out_features, -1, GROUP_SIZE)
-    step = (weight.abs().amax(1, keepdim=True) / 127 if kind is Int8Linear else
-            (groups.amax(-1) - groups.amin(-1)).repeat_interleave(GROUP_SIZE, 1) / 15)
+    step = {"int8": weight.abs().amax(1, keepdim=True) / 127,
+            "int8 per block": groups.abs().amax(-1).repeat_interleave(GROUP_SIZE, 1) / 127,
+            "int4": (groups.amax(-1) - groups.amin(-1)).repeat_interleave(GROUP_SIZE, 1) / 15}[kind]
     error = (layer.dequantized() - weight).abs()
     assert (error <= step / 2 + 2**-7 * weight.abs().amax()).all()
     assert error.mean() <= step.mean() / 3
+
+
+def test_int8_blocks_are_finer_than_rows():
+    """A row with one large weight: its per-row scale coarsens every other weight; Q8_0's blocks do not."""
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    weight[:, 0] = 40.0
+    per_row, per_block = Int8Linear.from_float(weight), Int8Linear.from_float(weight, per_block=True)
+    rest = slice(GROUP_SIZE, None)  # the blocks without the large weight
+    row_error = (per_row.dequantized() - weight)[:, rest].abs().mean()
+    block_error = (per_block.dequantized() - weight)[:, rest].abs().mean()
+    assert block_error * 10 < row_error
 
 
 def test_a_weight_the_kernels_cannot_take_stays_float():
@@ -67,6 +85,16 @@ def test_gguf_4bit_blocks_are_int4_groups_exactly(type_name):
     assert np.array_equal(mine, dequantize(raw, qtype).reshape(rows, columns))
 
 
+def test_gguf_q8_0_blocks_are_int8_blocks_exactly():
+    rows, columns = 48, 512
+    raw = quantize(np.random.default_rng(0).normal(size=(rows, columns)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    q, scales = int8_parts(raw, columns)
+    assert q.dtype == np.int8 and scales.dtype == np.float16 and scales.shape == (rows, columns // 32)
+    layer = Int8Linear(torch.from_numpy(q), torch.from_numpy(scales), None)
+    expected = dequantize(raw, gguf.GGMLQuantizationType.Q8_0).reshape(rows, columns)
+    assert np.array_equal(layer.dequantized().numpy(), expected)  # the file's weights, nothing rounded
+
+
 @pytest.fixture(scope="module")
 def q4_gguf(model_dirs, tmp_path_factory):
     """The llama family's random model as a GGUF of Q4_1 blocks (q/k rows permuted as llama.cpp's converter does)."""
@@ -85,6 +113,20 @@ def test_a_gguf_models_blocks_are_served_as_the_float_path_reads_them(q4_gguf, t
             assert isinstance(quantized, Int4Linear), name
             # Equal but for the kernel's bfloat16 scales and zeros.
             assert (quantized.dequantized() - float_weight).abs().max() <= 0.01 * float_weight.abs().max()
+
+
+def test_a_gguf_models_q8_0_blocks_are_kept_exactly(q8_gguf, tmp_path):
+    checkpoint = open_checkpoint(q8_gguf, tmp_path)
+    whole, _ = load_model(checkpoint, torch.float32, torch.device("cpu"))
+    kept, _ = load_model(checkpoint, torch.float32, torch.device("cpu"), quantization="gguf")
+    for layer_whole, layer_kept in zip(whole.layers, kept.layers):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            quantized = layer_kept.get_submodule(name).quantized
+            assert isinstance(quantized, Int8Linear) and quantized.per_block, name
+            # The same weights the float path dequantized (q/k rows unpermuted alike), bit for bit.
+            assert torch.equal(quantized.dequantized(), layer_whole.get_submodule(name).weight), name
+    head = whole.embed_tokens.weight if whole.lm_head is None else whole.lm_head.weight
+    assert torch.equal(kept.quantized_head.dequantized(), head)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
-from chatd.engine.models.gguf_quant import INT4_TYPES, int4_parts
+from chatd.engine.models.gguf_quant import INT4_TYPES, INT8_TYPES, int4_parts, int8_parts
 
 log = logging.getLogger("chatd.engine")
 
@@ -202,13 +202,23 @@ class GGUFCheckpoint:
         tensor = self._tensor(hf)
         if tensor is None or tensor.tensor_type.name not in INT4_TYPES:
             return None
-        parts = int4_parts(np.asarray(tensor.data), tensor.tensor_type.name, int(tensor.shape[0]))
+        return self._rows_as_hf(tensor, int4_parts(np.asarray(tensor.data), tensor.tensor_type.name, int(tensor.shape[0])))
+
+    def int8_parts(self, hf: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """A Q8_0 tensor as (q int8, scales float16 per 32 weights), rows in Hugging Face's order; None for other types."""
+        tensor = self._tensor(hf)
+        if tensor is None or tensor.tensor_type.name not in INT8_TYPES:
+            return None
+        return self._rows_as_hf(tensor, int8_parts(np.asarray(tensor.data), int(tensor.shape[0])))
+
+    def _rows_as_hf(self, tensor, parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        """Per-row arrays of a tensor with a `llama` file's q/k rows put back in Hugging Face's order."""
         heads = int(self.field(f"{self.architecture}.attention.head_count"))
         kv_heads = int(self.field(f"{self.architecture}.attention.head_count_kv", heads))
         if self.architecture == "llama" and tensor.name.endswith("attn_q.weight"):
-            parts = tuple(unpermute_rope_rows(part, heads) for part in parts)
-        elif self.architecture == "llama" and tensor.name.endswith("attn_k.weight"):
-            parts = tuple(unpermute_rope_rows(part, kv_heads) for part in parts)
+            return tuple(unpermute_rope_rows(part, heads) for part in parts)
+        if self.architecture == "llama" and tensor.name.endswith("attn_k.weight"):
+            return tuple(unpermute_rope_rows(part, kv_heads) for part in parts)
         return parts
 
     def prepare_config_dir(self, cache_root: Path) -> Path:

@@ -1,4 +1,4 @@
-"""GGUF's 4-bit blocks as the int4 kernel's groups, without rounding anything again.
+"""GGUF's 4-bit and 8-bit blocks as quant.py's int4 groups and int8 blocks, without rounding anything again.
 
 llama.cpp's Q4_0, Q4_1 and Q4_K store each run of 32 weights of a row as 4-bit values q with
 one scale and one offset: Q4_0 `d * (q - 8)`, Q4_1 `d * q + m`, Q4_K `d * sc * q - dmin * mn`
@@ -6,6 +6,10 @@ one scale and one offset: Q4_0 `d * (q - 8)`, Q4_1 `d * q + m`, Q4_K `d * sc * q
 `(q - 8) * scale + zero`, the int4 kernel's form (quant.py), with scale and zero computed here
 from the block's own numbers. The kernel keeps scales and zeros in bfloat16: that rounding is
 the only difference from llama.cpp's dequantization (tested against the gguf library's).
+
+Q8_0 stores each run of 32 weights as int8 values q and one float16 scale d: `d * q`. That is
+quant.py's int8 layer with a scale per block, which keeps q and d as they are: exactly
+llama.cpp's weights.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # GGUF types that map exactly onto int4 groups of 32
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}  # bytes per block (32, 32 and 256 weights)
+INT8_TYPES = ("Q8_0",)  # ... and onto int8 blocks of 32 with a scale each
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34}  # bytes per block (32, 32, 256 and 32 weights)
 
 
 def int4_parts(data: np.ndarray, type_name: str, columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -33,6 +38,16 @@ def int4_parts(data: np.ndarray, type_name: str, columns: int) -> tuple[np.ndarr
             m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
             scales, zeros = d, m + 8 * d
     return q.reshape(rows, columns), scales.reshape(rows, -1), zeros.reshape(rows, -1)
+
+
+def int8_parts(data: np.ndarray, columns: int) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 tensor's raw blocks ([rows, bytes per row] uint8) as q [rows, columns] int8 and
+    scales [rows, columns / 32] float16, the file's own numbers."""
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, BLOCK_BYTES["Q8_0"])  # [rows, blocks, 2 + 32]
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [rows, blocks]
+    q = blocks[..., 2:].copy().view(np.int8)  # [rows, blocks, 32]
+    return q.reshape(rows, columns), scales
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:

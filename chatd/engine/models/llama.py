@@ -32,7 +32,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from chatd.engine.attention import AttentionBackend, AttentionMetadata, KVCache
 from chatd.engine.models.matvec import dense
-from chatd.engine.models.quant import Int4Linear, quantize_linear
+from chatd.engine.models.quant import Int4Linear, Int8Linear, quantize_linear
 from chatd.engine.models.tensor_parallel import HeadLayout, Shard, TPGroup
 
 class GGUFBlocks(Protocol):
@@ -40,6 +40,9 @@ class GGUFBlocks(Protocol):
 
     def int4_parts(self, name: str) -> tuple | None:
         """(q, scales, zeros) numpy arrays of a 4-bit tensor, rows as the model wants them; None otherwise."""
+
+    def int8_parts(self, name: str) -> tuple | None:
+        """(q, scales per 32 weights) numpy arrays of a Q8_0 tensor, rows as the model wants them; None otherwise."""
 
     def is_quantized(self, name: str) -> bool:
         """Whether the file stores the tensor quantized (in any block format)."""
@@ -339,8 +342,9 @@ class LlamaForCausalLM(nn.Module):
     def quantize(self, kind: str, gguf: GGUFBlocks | None = None) -> None:
         """Weight-only quantization of every projection and the LM head (quant.py); the embedding,
         norms and biases stay as they are. A tied head gets a quantized copy of the embedding.
-        `kind` "gguf": a layer whose GGUF tensors are 4-bit blocks keeps them (int4, exactly),
-        another quantized one is int8, a float one stays float."""
+        `kind` "gguf": a layer whose GGUF tensors are 4-bit blocks keeps them (int4, exactly), one of
+        Q8_0 blocks keeps them too (int8 with a scale per block), another quantized one is int8 with
+        a scale per row, a float one stays float."""
         self.quantization = kind
         for name, module in self.named_modules():
             if isinstance(module, FusedLinear):
@@ -360,7 +364,7 @@ class LlamaForCausalLM(nn.Module):
         layers = [m.quantized for m in self.modules() if isinstance(m, (FusedLinear, RowParallelLinear))]
         counts: dict[str, int] = {}
         for layer in [*layers, self.quantized_head]:
-            name = "float" if layer is None else type(layer).__name__.removesuffix("Linear").lower()
+            name = "float" if layer is None else layer.kind
             counts[name] = counts.get(name, 0) + 1
         return counts
 
@@ -369,10 +373,15 @@ class LlamaForCausalLM(nn.Module):
         if kind != "gguf":
             return quantize_linear(weight, bias, kind)
         # The blocks are whole rows and columns of the file's tensors: exact only on one rank.
-        parts = [gguf.int4_parts(name) for name in names] if gguf is not None and self.tp.size == 1 else [None]
+        exact = gguf is not None and self.tp.size == 1
+        parts = [gguf.int4_parts(name) for name in names] if exact else [None]
         if all(part is not None for part in parts):
             q, scales, zeros = (torch.cat([torch.from_numpy(part[i]) for part in parts]) for i in range(3))
             return Int4Linear(q.to(torch.int32), scales, zeros, bias)
+        parts = [gguf.int8_parts(name) for name in names] if exact else [None]
+        if all(part is not None for part in parts):
+            q, scales = (torch.cat([torch.from_numpy(part[i]) for part in parts]) for i in range(2))
+            return Int8Linear(q, scales, bias)
         if gguf is not None and any(gguf.is_quantized(name) for name in names):
             return quantize_linear(weight, bias, "int8")
         return None

@@ -1,4 +1,4 @@
-"""Projections of one or two rows inside a compiled decode step, written as reductions.
+"""Projections of a few rows inside a compiled decode step, written as reductions.
 
 A decode step at batch 1 or 2 multiplies every weight by one or two vectors. The matmul
 libraries' path for that can be far below the memory bandwidth it is bound by: MKL's one-row
@@ -27,6 +27,16 @@ def row_products(x: Tensor, weight: Tensor) -> Tensor:
     """x [rows, in] . weight [out, in] -> [rows, out], one reduction per row (weight of any dtype x promotes to)."""
     x = stored(x)
     return torch.stack([(weight * x[i]).sum(-1) for i in range(x.shape[0])])
+
+
+def block_products(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """x [rows, in] . (weight [out, in] with a scale per block of its row: scales [out, in / block])
+    -> [rows, out], one reduction per row that scales each product by its block's scale."""
+    x = stored(x)
+    out_features, num_blocks = scales.shape
+    blocks = weight.view(out_features, num_blocks, -1)  # [out, blocks, block]
+    block_scales = scales.view(out_features, num_blocks, 1)
+    return torch.stack([(blocks * x[i].view(num_blocks, -1) * block_scales).sum((-2, -1)) for i in range(x.shape[0])])
 
 
 def stored(x: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""Weight-only quantized linears: int8 per output channel, int4 in groups of 32 values.
+"""Weight-only quantized linears: int8 with a scale per row or per 32 weights, int4 in groups of 32.
 
 A decode step at batch 1 reads every weight once, so on a CPU its time is the weights' bytes over
 the memory bandwidth: fewer bytes per weight is what makes one stream fast. The kernels are
@@ -7,11 +7,19 @@ activations in bfloat16 and give bfloat16, so a quantized layer computes in bflo
 back the model's dtype. Measured on the 2-core CPU machine for SmolLM2-135M's shapes at one
 token (benchmarks/README.md): both are 2-3x faster than a float32 matmul of the same layer, and
 11x for its 49152-row LM head; int8 with float32 activations was 5-8x *slower* than float32,
-hence bfloat16 activations for both.
+hence bfloat16 activations for both. Inside a compiled decode step, int8 layers are reductions
+instead (matvec.py), faster still.
 
-int4 is asymmetric, as llama.cpp's Q4_1: each group of 32 weights of a row has a scale and a
-zero, w = (q - 8) * scale + zero for q in 0..15. GGUF's Q4_0, Q4_1 and Q4_K blocks are exactly
-that (gguf_quant.py converts them without rounding anything again).
+Each kernel is fast at a decode step's few rows and slow at a prefill's many: at 256 rows both
+took longer than a float32 matmul of the same layer. Where the CPU multiplies bfloat16 natively
+(AVX512_BF16), an int8 layer with DEQUANTIZED_ROWS rows or more dequantizes its weight to
+bfloat16 for the call and runs a bfloat16 matmul, 2.4x faster than the kernel at 256 rows.
+
+int8 is symmetric: w = q * scale, one scale per row (`int8`), or per block of 32 weights of a
+row, which is GGUF's Q8_0 (kept exactly: no kernel takes it, so it is always a reduction or a
+dequantized matmul). int4 is asymmetric, as llama.cpp's Q4_1: each group of 32 weights of a row
+has a scale and a zero, w = (q - 8) * scale + zero for q in 0..15. GGUF's Q4_0, Q4_1 and Q4_K
+blocks are exactly that (gguf_quant.py converts them without rounding anything again).
 
 The kernels' shape rules: the reduced dimension (in_features) a multiple of 32, and for int4 the
 rows a multiple of 16 (padded with zero rows here, cut from the output). A layer outside those
@@ -24,10 +32,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from chatd.engine.models.matvec import as_reductions, row_products
+from chatd.engine.models.matvec import as_reductions, block_products, row_products
 
 QUANTIZATIONS = ("none", "int8", "int4")
-GROUP_SIZE = 32  # int4: weights of a row sharing one scale and zero (GGUF's block)
+GROUP_SIZE = 32  # weights of a row sharing a scale (and for int4 a zero): GGUF's blocks
+# From this many rows an int8 layer dequantizes its weight to bfloat16 and runs a bfloat16 matmul
+# instead of the int8 kernel, where the CPU multiplies bfloat16 natively: a prefill chunk of 256
+# tokens through a 3072 x 576 layer took 6.4 ms in the kernel and 2.6 ms so (0.3 ms of it
+# dequantizing), 64 tokens 1.7 and 1.0 ms, 16 tokens 0.46 and 0.66 ms (2-core EPYC, AVX512_BF16).
+DEQUANTIZED_ROWS = 32
+
+
+def _native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512_BF16); elsewhere a bfloat16 matmul is emulated."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported())
+    except AttributeError:  # a torch without the probe: assume not
+        return False
+
+
+NATIVE_BFLOAT16 = _native_bfloat16()
+# What a dequantized weight is multiplied in: bfloat16 where that is native (2.3x float32's matmul
+# rate on the 2-core EPYC: 400 vs 175 GFLOP/s), float32 elsewhere.
+DEQUANTIZED_DTYPE = torch.bfloat16 if NATIVE_BFLOAT16 else torch.float32
 
 
 def can_quantize(weight: Tensor) -> bool:
@@ -36,38 +63,70 @@ def can_quantize(weight: Tensor) -> bool:
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T (+ b) with W stored as int8 and one bfloat16 scale per output row."""
+    """y = x W^T (+ b) with W stored as int8 and a scale per output row, or per block of
+    GROUP_SIZE weights of a row (GGUF's Q8_0, kept as the file has it)."""
 
     def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None) -> None:
+        """qweight [out, in] int8; scales [out] (per row: kept in bfloat16, the kernel's) or
+        [out, in / GROUP_SIZE] (per block: kept in float32, which holds Q8_0's float16 scales
+        exactly; a compiled step read float16 ones 10-25% slower, for 6% fewer bytes)."""
         super().__init__()
         self.out_features, self.in_features = qweight.shape
+        self.per_block = scales.dim() == 2
+        self.kind = "int8 per 32-weight block" if self.per_block else "int8"  # as the startup log names it
         self.register_buffer("qweight", qweight.contiguous())  # [out, in] int8
-        self.register_buffer("scales", scales.to(torch.bfloat16).contiguous())  # [out]
+        self.register_buffer("scales", scales.to(torch.float32 if self.per_block else torch.bfloat16).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
-    def from_float(cls, weight: Tensor, bias: Tensor | None = None) -> Int8Linear:
-        """Symmetric per-row quantization: scale = max |w| / 127."""
+    def from_float(cls, weight: Tensor, bias: Tensor | None = None, per_block: bool = False) -> Int8Linear:
+        """Symmetric quantization, scale = max |w| / 127 over each row (or each block of a row, as Q8_0)."""
         weight = weight.detach().float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        qweight = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
-        return cls(qweight, scales, bias)
+        out_features, in_features = weight.shape
+        groups = weight.view(out_features, -1, GROUP_SIZE) if per_block else weight.view(out_features, 1, -1)
+        scales = (groups.abs().amax(dim=-1) / 127).clamp(min=1e-12)  # [out, blocks]
+        qweight = (groups / scales[..., None]).round().clamp(-127, 127).to(torch.int8).view(out_features, in_features)
+        return cls(qweight, scales if per_block else scales[:, 0], bias)
 
-    def dequantized(self) -> Tensor:
-        """The weight the kernel computes with, in float32 (for tests and references)."""
-        return self.qweight.float() * self.scales.float()[:, None]
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The weight [out, in] in `dtype`: each int8 value times its scale, computed in float32 and rounded once."""
+        if self.per_block:
+            blocks = self.qweight.view(self.out_features, -1, GROUP_SIZE).float() * self.scales.float()[..., None]
+            return blocks.view(self.out_features, self.in_features).to(dtype)
+        return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)  # [tokens, in]
         if as_reductions(x):  # a compiled decode step's few rows: 2x the kernel's speed (matvec.py)
             # In x's dtype, not rounded to bfloat16 as the kernel's input and output are: rounding
             # here made the step 7% slower and agreed no better with the kernel's results.
-            y = (row_products(x, self.qweight) * self.scales).to(x.dtype)
-            return y if self.bias is None else y + self.bias
-        shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.qweight,
-                                               self.scales)  # [tokens, out]
+            y = block_products(x, self.qweight, self.scales) if self.per_block else row_products(x, self.qweight) * self.scales
+        elif self.per_block or self._dequantizes(x):
+            # Per block no kernel exists: the weight is dequantized for each call, which a prefill's
+            # many rows amortize (a compiled decode step's few rows are the reductions above).
+            dtype = self._dequantized_dtype(x)
+            y = F.linear(x.to(dtype), self.dequantized(dtype))  # [tokens, out]
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales)  # [tokens, out]
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    @staticmethod
+    def _dequantizes(x: Tensor) -> bool:
+        """Whether a per-row layer multiplies these rows as a dequantized bfloat16 matmul rather than the kernel.
+        Never inside torch.compile: a branch on its dynamic batch size would compile a graph per side."""
+        return NATIVE_BFLOAT16 and not torch.compiler.is_compiling() and x.shape[0] >= DEQUANTIZED_ROWS
+
+    @staticmethod
+    def _dequantized_dtype(x: Tensor) -> torch.dtype:
+        """What a dequantized weight is multiplied in: DEQUANTIZED_DTYPE where speed counts (a prefill's
+        many rows, a compiled step's batch), x's own for an eager step's few rows. Those include the
+        LM head's rows that pick a prompt's first token: in bfloat16, SmolLM2's top two logits for
+        "What is the capital of France?" tied, and the tie went to the wrong one."""
+        if torch.compiler.is_compiling() or x.shape[0] >= DEQUANTIZED_ROWS:
+            return DEQUANTIZED_DTYPE
+        return x.dtype
 
 
 class Int4Linear(nn.Module):
@@ -76,6 +135,7 @@ class Int4Linear(nn.Module):
     def __init__(self, q: Tensor, scales: Tensor, zeros: Tensor, bias: Tensor | None) -> None:
         """q: [out, in] integers 0..15; scales, zeros: [out, in / GROUP_SIZE]: w = (q - 8) * scale + zero."""
         super().__init__()
+        self.kind = "int4"
         self.out_features, self.in_features = q.shape
         padded = -(-self.out_features // 16) * 16  # the kernel's rows come in sixteens
         if padded != self.out_features:
