@@ -9,7 +9,9 @@ file (with its decode steps compiled, its default, and once more with --no-compi
 Q4_1 file keeping its blocks (--quantization gguf), llama-server on the same F32 file, and
 llama-server on the original Q4_1 file (as llama.cpp users run it), each on a free 127.0.0.1 port, drives it with chatd's load generator
 (`chatd.bench.load.run_bench`: streamed chat completions, temperature 0, EOS ignored so every
-request makes exactly `max_tokens`) at each concurrency level, and stops it.
+request makes exactly `max_tokens`) at each concurrency level, and stops it. `--runs` also takes
+`chatd-int8`: chatd on the F32 file quantized to int8 at load (a scale per row), for a look next
+to llama.cpp's Q8_0 (`--model` a Q8_0 file, made with the same build's `llama-quantize`).
 
 It prints, per server and level, output tok/s, TTFT p50/p95, ITL p50/p95 (per streamed chunk)
 and the failed requests with their errors, then chatd / llama.cpp ratios. A server that does not
@@ -332,7 +334,10 @@ def print_tables(report: dict) -> None:
 
 # chatd on the F32 file; chatd on the file as given (the default model's Q4_1; --model names another,
 # and the rows are named by its type) keeping its blocks (model.quantization "gguf"); llama-server on each.
-RUNS = ("chatd", "chatd-eager", "chatd-q4_1", "llama-f32", "llama-q4_1")
+DEFAULT_RUNS = ("chatd", "chatd-eager", "chatd-q4_1", "llama-f32", "llama-q4_1")
+# ... and, when asked for, chatd on the F32 file quantized at load to int8 with a scale per row
+# (next to llama.cpp's Q8_0: --model a Q8_0 file).
+RUNS = (*DEFAULT_RUNS, "chatd-int8")
 
 
 def quant_name(path: Path) -> str:
@@ -357,7 +362,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="prompt words per request, uniform (default 100 300)")
     parser.add_argument("--output-tokens", type=int, nargs=2, default=(64, 64), metavar=("MIN", "MAX"),
                         help="max_tokens per request, uniform; EOS is ignored (default 64 64)")
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"which runs, in order (default {','.join(RUNS)})")
+    parser.add_argument("--runs", default=",".join(DEFAULT_RUNS),
+                        help=f"which runs, in order, of {','.join(RUNS)} (default {','.join(DEFAULT_RUNS)})")
     parser.add_argument("--model", type=Path, help="the GGUF file (default: chatd's default model, Q4_1)")
     parser.add_argument("--llama-cpp-dir", type=Path, default=Path.home() / ".cache" / "chatd-bench" / "llama.cpp",
                         help="where the sdist, the llama-server build and the F32 file are cached "
@@ -436,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                 name, command, ready = "chatd F32", chatd_command(f32, config_path, port), chatd_ready
             elif run == "chatd-eager":  # decode steps not compiled (--no-compile): what compiling gains
                 name, command, ready = "chatd F32 eager", chatd_command(f32, config_path, port, compile=False), chatd_ready
+            elif run == "chatd-int8":
+                name, command, ready = "chatd F32 int8", chatd_command(f32, config_path, port, "int8"), chatd_ready
             elif run == "chatd-q4_1":
                 name, command, ready = f"chatd {quant}", chatd_command(source, config_path, port, "gguf"), chatd_ready
             else:
@@ -448,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     report["load_after"] = os.getloadavg()
     report["ratios"] = {}
     for mine, theirs in (("chatd F32", "llama.cpp F32"), ("chatd F32 eager", "llama.cpp F32"),
-                         ("chatd F32", f"llama.cpp {quant}"), (f"chatd {quant}", f"llama.cpp {quant}")):
+                         ("chatd F32", f"llama.cpp {quant}"), (f"chatd {quant}", f"llama.cpp {quant}"),
+                         ("chatd F32 int8", f"llama.cpp {quant}")):
         ours, peer = report["runs"].get(mine), report["runs"].get(theirs)
         if ours is not None and peer is not None and peer["levels"]:
             report["ratios"][f"{mine} / {theirs}"] = ratios(ours, peer)
