@@ -129,6 +129,19 @@ def test_a_gguf_models_q8_0_blocks_are_kept_exactly(q8_gguf, tmp_path):
     assert torch.equal(kept.quantized_head.dequantized(), head)
 
 
+def test_eager_decode_steps_take_q8_0_blocks_per_row(q8_gguf):
+    """No kernel takes a scale per block, so an engine whose decode steps run eagerly (here: the suite
+    turns compiling off) serves Q8_0 blocks as int8 per row: what --quantization int8 makes of the
+    same file, token for token."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with make_llm(q8_gguf, quantization="gguf") as llm:
+        assert llm.engine.runner.compiled is None
+        assert llm.engine.runner.model.quantized_layers() == {"int8": 9}
+        kept = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params)]
+    with make_llm(q8_gguf, quantization="int8") as llm:
+        assert kept == [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params)]
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """The share of greedy tokens before the first divergence, over all prompts."""
     same = sum(next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(a, b))

@@ -359,6 +359,18 @@ class LlamaForCausalLM(nn.Module):
         if self.quantized_head is not None and self.lm_head is not None:
             self.lm_head.register_parameter("weight", None)
 
+    def int8_blocks_per_row(self) -> int:
+        """Make every int8 layer with a scale per block (GGUF's Q8_0) one with a scale per row; returns
+        how many were. For eager decode steps: a block layer has no kernel, so each eager step
+        dequantized all of them (SmolLM2 Q8_0: 185 ms a step against 25 per row)."""
+        changed = 0
+        for module in self.modules():
+            if isinstance(module, (FusedLinear, RowParallelLinear)) and getattr(module.quantized, "per_block", False):
+                module.quantized, changed = module.quantized.per_row(), changed + 1
+        if getattr(self.quantized_head, "per_block", False):
+            self.quantized_head, changed = self.quantized_head.per_row(), changed + 1
+        return changed
+
     def quantized_layers(self) -> dict[str, int]:
         """How many projections (and the head) each kind of layer computes, for the startup log."""
         layers = [m.quantized for m in self.modules() if isinstance(m, (FusedLinear, RowParallelLinear))]

@@ -88,6 +88,12 @@ class Int8Linear(nn.Module):
         qweight = (groups / scales[..., None]).round().clamp(-127, 127).to(torch.int8).view(out_features, in_features)
         return cls(qweight, scales if per_block else scales[:, 0], bias)
 
+    def per_row(self) -> Int8Linear:
+        """This layer with one scale per row: its blocks' weights quantized again (the int8 kernel takes no other)."""
+        if not self.per_block:
+            return self
+        return Int8Linear.from_float(self.dequantized(), self.bias)
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weight [out, in] in `dtype`: each int8 value times its scale, computed in float32 and rounded once."""
         if self.per_block:

@@ -267,13 +267,22 @@ def size_kv_pool(config: Config, runner, block_bytes: int, context: int) -> int:
 
 
 def compile_decode(runner: ModelRunner, config: Config) -> None:
-    """On CPU, compile decode steps when configured (worker/compiled.py); a failed compile serves eagerly."""
+    """On CPU, compile decode steps when configured (worker/compiled.py); a failed compile serves eagerly.
+    Eager steps take int8 layers with a scale per row only: Q8_0 blocks are quantized again per row."""
+    if not _compiled_decode(runner, config):
+        requantized = runner.model.int8_blocks_per_row()
+        if requantized:
+            log.info("%d int8 layers of Q8_0 blocks get a scale per row: eager decode steps have no kernel "
+                     "for a scale per block (compiled steps keep the file's blocks)", requantized)
+
+
+def _compiled_decode(runner: ModelRunner, config: Config) -> bool:
     if not config.model.compile:
-        return
+        return False
     reason = unavailable_reason(runner.model, runner.device)
     if reason:
         log.info("decode steps run eagerly: %s", reason)
-        return
+        return False
     keep_compiled_in(chatd_home() / "compiled")
     log.info("compiling decode steps (torch.compile; the first time for a model this takes up to a minute, "
              "later starts read it back; model.compile = false or --no-compile skips it)")
@@ -282,8 +291,9 @@ def compile_decode(runner: ModelRunner, config: Config) -> None:
     except Exception as exc:  # no C++ compiler, an operation inductor refuses: serve eagerly, say why
         log.warning("compiling decode steps failed (%s: %s); every step runs eagerly", type(exc).__name__,
                     str(exc).strip().splitlines()[0] if str(exc).strip() else "")
-    else:
-        log.info("compiled decode steps in %.1f s", seconds)
+        return False
+    log.info("compiled decode steps in %.1f s", seconds)
+    return True
 
 
 def capture_cuda_graphs(runner: ModelRunner, config: Config) -> None:
