@@ -11,6 +11,8 @@ with chatd's engine and measures:
   first token  the share of prompts whose first greedy token equals the `none` run's
   decode step  the median time of one decode step at batch 1 (64 steps after a warm-up), and
                its ratio to `none`'s
+  prefill      the median time of the layers' forward over one perplexity window (`--window`
+               tokens, as a prompt's prefill runs them)
 
     python benchmarks/quant_quality.py                        # SmolLM2-135M (the default model), CPU
     python benchmarks/quant_quality.py --model PATH --modes none,int8,int4 --json q.json
@@ -60,21 +62,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 @torch.inference_mode()
-def perplexity(llm: LLM, window: int) -> tuple[float, int]:
-    """exp(mean negative log-likelihood) of the text's tokens, each window a fresh prefill."""
+def perplexity(llm: LLM, window: int) -> tuple[float, int, float]:
+    """exp(mean negative log-likelihood) of the text's tokens, each window a fresh prefill; also the
+    median milliseconds of the layers' forward over a whole window (the last, shorter one aside)."""
     runner = llm.engine.runner
     ids = llm.tokenizer.encode(TEXT.read_text())
-    total, count = 0.0, 0
+    total, count, prefill_ms = 0.0, 0, []
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start : start + window + 1]
         blocks = list(range(-(-len(chunk) // runner.block_size)))
         step = build_step(chunk, [0], [len(chunk)], [blocks], runner.block_size, runner.device)
+        started = time.perf_counter()
         hidden = runner.model(step.input_ids, step.positions, runner.kv_caches, step.meta, runner.backend)
+        if len(chunk) == window + 1:
+            prefill_ms.append((time.perf_counter() - started) * 1e3)
         logprobs = torch.log_softmax(runner.model.compute_logits(hidden[:-1]), dim=-1)
         targets = torch.tensor(chunk[1:])
         total -= logprobs[torch.arange(len(targets)), targets].sum().item()
         count += len(targets)
-    return math.exp(total / count), count
+    return math.exp(total / count), count, statistics.median(prefill_ms) if prefill_ms else float("nan")
 
 
 def decode_step_ms(llm: LLM) -> float:
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     results, reference = [], None
     for mode in modes:
         with LLM(str(model), device="cpu", dtype="float32", max_model_len=1024, num_blocks=256, quantization=mode) as llm:
-            ppl, num_tokens = perplexity(llm, args.window)
+            ppl, num_tokens, prefill_ms = perplexity(llm, args.window)
             prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
             outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
             tokens = [list(o.outputs[0].token_ids) for o in outputs]
@@ -114,13 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         reference = reference or tokens
         result = {"mode": mode, "perplexity": ppl, "text_tokens": num_tokens, "agreement": agreement(reference, tokens),
                   "first_token": sum(r[0] == t[0] for r, t in zip(reference, tokens)) / len(tokens),
-                  "decode_step_ms": step_ms, "sample": outputs[0].outputs[0].text[:60]}
+                  "decode_step_ms": step_ms, "prefill_ms": prefill_ms, "sample": outputs[0].outputs[0].text[:60]}
         results.append(result)
     base = results[0]["decode_step_ms"]
-    print(f"\n{'mode':<6} {'perplexity':>10} {'agreement':>10} {'first token':>12} {'decode step':>12} {'vs ' + modes[0]:>8}")
+    print(f"\n{'mode':<6} {'perplexity':>10} {'agreement':>10} {'first token':>12} {'decode step':>12} {'vs ' + modes[0]:>8}"
+          f" {'prefill ' + str(args.window):>12}")
     for r in results:
         print(f"{r['mode']:<6} {r['perplexity']:10.3f} {r['agreement']:10.1%} {r['first_token']:12.1%} "
-              f"{r['decode_step_ms']:9.2f} ms {r['decode_step_ms'] / base:7.2f}x   {r['sample']!r}")
+              f"{r['decode_step_ms']:9.2f} ms {r['decode_step_ms'] / base:7.2f}x {r['prefill_ms']:9.0f} ms   {r['sample']!r}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": str(model), "results": results}, indent=2))
     return 0

@@ -28,5 +28,5 @@ def test_quant_quality_measures_perplexity_agreement_and_step_time_per_mode(tmp_
     assert none["agreement"] == none["first_token"] == 1.0
     for result in (none, int8):
         assert math.isfinite(result["perplexity"]) and result["perplexity"] > 1
-        assert result["text_tokens"] > 500 and result["decode_step_ms"] > 0
+        assert result["text_tokens"] > 500 and result["decode_step_ms"] > 0 and result["prefill_ms"] > 0
         assert 0 <= result["agreement"] <= 1

@@ -6,7 +6,10 @@ float32 path streams a weight at 11-12 GB/s on the 2-core EPYC measured here (on
 the same), and PyTorch's int8 kernel at ~14 GB/s, while a plain reduction reads 30 GB/s. Written
 as one `(weight * x[i]).sum(-1)` per row, inductor (worker/compiled.py) makes each projection a
 loop that streams the weight once at 26-29 GB/s (design notes, "Compiled decode steps"). Outside
-torch.compile, and for more rows, the library's matmul is used as before: it pays there.
+torch.compile, and for more rows, the library's matmul is used as before: it pays there. An
+int8 weight's loop is bound by its arithmetic, not its bytes, so what feeds it is stored first
+(`stored`), and a weight with a scale per block (GGUF's Q8_0) scales each product in the same
+loop (`block_products`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ def as_reductions(x: Tensor) -> bool:
 
 def row_products(x: Tensor, weight: Tensor) -> Tensor:
     """x [rows, in] . weight [out, in] -> [rows, out], one reduction per row (weight of any dtype x promotes to)."""
-    x = stored(x)
     return torch.stack([(weight * x[i]).sum(-1) for i in range(x.shape[0])])
 
 
@@ -40,14 +42,15 @@ def block_products(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 
 
 def stored(x: Tensor) -> Tensor:
-    """x computed once into memory before the reductions read it, not recomputed inside them.
+    """x computed once into memory before the reductions of an int8 weight read it, not recomputed inside them.
 
     Inductor inlines a pointwise producer into the reduction that consumes it: the RMSNorm (and
     the residual add before it) that feeds q/k/v and gate/up was recomputed for every output
     row, several loads and multiplies per weight. A float32 weight hides that behind its own
-    bytes; an int8 weight does not: its loop became compute-bound, and SmolLM2's Q8_0 step went
-    from 12.5 to 8.3 ms once the norm was stored first. `as_strided` is an op inductor gives
-    only stored inputs, so this identity view makes it store x (outside torch.compile it is a view).
+    bytes (its step did not move either way, so it is left as it was); an int8 weight does not:
+    its loop became compute-bound, and SmolLM2's Q8_0 step went from 12.6 to 8.9 ms once the
+    norm was stored first. `as_strided` is an op inductor gives only stored inputs, so this
+    identity view makes it store x (outside torch.compile it is a view).
     """
     return x.as_strided(x.shape, x.stride())
 

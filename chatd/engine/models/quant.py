@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from chatd.engine.models.matvec import as_reductions, block_products, row_products
+from chatd.engine.models.matvec import as_reductions, block_products, row_products, stored
 
 QUANTIZATIONS = ("none", "int8", "int4")
 GROUP_SIZE = 32  # weights of a row sharing a scale (and for int4 a zero): GGUF's blocks
@@ -107,7 +107,10 @@ class Int8Linear(nn.Module):
         if as_reductions(x):  # a compiled decode step's few rows: 2x the kernel's speed (matvec.py)
             # In x's dtype, not rounded to bfloat16 as the kernel's input and output are: rounding
             # here made the step 7% slower and agreed no better with the kernel's results.
-            y = block_products(x, self.qweight, self.scales) if self.per_block else row_products(x, self.qweight) * self.scales
+            if self.per_block:
+                y = block_products(x, self.qweight, self.scales)
+            else:
+                y = row_products(stored(x), self.qweight) * self.scales
         elif self.per_block or self._dequantizes(x):
             # Per block no kernel exists: the weight is dequantized for each call, which a prefill's
             # many rows amortize (a compiled decode step's few rows are the reductions above).
