@@ -95,11 +95,13 @@ class Int8Linear(nn.Module):
         return Int8Linear.from_float(self.dequantized(), self.bias)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The weight [out, in] in `dtype`: each int8 value times its scale, computed in float32 and rounded once."""
+        """The weight [out, in] in `dtype`: each int8 value times its scale, rounded once."""
         if self.per_block:
-            blocks = self.qweight.view(self.out_features, -1, GROUP_SIZE).float() * self.scales.float()[..., None]
+            blocks = self.qweight.view(self.out_features, -1, GROUP_SIZE).float().mul_(self.scales[..., None])
             return blocks.view(self.out_features, self.in_features).to(dtype)
-        return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
+        if dtype == torch.bfloat16:  # the values and scales are exact in bfloat16; the product is rounded once
+            return self.qweight.to(dtype).mul_(self.scales[:, None])
+        return self.qweight.float().mul_(self.scales.float()[:, None]).to(dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
