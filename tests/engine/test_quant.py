@@ -102,29 +102,31 @@ def q4_gguf(model_dirs, tmp_path_factory):
                       quant=gguf.GGMLQuantizationType.Q4_1)
 
 
-def test_a_gguf_models_blocks_are_served_as_the_float_path_reads_them(q4_gguf, tmp_path):
-    checkpoint = open_checkpoint(q4_gguf, tmp_path)
+def float_and_kept(path, tmp_path) -> tuple:
+    """A GGUF model loaded as float and with its blocks kept (`gguf`), and each projection's float
+    weight beside its quantized layer."""
+    checkpoint = open_checkpoint(path, tmp_path)
     whole, _ = load_model(checkpoint, torch.float32, torch.device("cpu"))
     kept, _ = load_model(checkpoint, torch.float32, torch.device("cpu"), quantization="gguf")
-    for layer_whole, layer_kept in zip(whole.layers, kept.layers):
-        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-            float_weight = layer_whole.get_submodule(name).weight
-            quantized = layer_kept.get_submodule(name).quantized
-            assert isinstance(quantized, Int4Linear), name
-            # Equal but for the kernel's bfloat16 scales and zeros.
-            assert (quantized.dequantized() - float_weight).abs().max() <= 0.01 * float_weight.abs().max()
+    names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    pairs = [(name, layer_whole.get_submodule(name).weight, layer_kept.get_submodule(name).quantized)
+             for layer_whole, layer_kept in zip(whole.layers, kept.layers) for name in names]
+    return whole, kept, pairs
+
+
+def test_a_gguf_models_blocks_are_served_as_the_float_path_reads_them(q4_gguf, tmp_path):
+    for name, float_weight, quantized in float_and_kept(q4_gguf, tmp_path)[2]:
+        assert isinstance(quantized, Int4Linear), name
+        # Equal but for the kernel's bfloat16 scales and zeros.
+        assert (quantized.dequantized() - float_weight).abs().max() <= 0.01 * float_weight.abs().max()
 
 
 def test_a_gguf_models_q8_0_blocks_are_kept_exactly(q8_gguf, tmp_path):
-    checkpoint = open_checkpoint(q8_gguf, tmp_path)
-    whole, _ = load_model(checkpoint, torch.float32, torch.device("cpu"))
-    kept, _ = load_model(checkpoint, torch.float32, torch.device("cpu"), quantization="gguf")
-    for layer_whole, layer_kept in zip(whole.layers, kept.layers):
-        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-            quantized = layer_kept.get_submodule(name).quantized
-            assert isinstance(quantized, Int8Linear) and quantized.per_block, name
-            # The same weights the float path dequantized (q/k rows unpermuted alike), bit for bit.
-            assert torch.equal(quantized.dequantized(), layer_whole.get_submodule(name).weight), name
+    whole, kept, pairs = float_and_kept(q8_gguf, tmp_path)
+    for name, float_weight, quantized in pairs:
+        assert isinstance(quantized, Int8Linear) and quantized.per_block, name
+        # The same weights the float path dequantized (q/k rows unpermuted alike), bit for bit.
+        assert torch.equal(quantized.dequantized(), float_weight), name
     head = whole.embed_tokens.weight if whole.lm_head is None else whole.lm_head.weight
     assert torch.equal(kept.quantized_head.dequantized(), head)
 

@@ -34,7 +34,6 @@ def row_products(x: Tensor, weight: Tensor) -> Tensor:
 def block_products(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """x [rows, in] . (weight [out, in] with a scale per block of its row: scales [out, in / block])
     -> [rows, out], one reduction per row that scales each product by its block's scale."""
-    x = stored(x)
     out_features, num_blocks = scales.shape
     blocks = weight.view(out_features, num_blocks, -1)  # [out, blocks, block]
     block_scales = scales.view(out_features, num_blocks, 1)

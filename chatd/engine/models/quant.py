@@ -37,9 +37,9 @@ from chatd.engine.models.matvec import as_reductions, block_products, row_produc
 QUANTIZATIONS = ("none", "int8", "int4")
 GROUP_SIZE = 32  # weights of a row sharing a scale (and for int4 a zero): GGUF's blocks
 # From this many rows an int8 layer dequantizes its weight to bfloat16 and runs a bfloat16 matmul
-# instead of the int8 kernel, where the CPU multiplies bfloat16 natively: a prefill chunk of 256
-# tokens through a 3072 x 576 layer took 6.4 ms in the kernel and 2.6 ms so (0.3 ms of it
-# dequantizing), 64 tokens 1.7 and 1.0 ms, 16 tokens 0.46 and 0.66 ms (2-core EPYC, AVX512_BF16).
+# instead of the int8 kernel, where the CPU multiplies bfloat16 natively. Timed apart on a 3072 x 576
+# layer (2-core EPYC, AVX512_BF16): the kernel 6.4 ms at 256 rows, 1.7 at 64, 0.46 at 16; a bfloat16
+# matmul 2.25, 0.72 and 0.36 ms, plus ~0.3 ms to dequantize the weight whatever the rows.
 DEQUANTIZED_ROWS = 32
 
 
@@ -109,10 +109,11 @@ class Int8Linear(nn.Module):
         if as_reductions(x):  # a compiled decode step's few rows: 2x the kernel's speed (matvec.py)
             # In x's dtype, not rounded to bfloat16 as the kernel's input and output are: rounding
             # here made the step 7% slower and agreed no better with the kernel's results.
+            x_stored = stored(x)  # int8 loops are compute-bound: the norm before them is not recomputed inside
             if self.per_block:
-                y = block_products(x, self.qweight, self.scales)
+                y = block_products(x_stored, self.qweight, self.scales)
             else:
-                y = row_products(stored(x), self.qweight) * self.scales
+                y = row_products(x_stored, self.qweight) * self.scales
         elif self.per_block or self._dequantizes(x):
             # Per block no kernel exists: the weight is dequantized for each call, which a prefill's
             # many rows amortize (a compiled decode step's few rows are the reductions above).
