@@ -123,9 +123,18 @@ async def test_a_full_store_refuses_new_work_and_bills_what_it_served(server):
         # may fit in a page that has room; each of the two is either billed or waiting, never lost.)
         assert rows(db, "SELECT status FROM messages WHERE conversation_id = ? AND role = 'assistant'",
                     conversation) == [("partial",)]
-        async with session.get(f"{url}/health") as r:
-            pending = (await r.json())["store"]["pending_writes"]
-        [(billed_while_full,)] = rows(db, "SELECT COUNT(*) FROM usage_events")
+        # The ledger retries every 0.2 s, and the small row may be written between two reads (its row
+        # shows in the table a moment before it leaves the queue): read both twice, until neither moved.
+        async def snapshot() -> tuple[int, int]:
+            [(billed,)] = rows(db, "SELECT COUNT(*) FROM usage_events")
+            async with session.get(f"{url}/health") as r:
+                return billed, (await r.json())["store"]["pending_writes"]
+
+        for _ in range(50):
+            first, second = await snapshot(), await snapshot()
+            if first == second:
+                break
+        billed_while_full, pending = second
         assert pending >= 1 and billed_while_full + pending == 2
 
         # Room again: the operator frees space.
