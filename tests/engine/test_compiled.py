@@ -18,7 +18,7 @@ import torch
 from chatd.engine import SamplingParams
 from chatd.engine.attention import SdpaBackend, quantize_kv
 from chatd.engine.attention.decode import DecodeAttention, DecodeContext
-from chatd.engine.worker.compiled import compile_count
+from chatd.engine.worker.compiled import DYNAMIC_BATCH, CompiledDecode, compile_count
 from tests.engine.conftest import make_llm
 from tests.engine.test_attention import make_problem
 
@@ -95,18 +95,19 @@ def test_compiled_decode_over_an_fp8_cache_gives_the_eager_tokens(model_dirs, co
 
 
 @needs_cpp_compiler
-@pytest.mark.parametrize("quantization", ["int8", "gguf"])  # a scale per row; Q8_0's scale per 32 weights
-def test_compiled_int8_decode_stays_close_to_eager_int8(model_dirs, q8_gguf, quantization, compile_on):
+@pytest.mark.parametrize("quantization", ["int8", "gguf", "int4"])  # a scale per row; Q8_0's per 32 weights; int4
+def test_compiled_quantized_decode_stays_close_to_eager(model_dirs, q8_gguf, quantization, compile_on):
     """Quantized layers compute in bfloat16, where fusing changes the rounding: logprobs stay within
     bfloat16's step at the demo model's logits (8 bits of mantissa: ~0.4% of logits of 10-30)."""
-    model = model_dirs["llama"] if quantization == "int8" else q8_gguf
+    model = q8_gguf if quantization == "gguf" else model_dirs["llama"]
     # Eager steps serve Q8_0 blocks per row (no kernel takes a scale per block): the blocks' own
     # reference is the file's weights in float32, which they equal exactly.
-    with make_llm(model, compile=False, quantization="int8" if quantization == "int8" else "none") as eager_llm:
+    with make_llm(model, compile=False, quantization="none" if quantization == "gguf" else quantization) as eager_llm:
         want = generate(eager_llm)
     with make_llm(model, quantization=quantization) as llm:
         assert llm.engine.runner.compiled is not None
-        assert llm.engine.runner.model.quantized_layers() == {"int8" if quantization == "int8" else "int8 per 32-weight block": 9}
+        kind = {"int8": "int8", "gguf": "int8 per 32-weight block", "int4": "int4"}[quantization]
+        assert llm.engine.runner.model.quantized_layers() == {kind: 9}
         before = compile_count()
         got = generate(llm)
         assert compile_count() == before, "a decode step compiled after start"
@@ -119,6 +120,49 @@ def test_compiled_int8_decode_stays_close_to_eager_int8(model_dirs, q8_gguf, qua
             assert abs(g_lp.logprob - w_lp.logprob) < 0.15
             compared += 1
     assert compared >= len(PROMPTS) + 10
+
+
+@needs_cpp_compiler
+def test_a_later_start_reads_the_compiled_steps_back(model_dirs, tmp_path, monkeypatch, compile_on):
+    """Compiled steps are saved under CHATD_HOME; a later start of the same model reads them back
+    instead of compiling, gives the same tokens, and compiles again only a file that does not read."""
+    monkeypatch.setenv("CHATD_HOME", str(tmp_path))
+    with make_llm(model_dirs["llama"]) as llm:
+        assert llm.engine.runner.compiled.read_back == 0
+        first = generate(llm)
+    saved = sorted((tmp_path / "compiled" / "decode").glob("decode-*.bin"))
+    assert len(saved) == DYNAMIC_BATCH  # batches 1 to 4, and the one for larger batches
+    saved[2].write_bytes(saved[2].read_bytes()[:1000])  # cut short, as by a full disk
+    with make_llm(model_dirs["llama"]) as llm:
+        assert llm.engine.runner.compiled.read_back == DYNAMIC_BATCH - 1
+        again = generate(llm)
+    assert [list(g.token_ids) for g in again] == [list(f.token_ids) for f in first]
+    with make_llm(model_dirs["llama"]) as llm:  # the file compiled again was saved again
+        assert llm.engine.runner.compiled.read_back == DYNAMIC_BATCH
+
+
+def test_compiled_steps_of_a_different_model_or_cache_are_kept_apart(model_dirs):
+    """A saved step is named by what it was compiled for: a norm's eps (a constant inside the step,
+    which its guards do not check), the KV cache's block size or dtype give another name."""
+    with make_llm(model_dirs["llama"], compile=False) as llm:
+        runner = llm.engine.runner
+        model, caches = runner.model, runner.kv_caches
+
+        def key(**changes) -> str:
+            options = dict(block_size=runner.block_size, k_scale=1.0, v_scale=1.0) | changes
+            return CompiledDecode(model, options.pop("caches", caches), **options)._key()
+
+        same = key()
+        assert key() == same
+        assert key(block_size=16) != same
+        assert key(caches=[tuple(pool.to(torch.float8_e4m3fn) for pool in cache) for cache in caches]) != same
+        norm = model.layers[0].input_layernorm
+        eps, norm.eps = norm.eps, norm.eps * 10
+        try:
+            assert key() != same
+        finally:
+            norm.eps = eps
+        assert key() == same
 
 
 def test_compile_is_off_when_configured_or_disabled(model_dirs):

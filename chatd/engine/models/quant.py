@@ -2,7 +2,7 @@
 
 A decode step at batch 1 reads every weight once, so on a CPU its time is the weights' bytes over
 the memory bandwidth: fewer bytes per weight is what makes one stream fast. The kernels are
-PyTorch's own (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`): they take
+PyTorch's own (`aten._weight_int8pack_mm`, `quantized.int4mm_packed_weight_cpu`): they take
 activations in bfloat16 and give bfloat16, so a quantized layer computes in bfloat16 and hands
 back the model's dtype. Measured on the 2-core CPU machine for SmolLM2-135M's shapes at one
 token (benchmarks/README.md): both are 2-3x faster than a float32 matmul of the same layer, and
@@ -159,6 +159,10 @@ class Int4Linear(nn.Module):
         # The kernel's layout: [groups, rows, (scale, zero)].
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
+        # The group size as a tensor, for the form of the kernel that takes it so. Given as a number,
+        # inductor makes it a tensor constant, which a compiled decode step (a nested compiled region
+        # per layer) passed as None in torch 2.13.
+        self.register_buffer("group_size", torch.tensor(GROUP_SIZE), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
@@ -175,13 +179,13 @@ class Int4Linear(nn.Module):
     def dequantized(self) -> Tensor:
         """The weight the kernel computes with, in float32 (for tests and references)."""
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        columns = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        columns = torch.ops.quantized.int4mm_packed_weight_cpu(eye, self.packed, self.group_size, self.scales_and_zeros)
         return columns.float().T[: self.out_features]
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(torch.bfloat16), self.packed,
-                                                       GROUP_SIZE, self.scales_and_zeros)  # [tokens, padded out]
+        y = torch.ops.quantized.int4mm_packed_weight_cpu(x.reshape(-1, self.in_features).to(torch.bfloat16), self.packed,
+                                                         self.group_size, self.scales_and_zeros)  # [tokens, padded out]
         y = y[:, : self.out_features].to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -8,14 +8,22 @@ Compiled with inductor, a projection of a few rows becomes reduction loops that 
 weight at memory speed (models/matvec.py), attention reads the pages where they lie
 (attention/decode.py), and the small operations fuse into a few loops per layer.
 
-What is compiled is one decoder layer, and the final norm with the LM head; every layer of the model
-runs the same compiled code with its own weights (they are inputs of the graph, not constants),
-so compiling costs what one layer costs, not what thirty do. Graphs: batches 1 to 4, each
-specialized (float and int8 projections as one reduction per row), and one for every larger
-decode batch (a dynamic size: the projections stay matmuls, which pay there), each with the
-context width dynamic. All of them are compiled at start by `warm_up` (logged with the time it
-took: SmolLM2-135M on two cores, 32 s cold, 6 s with inductor's on-disk cache warm), so no
-request waits for a compile (`compile_count` says whether a later step compiled again: tests check none does).
+What is compiled is a whole decode step, tokens to logits, with each decoder layer a nested
+compiled region (`_layer`): torch.compile traces and compiles one layer and reuses that code for
+every layer of the same structure (their weights are its inputs, not constants), so compiling
+costs about what one layer costs, not what thirty do. Steps: batches 1 to 4, each specialized
+(float and int8 projections as one reduction per row), and one for every larger decode batch (a
+dynamic size: the projections stay matmuls, which pay there), each with the context width dynamic.
+
+Each step is compiled ahead of time (`aot_compile`) and called directly. A function compiled the
+usual way pays torch.compile's per-call checks (guards) and wrappers, ~70 us a call: with a
+compiled layer per call that was ~2 ms of a 9 ms int8 step of SmolLM2's 30 layers. Here a step
+is one call, its guards are checked at start on dummy steps (and never again: which step a batch
+takes is decided here), and the steps are saved under CHATD_HOME, named by what they depend on
+(`_key`), so a later start reads them back rather than tracing the model again. All of them are
+ready before the first request (`warm_up`, logged with the time it took: SmolLM2-135M's Q4_1
+file on two cores, 40-70 s the first time, ~4 s read back), so no request waits for a compile
+(`compile_count` says whether a step compiled again later: tests check none does).
 
 Prefill chunks and mixed steps run eagerly: their work is in large matmuls already. An int4
 layer's kernel (quant.py) is called from the graph as it is: written as a reduction, int4 was
@@ -24,8 +32,11 @@ layer's kernel (quant.py) is called from the graph as it is: written as a reduct
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,6 +45,8 @@ from torch import Tensor, nn
 from chatd.engine.attention import AttentionMetadata, KVCache, build_step
 from chatd.engine.attention.decode import DecodeAttention, DecodeContext
 from chatd.engine.models.matvec import ROWS_AS_REDUCTIONS
+
+log = logging.getLogger("chatd.engine")
 
 
 def unavailable_reason(model: nn.Module, device: torch.device) -> str | None:
@@ -44,6 +57,8 @@ def unavailable_reason(model: nn.Module, device: torch.device) -> str | None:
         return "tensor-parallel ranks run eagerly"
     if torch._dynamo.config.disable:
         return "torch.compile is disabled in this process (TORCH_COMPILE_DISABLE=1)"
+    if not hasattr(torch.compiler, "load_compiled_function"):
+        return f"torch {torch.__version__} cannot save a compiled step (it has no torch.compiler.load_compiled_function)"
     return None
 
 
@@ -58,64 +73,161 @@ def keep_compiled_in(folder: Path) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
-def _layer(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, context: DecodeContext,
-           attention: DecodeAttention) -> Tensor:
-    return layer(x, cos, sin, kv_cache, context, attention)
+@torch.compiler.nested_compile_region
+def _layer(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+           slot_mapping: Tensor, context_slots: Tensor, context_bias: Tensor, k_scale: float, v_scale: float) -> Tensor:
+    """One decoder layer: traced and compiled once, and that code runs every layer of the same
+    structure (their weights are its inputs). Its inputs are tensors, numbers and the layer, which is
+    what lets torch.compile reuse it."""
+    context = DecodeContext(slot_mapping, context_slots, context_bias)
+    return layer(x, cos, sin, (k_cache, v_cache), context, DecodeAttention(k_scale, v_scale))
 
 
-def _head(model: nn.Module, x: Tensor) -> Tensor:
+def _step(model: nn.Module, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache], context: DecodeContext,
+          attention: DecodeAttention) -> Tensor:
+    """A whole decode step, tokens to logits: what is compiled."""
+    x, cos, sin = model.embed(input_ids, positions)
+    cos, sin = cos.clone(), sin.clone()  # halves of one tensor: a compiled region takes no inputs that overlap
+    for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
+        x = _layer(layer, x, cos, sin, k_cache, v_cache, context.slot_mapping, context.context_slots,
+                   context.context_bias, attention.k_scale, attention.v_scale)
     return model.compute_logits(model.norm(x))
 
 
+def _saved_guards(guards: list) -> list[bool]:
+    """The guards a compiled step keeps, saved with it and checked when a later start reads it back:
+    each input's dtype, shape, strides and device, the dynamic sizes' ranges, and the grad mode.
+    (With any other guard torch 2.13 saves a step it cannot read back.) The model's constants
+    (norm eps, head counts, which layers are quantized and how) are in the file's name (`_key`)."""
+    return torch.compiler.keep_portable_guards_unsafe(guards)
+
+
+DYNAMIC_BATCH = ROWS_AS_REDUCTIONS + 1  # the step of this batch size serves every batch from it up
+
+
 class CompiledDecode:
-    """A model's decode steps through compiled layers: `logits(meta, input_ids, positions)`."""
+    """A model's decode steps, each compiled whole: `logits(meta, input_ids, positions)`.
+
+    One compiled step per batch size from 1 to ROWS_AS_REDUCTIONS and one for every larger batch.
+    Each is called directly, without torch.compile's per-call checks (guards): which step a batch
+    takes is decided here, and each step's guards are checked once, at start, on two dummy steps of
+    different context widths (and batch sizes, for the dynamic one). Compiled steps are saved in
+    `folder` and read back by a later start of the same model, code and torch."""
 
     def __init__(self, model: nn.Module, kv_caches: list[KVCache], block_size: int, k_scale: float = 1.0,
-                 v_scale: float = 1.0) -> None:
+                 v_scale: float = 1.0, folder: Path | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.attention = DecodeAttention(k_scale, v_scale)
-        # torch.compile keeps graphs per function, not per model: a process with a guard model beside
-        # the served one (or a test with many models) needs more than the default 8 before it would
-        # silently fall back to eager.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.layer = torch.compile(_layer, fullgraph=True, dynamic=None)
-        self.head = torch.compile(_head, fullgraph=True, dynamic=None)
+        self.folder = folder
+        self.steps: dict[int, Callable[..., Tensor]] = {}  # batch size (DYNAMIC_BATCH: and up) -> its step
+        self.read_back = 0  # steps warm_up read from `folder` rather than compiled
 
     @torch.inference_mode()
     def logits(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         """Logits [B, vocab] of a decode-only step (one new token per sequence), in float32."""
         context = DecodeContext.of(meta, self.block_size, self.model.embed_tokens.weight.dtype)
-        batch = len(meta.seq_lens_cpu)
-        # Sizes the graphs keep dynamic; batches of 1 to ROWS_AS_REDUCTIONS are specialized.
-        torch._dynamo.maybe_mark_dynamic(context.context_slots, 1)
-        torch._dynamo.maybe_mark_dynamic(context.context_bias, 1)
-        if batch > ROWS_AS_REDUCTIONS:
-            for tensor in (input_ids, positions, context.slot_mapping, context.context_slots, context.context_bias):
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        x, cos, sin = self.model.embed(input_ids, positions)
-        for layer, kv_cache in zip(self.model.layers, self.kv_caches, strict=True):
-            x = self.layer(layer, x, cos, sin, kv_cache, context, self.attention)
-        return self.head(self.model, x)
+        step = self.steps[min(len(meta.seq_lens_cpu), DYNAMIC_BATCH)]
+        return step(self.model, input_ids, positions, self.kv_caches, context, self.attention)
 
-    @torch.inference_mode()  # as the runner's steps run: inference tensors are a guard of the graphs
+    @torch.inference_mode()  # as the runner's steps run: inference tensors are a guard of the steps
     def warm_up(self) -> float:
-        """Compile every graph (batches 1 to 4 and a larger one) on dummy steps; returns the seconds it took.
+        """Compile (or read back) every step and run each on dummy steps; returns the seconds it took.
 
-        The dummy steps' tables name block 0 twice (so a pool of one block will do); their K/V
-        go into it, which holds nothing yet, and it is zeroed afterwards."""
+        The dummy steps' tables name block 0 again and again (so a pool of one block will do);
+        their K/V go into it, which holds nothing yet, and it is zeroed afterwards."""
         started = time.perf_counter()
-        for batch in range(1, ROWS_AS_REDUCTIONS + 2):
-            for context in (2, self.block_size + 2):  # two widths: the dynamic one is compiled now, not at a later step
-                tables = [[0, 0] for _ in range(batch)]
-                step = build_step([0] * batch, [context - 1] * batch, [1] * batch, tables, self.block_size,
-                                  torch.device("cpu"))
-                self.logits(step.input_ids, step.positions, step.meta)
+        key = self._key()
+        for batch in range(1, DYNAMIC_BATCH + 1):
+            self.steps[batch] = self._ready_step(batch, key)
         for cache in self.kv_caches:
             for pool in cache:
                 pool[:1].zero_()
         return time.perf_counter() - started
+
+    def _ready_step(self, batch: int, key: str) -> Callable[..., Tensor]:
+        """The step of `batch`, read back or compiled, its guards checked on two dummy steps, then run on them."""
+        examples = [self._dummy(batch, 2), self._dummy(batch if batch < DYNAMIC_BATCH else batch + 3, 5)]
+        path = self.folder / f"decode-{key}-{batch}.bin" if self.folder is not None else None
+        step = self._read(path, examples) if path is not None and path.exists() else None
+        if step is not None:
+            self.read_back += 1
+        else:
+            compiler = torch.compile(_step, fullgraph=True, dynamic=False, options={"guard_filter_fn": _saved_guards})
+            step = compiler.aot_compile((self._dummy(batch, 2, marked=True), {}))
+            if not all(step.guard_check(*args) for args in examples):  # a size that should be dynamic got fixed
+                raise RuntimeError(f"the compiled decode step for batch {batch} does not take every step it must")
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                step.save_compiled_function(str(path))
+        step.disable_guard_check()
+        for args in examples:
+            step(*args)
+        return step
+
+    def _dummy(self, batch: int, blocks: int, marked: bool = False) -> tuple:
+        """A step's arguments: `batch` rows whose contexts span `blocks` blocks (block 0 each time).
+        `marked`: its sizes that are dynamic are marked so, for the compiler (a guard rejects the mark)."""
+        context = (blocks - 1) * self.block_size + 2
+        step = build_step([0] * batch, [context - 1] * batch, [1] * batch, [[0] * blocks] * batch, self.block_size,
+                          torch.device("cpu"))
+        decode = DecodeContext.of(step.meta, self.block_size, self.model.embed_tokens.weight.dtype)
+        if marked:
+            widths = [decode.context_slots, decode.context_bias]  # [B, W]: the context width W
+            for tensor in widths:
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+            if batch >= DYNAMIC_BATCH:
+                for tensor in (step.input_ids, step.positions, decode.slot_mapping, *widths):
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        return self.model, step.input_ids, step.positions, self.kv_caches, decode, self.attention
+
+    @staticmethod
+    def _read(path: Path, examples: list[tuple]) -> Callable[..., Tensor] | None:
+        """A step saved by an earlier start, if it reads back and its guards take these steps; else None."""
+        try:
+            with path.open("rb") as file:
+                step = torch.compiler.load_compiled_function(file, f_globals=_step.__globals__)
+        except Exception as exc:  # written by another torch, cut short: compile it again
+            log.info("compiling again: %s does not read back (%s: %s)", path.name, type(exc).__name__, exc)
+            return None
+        if not all(step.guard_check(*args) for args in examples):
+            log.info("compiling again: %s does not fit this model's steps", path.name)
+            return None
+        return step
+
+    def _key(self) -> str:
+        """Names this model's steps on disk: what a compiled step depends on and its guards do not
+        check. That is chatd's engine code, torch, the CPU's vector width, the settings of every
+        module of the model (the constants a step was compiled with), and the shapes and dtypes of
+        its weights and KV cache."""
+        digest = hashlib.sha256()
+        for source in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):  # chatd/engine
+            digest.update(source.read_bytes())
+        digest.update(f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {self.block_size} "
+                      f"{self.attention.k_scale} {self.attention.v_scale};".encode())
+        for name, module in self.model.named_modules():
+            digest.update(f"{name}={_described(module)};".encode())
+        tensors = [*self.model.named_parameters(), *self.model.named_buffers(),
+                   *((f"kv{i}", pool) for i, cache in enumerate(self.kv_caches) for pool in cache)]
+        for name, tensor in tensors:
+            digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype};".encode())
+        return digest.hexdigest()[:20]
+
+
+def _described(value: object, depth: int = 0) -> str:
+    """A value as text that is the same in every process: plain values as they are, other objects
+    as their type and public attributes (two levels deep), never an address."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_described(item, depth) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key!r}:{_described(item, depth)}" for key, item in sorted(value.items(), key=str)) + "}"
+    if isinstance(value, Tensor) or depth >= 2 or not hasattr(value, "__dict__"):
+        return type(value).__qualname__
+    attributes = sorted((name, item) for name, item in vars(value).items() if not name.startswith("_"))
+    return type(value).__qualname__ + "(" + ",".join(f"{name}={_described(item, depth + 1)}" for name, item in attributes) + ")"
 
 
 def compile_count() -> int:

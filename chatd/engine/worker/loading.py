@@ -284,15 +284,17 @@ def _compiled_decode(runner: ModelRunner, config: Config) -> bool:
         log.info("decode steps run eagerly: %s", reason)
         return False
     keep_compiled_in(chatd_home() / "compiled")
-    log.info("compiling decode steps (torch.compile; the first time for a model this takes up to a minute, "
+    log.info("compiling decode steps (torch.compile; the first time for a model this takes a minute or two, "
              "later starts read it back; model.compile = false or --no-compile skips it)")
     try:
-        seconds = runner.enable_compiled_decode()
+        seconds = runner.enable_compiled_decode(chatd_home() / "compiled" / "decode")
     except Exception as exc:  # no C++ compiler, an operation inductor refuses: serve eagerly, say why
         log.warning("compiling decode steps failed (%s: %s); every step runs eagerly", type(exc).__name__,
                     str(exc).strip().splitlines()[0] if str(exc).strip() else "")
         return False
-    log.info("compiled decode steps in %.1f s", seconds)
+    compiled = runner.compiled
+    log.info("compiled decode steps in %.1f s (%d of %d read back from an earlier start)", seconds, compiled.read_back,
+             len(compiled.steps))
     return True
 
 

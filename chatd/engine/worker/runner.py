@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -138,9 +139,11 @@ class ModelRunner:
         self.graphs = graphs
         return seconds
 
-    def enable_compiled_decode(self) -> float:
-        """Run decode-only steps through torch.compile (compiled.py); returns the seconds compiling took."""
-        compiled = CompiledDecode(self.model, self.kv_caches, self.block_size, self.backend.k_scale, self.backend.v_scale)
+    def enable_compiled_decode(self, folder: Path | None = None) -> float:
+        """Run decode-only steps through torch.compile (compiled.py), keeping the compiled steps in
+        `folder` for later starts; returns the seconds compiling (or reading back) took."""
+        compiled = CompiledDecode(self.model, self.kv_caches, self.block_size, self.backend.k_scale, self.backend.v_scale,
+                                  folder)
         seconds = compiled.warm_up()
         self.compiled = compiled
         return seconds
