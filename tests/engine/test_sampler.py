@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from chatd.engine import SamplingParams
-from chatd.engine.worker.sampler import Sampler, SamplingRow, apply_penalties, sampling_probs
+from chatd.engine.worker.sampler import CANDIDATES, WIDER_CANDIDATES, Sampler, SamplingRow, apply_penalties, sampling_choices, sampling_probs
 
 VOCAB = 64
 
@@ -212,6 +212,103 @@ def test_never_samples_outside_the_allowed_set(logits, temperature, top_k, top_p
     rows = [make_row(seed=seed + i, **params) for i in range(8)]
     tokens = Sampler()(logits_t.repeat(8, 1), rows).token_ids
     assert set(tokens) <= allowed
+
+
+def mixed_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Even rows peaked (a few tokens hold most of the mass), odd rows flat (top-p keeps more
+    than CANDIDATES tokens): both ways `sampling_choices` decides a row."""
+    logits = random_logits(rows, vocab, seed=seed, scale=1.0)
+    logits[0::2] *= 6.0
+    logits[1::2] *= 0.3
+    return logits
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(top_p=0.9),
+        dict(top_p=0.5, temperature=0.7),
+        dict(top_k=40, top_p=0.95),
+        dict(top_k=1000, top_p=0.9),  # more than CANDIDATES
+        dict(top_k=300),
+        dict(top_p=0.8, min_p=0.02, temperature=1.3),
+    ],
+)
+def test_truncation_over_a_real_vocabulary_matches_transformers(params):
+    """At a model's vocabulary size only the most likely tokens are looked at, unless top-p
+    could keep more: either way the same tokens survive with the same probabilities."""
+    vocab = 8 * CANDIDATES
+    logits = mixed_logits(8, vocab, seed=13)
+    rows = [make_row(**params) for _ in range(8)]
+    ours = sampling_probs(logits, rows)
+    for i in range(8):
+        theirs = hf_probs(logits[i : i + 1], rows[i].params)
+        assert torch.equal(ours[i : i + 1] > 0, theirs > 0), f"row {i}: the same tokens survive truncation"
+        torch.testing.assert_close(ours[i : i + 1], theirs)
+
+
+def test_each_row_is_decided_over_as_few_tokens_as_it_needs():
+    """A peaked row over CANDIDATES tokens, a row whose top-p set is wider over WIDER_CANDIDATES,
+    a flat row over its whole vocabulary; all three as transformers would have them."""
+    vocab = 4 * WIDER_CANDIDATES
+    logits = random_logits(3, vocab, seed=14, scale=0.1)
+    logits[0, :50] += 8.0 + torch.linspace(0.0, 1.0, 50)
+    logits[1, : 2 * CANDIDATES] += 7.0 + torch.linspace(0.0, 0.3, 2 * CANDIDATES)
+    rows = [make_row(top_p=0.9) for _ in range(3)]
+    widths = {tuple(part.rows): part.probs.shape[1] for part in sampling_choices(logits, rows)}
+    assert widths == {(0,): CANDIDATES, (1,): WIDER_CANDIDATES, (2,): vocab}
+    ours = sampling_probs(logits, rows)
+    for i in range(3):
+        theirs = hf_probs(logits[i : i + 1], rows[i].params)
+        assert torch.equal(ours[i : i + 1] > 0, theirs > 0)
+        torch.testing.assert_close(ours[i : i + 1], theirs)
+
+
+def test_top_k_ties_past_the_candidates_are_kept():
+    """transformers keeps every token tied with the k-th; ties that run past the candidates too."""
+    vocab = 4 * CANDIDATES
+    logits = torch.full((1, vocab), -5.0)
+    logits[0, :10] = torch.linspace(3.0, 2.0, 10)
+    logits[0, 100 : 100 + 2 * CANDIDATES] = 1.0  # 512 tokens tied with the 20th best
+    row = make_row(top_k=20)
+    ours = sampling_probs(logits, [row])
+    theirs = hf_probs(logits, row.params)
+    assert (theirs > 0).sum().item() == 10 + 2 * CANDIDATES
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_seeded_row_draws_the_same_whatever_its_batch_needs():
+    """A batch with a top_k past CANDIDATES (wider candidates) and flat rows (sorted whole)
+    around a seeded row does not change what the row draws."""
+    vocab = 8 * CANDIDATES
+    target = dict(temperature=0.8, top_p=0.9)
+    alone_row, batch_row = make_row(seed=77, **target), make_row(seed=77, **target)
+    others = [make_row(seed=1, top_k=1000, top_p=0.9), make_row(seed=2, top_p=0.95), make_row(seed=3)]
+    sampler = Sampler()
+    for step in range(25):
+        logits = mixed_logits(4, vocab, seed=200 + step)
+        logits[0] = random_logits(1, vocab, seed=300 + step, scale=4.0)
+        alone_row.output_token_ids += sampler(logits[:1], [alone_row]).token_ids
+        batch_row.output_token_ids.append(sampler(logits, [batch_row, *others]).token_ids[0])
+    assert batch_row.output_token_ids == alone_row.output_token_ids
+    assert len(set(alone_row.output_token_ids)) > 1, "the row really sampled"
+
+
+def test_empirical_distribution_over_candidates_matches():
+    """Draws from a row's most likely tokens (top-p over a vocabulary past CANDIDATES) come out
+    as often as transformers' probabilities say."""
+    draws, vocab = 20_000, 4 * CANDIDATES
+    logits = random_logits(1, vocab, seed=15, scale=1.0)
+    logits[0, :6] = torch.tensor([4.0, 3.5, 3.0, 2.5, 2.0, 1.5])
+    params = SamplingParams(top_p=0.9, temperature=0.9)
+    generator = torch.Generator().manual_seed(8)
+    rows = [SamplingRow(params, [], [], generator) for _ in range(draws)]
+    tokens = Sampler()(logits.expand(draws, -1), rows).token_ids
+    frequencies = torch.bincount(torch.tensor(tokens), minlength=vocab).float() / draws
+    expected = hf_probs(logits, params)[0]
+    assert set(tokens) <= set(torch.nonzero(expected > 0).flatten().tolist())
+    assert (frequencies - expected).abs().max().item() < 0.016, (frequencies[:8], expected[:8])
 
 
 # --- the draw --------------------------------------------------------------------------------
