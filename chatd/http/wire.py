@@ -110,6 +110,11 @@ async def send(request: web.Request, response: web.StreamResponse, data: bytes) 
     if held > limits.stream_buffer_bytes:
         raise SlowClient(f"{held} bytes of output are waiting for a client that does not read "
                          f"(stream_buffer_bytes is {limits.stream_buffer_bytes})")
+    if transport.get_write_buffer_size() + len(data) <= transport.get_write_buffer_limits()[1]:
+        # Nothing waits: the write stays under the transport's high-water mark, so it cannot
+        # pause (this is every event of a client that keeps up: no timer a token).
+        await response.write(data)
+        return
     try:
         async with asyncio.timeout(limits.send_timeout_seconds):
             await response.write(data)
