@@ -8,7 +8,8 @@ server at a time (never two at once: the CPU machine has two cores), it starts c
 file (with its decode steps compiled, its default, and once more with --no-compile), chatd on the
 Q4_1 file keeping its blocks (--quantization gguf), llama-server on the same F32 file, and
 llama-server on the original Q4_1 file (as llama.cpp users run it), each on a free 127.0.0.1 port, drives it with chatd's load generator
-(`chatd.bench.load.run_bench`: streamed chat completions, temperature 0, EOS ignored so every
+(`chatd.bench.load.run_bench`: streamed chat completions, temperature 0 unless --temperature and
+--top-p ask for sampling, EOS ignored so every
 request makes exactly `max_tokens`) at each concurrency level, and stops it. `--runs` also takes
 `chatd-int8`: chatd on the F32 file quantized to int8 at load (a scale per row), for a look next
 to llama.cpp's Q8_0 (`--model` a Q8_0 file, made with the same build's `llama-quantize`).
@@ -379,6 +380,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fresh-connections", action="store_true",
                         help="a new TCP connection per request for every server (default: kept alive, as chatd bench "
                              "does; llama-server closes kept-alive connections after a streamed reply)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sent with every request (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sent with every request when below 1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds for a server to come up")

@@ -115,8 +115,8 @@ class Server:
 def bench_options(args, url: str, model: str | None, ignore_eos: bool, num_requests: int | None) -> BenchOptions:
     return BenchOptions(
         url=url, model=model, concurrency=args.concurrency, num_requests=num_requests,
-        prompt_tokens=tuple(args.prompt_tokens), output_tokens=tuple(args.output_tokens), temperature=0.0,
-        ignore_eos=ignore_eos, seed=args.seed, timeout=args.timeout,
+        prompt_tokens=tuple(args.prompt_tokens), output_tokens=tuple(args.output_tokens),
+        temperature=getattr(args, "temperature", 0.0), top_p=getattr(args, "top_p", 1.0), ignore_eos=ignore_eos, seed=args.seed, timeout=args.timeout,
     )
 
 

@@ -190,8 +190,10 @@ def _sampling_fields(options: BenchOptions, max_tokens: int) -> dict:
 
 
 def _optional_fields(options: BenchOptions) -> dict:
-    """`model` and `ignore_eos`, only when asked for: not every server knows them."""
+    """`model`, `top_p` and `ignore_eos`, only when asked for: not every server knows them."""
     fields: dict = {}
+    if options.top_p < 1.0:
+        fields["top_p"] = options.top_p
     if options.model is not None:
         fields["model"] = options.model
     if options.ignore_eos:

@@ -23,6 +23,7 @@ class BenchOptions:
     endpoint: str = "chat"  # chat | completions
     multi_turn: int = 1
     temperature: float = 0.0
+    top_p: float = 1.0  # sent only below 1
     ignore_eos: bool = False  # chatd/vLLM extra field; other servers may reject it
     seed: int = 0
     timeout: float = 300.0  # seconds, per request
@@ -86,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "turn's response by previous_response_id (the server keeps the history); responses are deleted at the end",
     )
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's top_p (sent only below 1)")
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (chatd, vLLM): exact lengths")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default 300)")
@@ -98,6 +100,6 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     return BenchOptions(
         url=args.url, model=args.model, concurrency=args.concurrency, num_requests=args.num_requests,
         prompt_tokens=tuple(args.prompt_tokens), output_tokens=tuple(args.output_tokens), endpoint=args.endpoint,
-        multi_turn=args.multi_turn, temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed,
+        multi_turn=args.multi_turn, temperature=args.temperature, top_p=args.top_p, ignore_eos=args.ignore_eos, seed=args.seed,
         timeout=args.timeout, api_key=args.api_key, conversations=args.conversations, responses=args.responses,
     )
