@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from chatd.engine.attention.common import AttentionBackend, AttentionMetadata, KVCache, dequantize_kv
@@ -33,14 +32,22 @@ class DecodeContext:
 
     @classmethod
     def of(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> DecodeContext:
-        """From a decode-only step's metadata (host tables: no device reads)."""
-        seq_lens = np.asarray(meta.seq_lens_cpu)
-        blocks = -(-int(seq_lens.max()) // block_size)
-        tables = meta.block_tables_cpu[:, :blocks].numpy().astype(np.int64)  # shorter rows: padded with block 0
-        slots = (tables[:, :, None] * block_size + np.arange(block_size)).reshape(len(seq_lens), -1)
-        past_end = np.arange(slots.shape[1])[None, :] >= seq_lens[:, None]
-        bias = torch.zeros(past_end.shape, dtype=dtype).masked_fill_(torch.from_numpy(past_end), float("-inf"))
-        return cls(meta.slot_mapping, torch.from_numpy(slots), bias)
+        """From a decode-only step's metadata."""
+        positions = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64) - 1
+        return cls.of_tables(positions, meta.block_tables_cpu.long(), block_size, dtype)
+
+    @classmethod
+    def of_tables(cls, positions: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                  dtype: torch.dtype) -> DecodeContext:
+        """From each row's position ([B] int64: its new token's) and block table ([B, N] int64,
+        shorter rows padded with any block). Tensor operations only: a compiled step computes this
+        itself, fused into a few loops, rather than a host building it each step."""
+        row_block = block_tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+        slot_mapping = row_block * block_size + positions % block_size
+        context_slots = (block_tables.unsqueeze(2) * block_size + torch.arange(block_size, device=block_tables.device)).flatten(1)
+        past_end = torch.arange(context_slots.shape[1], device=positions.device).unsqueeze(0) > positions.unsqueeze(1)
+        bias = torch.zeros(context_slots.shape, dtype=dtype, device=positions.device).masked_fill(past_end, float("-inf"))
+        return cls(slot_mapping, context_slots, bias)
 
 
 class DecodeAttention(AttentionBackend):

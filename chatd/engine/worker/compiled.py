@@ -25,6 +25,11 @@ ready before the first request (`warm_up`, logged with the time it took: SmolLM2
 file on two cores, 40-70 s the first time, ~4 s read back), so no request waits for a compile
 (`compile_count` says whether a step compiled again later: tests check none does).
 
+A step's input is one small tensor: each row's token, position and block table. The cache slots
+it writes and reads, and the mask past each row's end, are computed inside the compiled code.
+Between steps a decode streams every weight through the CPU's caches, so the host's Python and
+numpy run cold: building the same slots and mask on the host took ~0.5 ms a step that way.
+
 Prefill chunks and mixed steps run eagerly: their work is in large matmuls already. An int4
 layer's kernel (quant.py) is called from the graph as it is: written as a reduction, int4 was
 8x slower than that kernel.
@@ -39,10 +44,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-from chatd.engine.attention import AttentionMetadata, KVCache, build_step
+from chatd.engine.attention import KVCache
 from chatd.engine.attention.decode import DecodeAttention, DecodeContext
 from chatd.engine.models.matvec import ROWS_AS_REDUCTIONS
 
@@ -83,15 +89,28 @@ def _layer(layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tenso
     return layer(x, cos, sin, (k_cache, v_cache), context, DecodeAttention(k_scale, v_scale))
 
 
-def _step(model: nn.Module, input_ids: Tensor, positions: Tensor, kv_caches: list[KVCache], context: DecodeContext,
-          attention: DecodeAttention) -> Tensor:
-    """A whole decode step, tokens to logits: what is compiled."""
+def _step(model: nn.Module, rows: Tensor, kv_caches: list[KVCache], attention: DecodeAttention) -> Tensor:
+    """A whole decode step, tokens to logits: what is compiled. `rows` [B, 2 + N] int64 holds each
+    row's new token, its position and its block table (`_rows`); where its token goes in the cache
+    and what it attends to are worked out here, inside the compiled code."""
+    input_ids, positions, tables = rows[:, 0], rows[:, 1], rows[:, 2:]
+    block_size = kv_caches[0][0].shape[1]
+    context = DecodeContext.of_tables(positions, tables, block_size, model.embed_tokens.weight.dtype)
     x, cos, sin = model.embed(input_ids, positions)
     cos, sin = cos.clone(), sin.clone()  # halves of one tensor: a compiled region takes no inputs that overlap
     for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
         x = _layer(layer, x, cos, sin, k_cache, v_cache, context.slot_mapping, context.context_slots,
                    context.context_bias, attention.k_scale, attention.v_scale)
     return model.compute_logits(model.norm(x))
+
+
+def _rows(token_ids: list[int], positions: list[int], block_tables: list[list[int]], block_size: int) -> Tensor:
+    """A decode step's rows as one tensor [B, 2 + N]: token, position, then the block table, cut to
+    the blocks the longest context spans (shorter tables padded with block 0)."""
+    blocks = max(positions) // block_size + 1
+    rows = [[token, position, *table[:blocks], *[0] * (blocks - len(table))]
+            for token, position, table in zip(token_ids, positions, block_tables, strict=True)]
+    return torch.from_numpy(np.array(rows, dtype=np.int64))  # (half the time of torch.tensor on a cold cache)
 
 
 def _saved_guards(guards: list) -> list[bool]:
@@ -111,7 +130,7 @@ DYNAMIC_BATCH = ROWS_AS_REDUCTIONS + 1  # the step of this batch size serves eve
 
 
 class CompiledDecode:
-    """A model's decode steps, each compiled whole: `logits(meta, input_ids, positions)`.
+    """A model's decode steps, each compiled whole: `logits(token_ids, positions, block_tables)`.
 
     One compiled step per batch size from 1 to ROWS_AS_REDUCTIONS and one for every larger batch.
     Each is called directly, without torch.compile's per-call checks (guards): which step a batch
@@ -130,11 +149,11 @@ class CompiledDecode:
         self.read_back = 0  # steps warm_up read from `folder` rather than compiled
 
     @torch.inference_mode()
-    def logits(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        """Logits [B, vocab] of a decode-only step (one new token per sequence), in float32."""
-        context = DecodeContext.of(meta, self.block_size, self.model.embed_tokens.weight.dtype)
-        step = self.steps[min(len(meta.seq_lens_cpu), DYNAMIC_BATCH)]
-        return step(self.model, input_ids, positions, self.kv_caches, context, self.attention)
+    def logits(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> Tensor:
+        """Logits [B, vocab] of a decode-only step, in float32: row i's new token `token_ids[i]`
+        at `positions[i]`, its blocks `block_tables[i]`."""
+        step = self.steps[min(len(token_ids), DYNAMIC_BATCH)]
+        return step(self.model, _rows(token_ids, positions, block_tables, self.block_size), self.kv_caches, self.attention)
 
     @torch.inference_mode()  # as the runner's steps run: inference tensors are a guard of the steps
     def warm_up(self) -> float:
@@ -174,18 +193,13 @@ class CompiledDecode:
     def _dummy(self, batch: int, blocks: int, marked: bool = False) -> tuple:
         """A step's arguments: `batch` rows whose contexts span `blocks` blocks (block 0 each time).
         `marked`: its sizes that are dynamic are marked so, for the compiler (a guard rejects the mark)."""
-        context = (blocks - 1) * self.block_size + 2
-        step = build_step([0] * batch, [context - 1] * batch, [1] * batch, [[0] * blocks] * batch, self.block_size,
-                          torch.device("cpu"))
-        decode = DecodeContext.of(step.meta, self.block_size, self.model.embed_tokens.weight.dtype)
+        position = (blocks - 1) * self.block_size + 1
+        rows = _rows([0] * batch, [position] * batch, [[0] * blocks] * batch, self.block_size)
         if marked:
-            widths = [decode.context_slots, decode.context_bias]  # [B, W]: the context width W
-            for tensor in widths:
-                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+            torch._dynamo.maybe_mark_dynamic(rows, 1)  # the blocks a context spans
             if batch >= DYNAMIC_BATCH:
-                for tensor in (step.input_ids, step.positions, decode.slot_mapping, *widths):
-                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        return self.model, step.input_ids, step.positions, self.kv_caches, decode, self.attention
+                torch._dynamo.maybe_mark_dynamic(rows, 0)
+        return self.model, rows, self.kv_caches, self.attention
 
     @staticmethod
     def _read(path: Path, examples: list[tuple]) -> Callable[..., Tensor] | None:

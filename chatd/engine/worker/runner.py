@@ -157,11 +157,11 @@ class ModelRunner:
     def forward(self, inputs: ForwardInputs) -> torch.Tensor | None:
         """The step's forward, and the logits of the rows that sample ([rows, vocab]; None when no
         row samples, or on a tensor-parallel rank other than 0, which only takes part)."""
+        if self.compiled is not None and max(inputs.query_lens) == 1 and len(inputs.sampling) == len(inputs.starts):
+            return self.compiled.logits(inputs.token_ids, inputs.starts, inputs.block_tables)
         step = build_step(inputs.token_ids, inputs.starts, inputs.query_lens, inputs.block_tables, self.block_size,
                           self.device)
         meta = step.meta
-        if self.compiled is not None and meta.max_query_len == 1 and len(inputs.sampling) == meta.num_seqs:
-            return self.compiled.logits(step.input_ids, step.positions, meta)
         if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(meta.num_seqs):
             hidden = self.graphs.run(step)
         else:
