@@ -140,6 +140,10 @@ class HTTPBackend:
                     if event.error is not None:
                         raise ChatError(event.error)
                     write(event.text)
+                    # Ctrl-C cancels this task, which takes effect only where it waits: with the
+                    # rest of the reply already received, reading never waits, and the reply ran
+                    # to its end with the Ctrl-C lost. Yield to the loop once per event.
+                    await asyncio.sleep(0)
                     if event.usage is not None:
                         usage = Usage(event.usage.get("prompt_tokens", 0), event.usage.get("completion_tokens", 0))
                     if event.done:
