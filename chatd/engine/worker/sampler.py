@@ -269,8 +269,13 @@ def _top_k_top_p(values: torch.Tensor, logits: torch.Tensor, rows: list[Sampling
             tied = (values[:, -1:] == kth).squeeze(1).tolist()
             covered = [not (k and t) for k, t in zip(top_ks, tied)]
     # Top-k renormalizes over its kept tokens, all of which are here; otherwise the whole vocabulary counts.
-    with_k = torch.tensor([bool(k) for k in top_ks], device=device)
-    normalizer = torch.where(with_k, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    if all(top_ks):
+        normalizer = values.logsumexp(dim=-1)
+    elif not any(top_ks):
+        normalizer = logits.logsumexp(dim=-1)
+    else:
+        with_k = torch.tensor([bool(k) for k in top_ks], device=device)
+        normalizer = torch.where(with_k, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))
     probs = (values - normalizer.unsqueeze(1)).exp()
     top_ps = [row.params.top_p for row in rows]
     if any(p < 1.0 for p in top_ps):
