@@ -157,9 +157,12 @@ def test_a_server_that_is_down_is_an_error_and_ctrl_c_at_the_prompt_quits(tmp_pa
 @pytest.mark.parametrize("mode", ["in-process", "url"])
 def test_ctrl_c_stops_a_reply_and_keeps_what_was_said(mode, model_dir, tmp_path, request):
     args = in_process_args(model_dir, tmp_path) if mode == "in-process" else url_args(request.getfixturevalue("server"))
-    chat = ChatProcess([*args, "--verbose", "--temperature", "0", "--max-tokens", "400"], tmp_path / "stderr")
+    # Greedy, the demo model answers this with ~1350 tokens: a reply long enough (seconds) that
+    # the Ctrl-C reaches it mid-stream even when this process is slow to send it (with 400, a
+    # loaded CI machine once saw the whole reply before the signal left).
+    chat = ChatProcess([*args, "--verbose", "--temperature", "0", "--max-tokens", "1200"], tmp_path / "stderr")
     chat.wait_for_prompt(0)
-    mark = chat.send("hello there")  # greedy, the demo model answers this past 400 tokens
+    mark = chat.send("hello there")
     chat.wait_for(lambda out: len(out) > mark + 20, "the reply streaming")
     chat.proc.send_signal(signal.SIGINT)
     out = chat.wait_for(lambda out: out.endswith(b"[reply stopped]\n> "), "the reply stopped")
