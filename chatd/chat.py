@@ -113,11 +113,24 @@ class HTTPBackend:
             self.fields["stream_options"] = {"include_usage": True}
 
     def reply(self, messages: list[dict], write: Callable[[str], None]) -> Usage | None:
-        # asyncio.run turns Ctrl-C into cancelling the stream (which closes the response), then
-        # raises KeyboardInterrupt here.
-        return asyncio.run(self._stream({**self.fields, "messages": messages}, write))
+        # Ctrl-C cancels the stream (which closes the response) and is raised here as KeyboardInterrupt.
+        try:
+            return asyncio.run(self._stream({**self.fields, "messages": messages}, write))
+        except asyncio.CancelledError:
+            raise KeyboardInterrupt from None
 
     async def _stream(self, body: dict, write: Callable[[str], None]) -> Usage | None:
+        # Our own Ctrl-C handler, as the engine backend has: asyncio.run installs one only where
+        # Ctrl-C is Python's default, and a process started with it ignored (a parent that
+        # ignores it, as a test runner once did) would never stop a reply.
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, asyncio.current_task().cancel)
+        try:
+            return await self._events(body, write)
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)  # back to Python's default: Ctrl-C at the prompt quits
+
+    async def _events(self, body: dict, write: Callable[[str], None]) -> Usage | None:
         import aiohttp
 
         from chatd.bench.load import parse_event
