@@ -118,6 +118,20 @@ def test_greedy_is_argmax():
     assert Sampler()(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
 
 
+def test_greedy_ties_go_to_the_first_most_likely_token():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, 0.0, 0.0, 5.0]])
+    rows = [make_row(seed=None, temperature=0.0) for _ in range(3)]
+    assert Sampler()(logits, rows).token_ids == [1, 0, 3] == logits.argmax(dim=-1).tolist()
+
+
+def test_an_all_greedy_batch_still_applies_each_rows_bans_and_penalties():
+    logits = torch.tensor([[5.0, 4.0, 0.0], [5.0, 4.0, 0.0], [5.0, 4.0, 0.0]])
+    rows = [make_row(seed=None, temperature=0.0),
+            make_row(seed=None, temperature=0.0, banned=(0,)),
+            make_row(seed=None, temperature=0.0, output=[0], frequency_penalty=2.0)]
+    assert Sampler()(logits, rows).token_ids == [0, 1, 1]
+
+
 def test_greedy_rows_in_a_mixed_batch_stay_argmax():
     logits = random_logits(6, seed=3)
     rows = [make_row(seed=None, temperature=0.0) if i % 2 else make_row(seed=i, temperature=1.5) for i in range(6)]

@@ -40,6 +40,13 @@ class SamplingRow:
     def greedy(self) -> bool:
         return self.params.temperature < MIN_TEMPERATURE
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes or reports the logits: its token is their argmax."""
+        params = self.params
+        return (self.greedy and not self.banned_token_ids and self.grammar is None and params.logprobs is None
+                and params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty)
+
 
 @dataclass
 class SamplerOutput:
@@ -61,6 +68,8 @@ class Sampler:
         """
         # logits: [B, V]
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per SamplingRow"
+        if all(row.plain_greedy for row in rows):  # the argmax is all there is to do
+            return SamplerOutput(token_ids=_argmax(logits), logprobs=[None] * len(rows))
         raw_logits = logits.float()
         logits = apply_penalties(raw_logits, rows)
         logits = apply_grammars(logits, rows)
@@ -82,6 +91,14 @@ class Sampler:
         token_ids, *logprob_tensors = to_host([token_ids, *logprob_tensors])
         token_list = token_ids.tolist()
         return SamplerOutput(token_ids=token_list, logprobs=_logprobs(token_list, wanted, logprob_tensors, rows))
+
+
+def _argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's most likely token. On a CPU through numpy: torch's argmax of SmolLM2's 49152 logits
+    took 79 us right after a decode step (it hands the rows to its thread pool), numpy's 48."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
