@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from chatd.engine.engine import EngineStats, LLMEngine, ModelInfo
+from chatd.engine.frame_room import with_frame_room
 from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams, StructuredOutput
 from chatd.engine.tokenizer import Tokenizer
 
@@ -266,16 +267,7 @@ class AsyncEngine:
             return
         self._loop.call_soon_threadsafe(_settle, built, None)
         try:
-            while not self._stopping:
-                self._apply_commands()
-                if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait()
-                    self._wakeup.clear()
-                    continue
-                outputs = self.engine.step()
-                self._stats = self.engine.stats()
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+            with_frame_room(self._step_until_stopped)  # no step maps memory for its frames (frame_room.py)
         except BaseException as exc:  # a bug outside a step's own error handling: nothing can go on
             log.exception("engine thread died")
             self.error = exc
@@ -285,6 +277,18 @@ class AsyncEngine:
                 self.engine.close()
             except Exception:  # noqa: BLE001 - stopping anyway; say what went wrong
                 log.exception("closing the engine failed")
+
+    def _step_until_stopped(self) -> None:
+        while not self._stopping:
+            self._apply_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            outputs = self.engine.step()
+            self._stats = self.engine.stats()
+            if outputs:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _apply_commands(self) -> None:
         synced, applied = [], False

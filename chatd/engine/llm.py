@@ -12,6 +12,7 @@ from collections.abc import Sequence as SequenceOf
 
 from chatd.config import config_from_options
 from chatd.engine.engine import LLMEngine
+from chatd.engine.frame_room import with_frame_room
 from chatd.engine.params import RequestOutput, SamplingParams
 from chatd.engine.tokenizer import Tokenizer
 
@@ -58,10 +59,14 @@ class LLM:
         for request in prepared:
             self.engine.add_prepared(request)
         results: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.request_id in results:
-                    results[out.request_id].merge(out)
-                else:
-                    results[out.request_id] = out
+
+        def step_to_the_end() -> None:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id in results:
+                        results[out.request_id].merge(out)
+                    else:
+                        results[out.request_id] = out
+
+        with_frame_room(step_to_the_end)  # no step maps memory for its frames (frame_room.py)
         return [results[rid] for rid in request_ids]
