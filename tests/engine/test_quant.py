@@ -15,11 +15,12 @@ from gguf.quants import dequantize, quantize
 from chatd.engine import SamplingParams
 from chatd.engine.models.gguf_quant import int4_parts, int8_parts
 from chatd.engine.models.loader import Checkpoint, default_model_path, load_model, open_checkpoint
-from chatd.engine.models.quant import DEQUANTIZED_ROWS, GROUP_SIZE, Int4Linear, Int8Linear, quantize_linear
+from chatd.engine.models.quant import DEQUANTIZED_CHUNK, DEQUANTIZED_ROWS, GROUP_SIZE, Int4Linear, Int8Linear, quantize_linear
 from tests.engine.conftest import make_llm
 from tests.engine.test_gguf import write_gguf
 
-SHAPES = [(576, 576), (192, 576), (1536, 576), (100, 96), (16, 32), (49, 64)]  # rows not in sixteens too
+# Rows not in sixteens too, and more rows than are dequantized at once (a large LM head's case).
+SHAPES = [(576, 576), (192, 576), (1536, 576), (100, 96), (16, 32), (49, 64), (2 * DEQUANTIZED_CHUNK + 48, 64)]
 
 
 LAYERS = {"int8": Int8Linear.from_float, "int8 per block": lambda w, b: Int8Linear.from_float(w, b, per_block=True),

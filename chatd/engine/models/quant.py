@@ -41,6 +41,7 @@ GROUP_SIZE = 32  # weights of a row sharing a scale (and for int4 a zero): GGUF'
 # layer (2-core EPYC, AVX512_BF16): the kernel 6.4 ms at 256 rows, 1.7 at 64, 0.46 at 16; a bfloat16
 # matmul 2.25, 0.72 and 0.36 ms, plus ~0.3 ms to dequantize the weight whatever the rows.
 DEQUANTIZED_ROWS = 32
+DEQUANTIZED_CHUNK = 1024  # weight rows dequantized at a time (2.4 MB of float32 for SmolLM2's 576 columns)
 
 
 def _native_bfloat16() -> bool:
@@ -94,14 +95,23 @@ class Int8Linear(nn.Module):
             return self
         return Int8Linear.from_float(self.dequantized(), self.bias)
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The weight [out, in] in `dtype`: each int8 value times its scale, rounded once."""
+    def dequantized(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> Tensor:
+        """The weight [out, in] (or those `rows` of it) in `dtype`: each int8 value times its scale, rounded once."""
+        qweight, scales = self.qweight[rows], self.scales[rows]
         if self.per_block:
-            blocks = self.qweight.view(self.out_features, -1, GROUP_SIZE).float().mul_(self.scales[..., None])
-            return blocks.view(self.out_features, self.in_features).to(dtype)
+            blocks = qweight.view(qweight.shape[0], -1, GROUP_SIZE).float().mul_(scales[..., None])
+            return blocks.view(qweight.shape).to(dtype)
         if dtype == torch.bfloat16:  # the values and scales are exact in bfloat16; the product is rounded once
-            return self.qweight.to(dtype).mul_(self.scales[:, None])
-        return self.qweight.float().mul_(self.scales.float()[:, None]).to(dtype)
+            return qweight.to(dtype).mul_(scales[:, None])
+        return qweight.float().mul_(scales.float()[:, None]).to(dtype)
+
+    def _dequantized_linear(self, x: Tensor) -> Tensor:
+        """x [tokens, in] times the weight dequantized DEQUANTIZED_CHUNK rows at a time (the same numbers
+        as all at once). Dequantized whole, a large weight is a new allocation each call, which the
+        kernel maps and faults in again: SmolLM2's Q8_0 LM head is 113 MB as float32, and picking a
+        prompt's first token took 48-59 ms that way, 7-15 ms in chunks (2-core EPYC)."""
+        return torch.cat([F.linear(x, self.dequantized(x.dtype, slice(start, start + DEQUANTIZED_CHUNK)))
+                          for start in range(0, self.out_features, DEQUANTIZED_CHUNK)], dim=-1)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -117,8 +127,7 @@ class Int8Linear(nn.Module):
         elif self.per_block or self._dequantizes(x):
             # Per block no kernel exists: the weight is dequantized for each call, which a prefill's
             # many rows amortize (a compiled decode step's few rows are the reductions above).
-            dtype = self._dequantized_dtype(x)
-            y = F.linear(x.to(dtype), self.dequantized(dtype))  # [tokens, out]
+            y = self._dequantized_linear(x.to(self._dequantized_dtype(x)))  # [tokens, out]
         else:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales)  # [tokens, out]
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
