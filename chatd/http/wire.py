@@ -149,7 +149,7 @@ async def stream_events(request: web.Request, events: AsyncIterator[bytes],
 # the response's first event) plus everything written since, as neither buffer grows but by our
 # writes. Counted again only when that could pass the limit: counting is a system call, ~20 us an
 # event on a cold cache.
-_HELD_AT_MOST = "chatd_held_at_most"
+_HELD_AT_MOST = web.ResponseKey("chatd_held_at_most", int)
 
 
 def _untaken_bytes(transport) -> int:
