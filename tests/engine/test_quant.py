@@ -15,7 +15,8 @@ from gguf.quants import dequantize, quantize
 from chatd.engine import SamplingParams
 from chatd.engine.models.gguf_quant import int4_parts, int8_parts
 from chatd.engine.models.loader import Checkpoint, default_model_path, load_model, open_checkpoint
-from chatd.engine.models.quant import DEQUANTIZED_CHUNK, DEQUANTIZED_ROWS, GROUP_SIZE, Int4Linear, Int8Linear, quantize_linear
+from chatd.engine.models.quant import (DEQUANTIZED_CHUNK, DEQUANTIZED_ROWS, GROUP_SIZE, INT4_UNPACKED_ROWS, NATIVE_BFLOAT16,
+                                       Int4Linear, Int8Linear, kernel_layout_unpacks, quantize_linear)
 from tests.engine.conftest import make_llm
 from tests.engine.test_gguf import write_gguf
 
@@ -29,7 +30,8 @@ LAYERS = {"int8": Int8Linear.from_float, "int8 per block": lambda w, b: Int8Line
 
 @pytest.mark.parametrize("kind", list(LAYERS))
 @pytest.mark.parametrize("out_features, in_features", SHAPES)
-@pytest.mark.parametrize("tokens", [6, DEQUANTIZED_ROWS])  # a decode step's few rows (kernels), a prefill's many (bfloat16 matmul)
+# A decode step's few rows (kernels), a prefill's many (int8: a bfloat16 matmul), more (int4: the same)
+@pytest.mark.parametrize("tokens", [6, DEQUANTIZED_ROWS, INT4_UNPACKED_ROWS])
 def test_a_quantized_linear_computes_what_its_dequantized_weight_would(kind, out_features, in_features, tokens):
     generator = torch.Generator().manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=generator)
@@ -49,6 +51,19 @@ def test_a_quantized_linear_computes_what_its_dequantized_weight_would(kind, out
     error = (layer.dequantized() - weight).abs()
     assert (error <= step / 2 + 2**-7 * weight.abs().amax()).all()
     assert error.mean() <= step.mean() / 3
+
+
+@pytest.mark.skipif(not NATIVE_BFLOAT16, reason="int4 prefill unpacks its weights only where bfloat16 is native")
+def test_an_int4_prefill_multiplies_the_kernels_own_weights_unpacked():
+    """The kernel's packing is read as this torch lays it out (else prefill would stay on the kernel),
+    and each unpacked row is the kernel's weight exactly: padded rows, several chunks."""
+    assert kernel_layout_unpacks()
+    layer = Int4Linear.from_float(torch.randn(2 * DEQUANTIZED_CHUNK + 40, 96, generator=torch.Generator().manual_seed(5)))
+    padded = layer.packed.shape[0]
+    unpacked = torch.cat([layer._unpacked(start, min(start + DEQUANTIZED_CHUNK, padded), torch.bfloat16)
+                          for start in range(0, padded, DEQUANTIZED_CHUNK)])
+    assert torch.equal(unpacked[: layer.out_features].float(), layer.dequantized())
+    assert not unpacked[layer.out_features :].any()  # the padding rows are zero weights
 
 
 def test_int8_blocks_are_finer_than_rows():

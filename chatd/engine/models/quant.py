@@ -13,7 +13,10 @@ instead (matvec.py), faster still.
 Each kernel is fast at a decode step's few rows and slow at a prefill's many: at 256 rows both
 took longer than a float32 matmul of the same layer. Where the CPU multiplies bfloat16 natively
 (AVX512_BF16), an int8 layer with DEQUANTIZED_ROWS rows or more dequantizes its weight to
-bfloat16 for the call and runs a bfloat16 matmul, 2.4x faster than the kernel at 256 rows.
+bfloat16 for the call and runs a bfloat16 matmul, 2.4x faster than the kernel at 256 rows; an
+int4 layer with INT4_UNPACKED_ROWS or more unpacks its weight from the kernel's own packing
+(`Int4Linear._unpacked`) and does the same. Both go 1024 weight rows at a time, so a large
+weight (an LM head) is never a large new buffer.
 
 int8 is symmetric: w = q * scale, one scale per row (`int8`), or per block of 32 weights of a
 row, which is GGUF's Q8_0 (kept exactly: no kernel takes it, so it is always a reduction or a
@@ -22,11 +25,14 @@ has a scale and a zero, w = (q - 8) * scale + zero for q in 0..15. GGUF's Q4_0, 
 blocks are exactly that (gguf_quant.py converts them without rounding anything again).
 
 The kernels' shape rules: the reduced dimension (in_features) a multiple of 32, and for int4 the
-rows a multiple of 16 (padded with zero rows here, cut from the output). A layer outside those
+rows a multiple of 16 (padded here with zero rows to a multiple of 64, where the packing has one
+layout throughout, and cut from the output). A layer outside those
 rules stays in floating point.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +48,11 @@ GROUP_SIZE = 32  # weights of a row sharing a scale (and for int4 a zero): GGUF'
 # matmul 2.25, 0.72 and 0.36 ms, plus ~0.3 ms to dequantize the weight whatever the rows.
 DEQUANTIZED_ROWS = 32
 DEQUANTIZED_CHUNK = 1024  # weight rows dequantized at a time (2.4 MB of float32 for SmolLM2's 576 columns)
+# From this many rows an int4 layer unpacks its weight to bfloat16 (in chunks) and runs a bfloat16
+# matmul instead of the int4 kernel, where the CPU multiplies bfloat16 natively. Timed apart on
+# SmolLM2's four layer shapes (2-core EPYC), unpacked over kernel: 1.0-1.5x the time at 128 rows,
+# 0.82-1.15x at 192, 0.74-0.99x at 256, 0.44-0.80x at 2048.
+INT4_UNPACKED_ROWS = 192
 
 
 def _native_bfloat16() -> bool:
@@ -158,7 +169,8 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.kind = "int4"
         self.out_features, self.in_features = q.shape
-        padded = -(-self.out_features // 16) * 16  # the kernel's rows come in sixteens
+        # The kernel takes rows in sixteens; in sixty-fours its packing is one layout throughout (`_unpacked`).
+        padded = -(-self.out_features // 64) * 64
         if padded != self.out_features:
             extra = padded - self.out_features
             q = torch.cat([q, torch.full((extra, self.in_features), 8, dtype=q.dtype)])
@@ -192,14 +204,47 @@ class Int4Linear(nn.Module):
         return columns.float().T[: self.out_features]
 
     def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        y = torch.ops.quantized.int4mm_packed_weight_cpu(x.reshape(-1, self.in_features).to(torch.bfloat16), self.packed,
-                                                         self.group_size, self.scales_and_zeros)  # [tokens, padded out]
-        y = y[:, : self.out_features].to(x.dtype).reshape(*shape[:-1], self.out_features)
+        shape, dtype = x.shape, x.dtype
+        x = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [tokens, in]
+        if self._unpacks(x):
+            padded = self.packed.shape[0]
+            y = torch.cat([F.linear(x, self._unpacked(start, min(start + DEQUANTIZED_CHUNK, padded), torch.bfloat16))
+                           for start in range(0, padded, DEQUANTIZED_CHUNK)], dim=-1)
+        else:
+            y = torch.ops.quantized.int4mm_packed_weight_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+        y = y[:, : self.out_features].to(dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    @staticmethod
+    def _unpacks(x: Tensor) -> bool:
+        """Whether these rows are multiplied as a bfloat16 matmul of the unpacked weight rather than the
+        kernel: a prefill's many rows, where the CPU multiplies bfloat16 natively, never inside torch.compile."""
+        return (NATIVE_BFLOAT16 and not torch.compiler.is_compiling() and x.shape[0] >= INT4_UNPACKED_ROWS
+                and kernel_layout_unpacks())
+
+    def _unpacked(self, start: int, stop: int, dtype: torch.dtype) -> Tensor:
+        """Rows [start, stop) of the padded weight (multiples of 64) in `dtype`, read from the kernel's
+        packing: (q - 8) * scale + zero computed in float32 and rounded once, as the kernel computes it."""
+        blocks = self.packed.view(-1, self.in_features, 32)[start // 64 : stop // 64]  # [blocks, in, 32] bytes
+        q = torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2)  # [blocks, 64 rows, in]
+        q = q.reshape(stop - start, self.in_features // GROUP_SIZE, GROUP_SIZE).float()
+        scale_zero = self.scales_and_zeros[:, start:stop].transpose(0, 1).float()  # [rows, groups, (scale, zero)]
+        weight = q.sub_(8).mul_(scale_zero[..., :1]).add_(scale_zero[..., 1:])
+        return weight.view(stop - start, self.in_features).to(dtype)
 
 
 QUANTIZED_LINEARS = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+@functools.cache
+def kernel_layout_unpacks() -> bool:
+    """Whether this torch packs int4 weights for the CPU kernel as `Int4Linear._unpacked` reads them:
+    rows in blocks of 64, each block [in, 32] bytes whose low nibbles are its rows 0-31 and high
+    nibbles rows 32-63 (torch 2.13). Checked once on a pattern; where it fails, prefill stays on the kernel."""
+    q = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0))  # any misplaced nibble shows
+    ones = torch.ones(128, 64 // GROUP_SIZE)
+    layer = Int4Linear(q.to(torch.int32), ones, ones * 8, None)  # w = q - 8 + 8 = q
+    return torch.equal(layer._unpacked(0, 128, torch.float32), q.float())
 
 
 def quantize_linear(weight: Tensor, bias: Tensor | None, kind: str) -> nn.Module | None:
