@@ -59,9 +59,8 @@ def test_an_int4_prefill_multiplies_the_kernels_own_weights_unpacked():
     and each unpacked row is the kernel's weight exactly: padded rows, several chunks."""
     assert kernel_layout_unpacks()
     layer = Int4Linear.from_float(torch.randn(2 * DEQUANTIZED_CHUNK + 40, 96, generator=torch.Generator().manual_seed(5)))
-    padded = layer.packed.shape[0]
-    unpacked = torch.cat([layer._unpacked(start, min(start + DEQUANTIZED_CHUNK, padded), torch.bfloat16)
-                          for start in range(0, padded, DEQUANTIZED_CHUNK)])
+    unpacked = torch.cat([layer._unpacked(slice(start, start + DEQUANTIZED_CHUNK), torch.bfloat16)
+                          for start in range(0, layer.packed.shape[0], DEQUANTIZED_CHUNK)])
     assert torch.equal(unpacked[: layer.out_features].float(), layer.dequantized())
     assert not unpacked[layer.out_features :].any()  # the padding rows are zero weights
 

@@ -33,6 +33,7 @@ rules stays in floating point.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -116,14 +117,6 @@ class Int8Linear(nn.Module):
             return qweight.to(dtype).mul_(scales[:, None])
         return qweight.float().mul_(scales.float()[:, None]).to(dtype)
 
-    def _dequantized_linear(self, x: Tensor) -> Tensor:
-        """x [tokens, in] times the weight dequantized DEQUANTIZED_CHUNK rows at a time (the same numbers
-        as all at once). Dequantized whole, a large weight is a new allocation each call, which the
-        kernel maps and faults in again: SmolLM2's Q8_0 LM head is 113 MB as float32, and picking a
-        prompt's first token took 48-59 ms that way, 7-15 ms in chunks (2-core EPYC)."""
-        return torch.cat([F.linear(x, self.dequantized(x.dtype, slice(start, start + DEQUANTIZED_CHUNK)))
-                          for start in range(0, self.out_features, DEQUANTIZED_CHUNK)], dim=-1)
-
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)  # [tokens, in]
@@ -138,7 +131,8 @@ class Int8Linear(nn.Module):
         elif self.per_block or self._dequantizes(x):
             # Per block no kernel exists: the weight is dequantized for each call, which a prefill's
             # many rows amortize (a compiled decode step's few rows are the reductions above).
-            y = self._dequantized_linear(x.to(self._dequantized_dtype(x)))  # [tokens, out]
+            dtype = self._dequantized_dtype(x)
+            y = chunked_linear(x.to(dtype), self.out_features, lambda rows: self.dequantized(dtype, rows))  # [tokens, out]
         else:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales)  # [tokens, out]
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
@@ -207,9 +201,7 @@ class Int4Linear(nn.Module):
         shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [tokens, in]
         if self._unpacks(x):
-            padded = self.packed.shape[0]
-            y = torch.cat([F.linear(x, self._unpacked(start, min(start + DEQUANTIZED_CHUNK, padded), torch.bfloat16))
-                           for start in range(0, padded, DEQUANTIZED_CHUNK)], dim=-1)
+            y = chunked_linear(x, self.packed.shape[0], lambda rows: self._unpacked(rows, torch.bfloat16))
         else:
             y = torch.ops.quantized.int4mm_packed_weight_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
         y = y[:, : self.out_features].to(dtype).reshape(*shape[:-1], self.out_features)
@@ -222,9 +214,10 @@ class Int4Linear(nn.Module):
         return (NATIVE_BFLOAT16 and not torch.compiler.is_compiling() and x.shape[0] >= INT4_UNPACKED_ROWS
                 and kernel_layout_unpacks())
 
-    def _unpacked(self, start: int, stop: int, dtype: torch.dtype) -> Tensor:
-        """Rows [start, stop) of the padded weight (multiples of 64) in `dtype`, read from the kernel's
+    def _unpacked(self, rows: slice, dtype: torch.dtype) -> Tensor:
+        """`rows` of the padded weight (bounds multiples of 64) in `dtype`, read from the kernel's
         packing: (q - 8) * scale + zero computed in float32 and rounded once, as the kernel computes it."""
+        start, stop, _ = rows.indices(self.packed.shape[0])
         blocks = self.packed.view(-1, self.in_features, 32)[start // 64 : stop // 64]  # [blocks, in, 32] bytes
         q = torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2)  # [blocks, 64 rows, in]
         q = q.reshape(stop - start, self.in_features // GROUP_SIZE, GROUP_SIZE).float()
@@ -244,7 +237,17 @@ def kernel_layout_unpacks() -> bool:
     q = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0))  # any misplaced nibble shows
     ones = torch.ones(128, 64 // GROUP_SIZE)
     layer = Int4Linear(q.to(torch.int32), ones, ones * 8, None)  # w = q - 8 + 8 = q
-    return torch.equal(layer._unpacked(0, 128, torch.float32), q.float())
+    return torch.equal(layer._unpacked(slice(None), torch.float32), q.float())
+
+
+def chunked_linear(x: Tensor, num_rows: int, weight_rows: Callable[[slice], Tensor]) -> Tensor:
+    """x [tokens, in] times a weight of `num_rows` rows made DEQUANTIZED_CHUNK rows at a time by
+    `weight_rows(rows)`: the same numbers as made whole. Made whole, a large weight is a new buffer
+    each call, which is mapped and faulted in again: an int8 weight of the shape of SmolLM2's Q8_0 LM
+    head is 113 MB as float32, and its product with one row took 48-59 ms that way, 7-15 ms in
+    chunks (2-core EPYC)."""
+    return torch.cat([F.linear(x, weight_rows(slice(start, start + DEQUANTIZED_CHUNK)))
+                      for start in range(0, num_rows, DEQUANTIZED_CHUNK)], dim=-1)
 
 
 def quantize_linear(weight: Tensor, bias: Tensor | None, kind: str) -> nn.Module | None:
