@@ -14,6 +14,7 @@ import torch
 from chatd.config import Config, ModelConfig, chatd_home
 from chatd.engine.attention import AttentionShape, resolve_kv_dtype, select_backend
 from chatd.engine.engine import kv_bytes_per_token
+from chatd.engine.heap import keep_freed_memory
 from chatd.engine.models.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
 from chatd.engine.models.loader import (
     DEFAULT_MODEL_INSTALL,
@@ -137,6 +138,8 @@ def build_runner(config: Config, checkpoint: Checkpoint, tp: TPGroup, device: to
     runner with an empty KV pool (sized afterwards, the same on every rank)."""
     dtype = resolve_dtype(config.model.dtype, device, checkpoint.hf_config.dtype)
     model, hf_config = load_model(checkpoint, dtype, device, tp, config.model.quantization)
+    if device.type == "cpu":  # from now on a step's freed buffers are kept for the next step
+        keep_freed_memory()
     context = context_length(hf_config, config.model)
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
     heads = hf_config.num_attention_heads // tp.size
