@@ -7,6 +7,10 @@ row. Everything that is cheap to batch is batched, and work no row asks for is s
 Reproducibility: each row draws one uniform number a step from its own generator, and what it
 may draw is worked out for it alone, so a seeded sequence gets the same tokens whether it is
 alone or in a batch of 32 with other requests.
+
+Where the logits are on a CPU, sampled rows are worked out one by one in numpy
+(host_sampling.py): the same choices, at a fraction of the cost of torch's small operations.
+`sampling_choices` below is the batched form, for logits on a GPU.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from chatd.engine.grammar import GrammarMatcher, fill_masks
 from chatd.engine.params import Logprob, SamplingParams
+from chatd.engine.worker.host_sampling import host_choices, host_draw
 from chatd.engine.worker.ragged import pad_ragged
 
 # Below this, dividing logits by the temperature can overflow float32; the limit T -> 0 is
@@ -79,7 +84,9 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)  # [B]
         else:
             token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        if sampled_rows:
+        if sampled_rows and logits.device.type == "cpu":
+            token_ids[sampled_rows] = torch.tensor(_draw_on_host(logits, rows, sampled_rows))
+        elif sampled_rows:
             subset = [rows[i] for i in sampled_rows]
             for part in sampling_choices(_rows(logits, sampled_rows), subset):
                 index = torch.tensor([sampled_rows[j] for j in part.rows], device=logits.device)
@@ -99,6 +106,13 @@ def _argmax(logits: torch.Tensor) -> list[int]:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.numpy().argmax(axis=-1).tolist()
     return logits.argmax(dim=-1).tolist()
+
+
+def _draw_on_host(logits: torch.Tensor, rows: list[SamplingRow], sampled: list[int]) -> list[int]:
+    """The tokens of the `sampled` rows, each worked out alone in numpy (host_sampling.py)."""
+    host_logits = logits.numpy()  # [B, V], CPU float32
+    return [host_draw(host_choices(host_logits[i], rows[i].params, MIN_TEMPERATURE), _uniform(rows[i].generator, logits.device).item())
+            for i in sampled]
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
