@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from chatd.engine.heap import keep_freed_memory
-
 CHILD = r"""
 import json, resource, threading, torch
 from chatd.engine.heap import keep_freed_memory
@@ -59,7 +57,3 @@ def test_a_freed_step_buffer_is_reused_without_faulting_it_in_again():
     # glibc's own thresholds: part of every step's memory is new (3073 pages of 21504, glibc 2.36)
     assert result["default"] > PAGES_PER_STEP / 10
     assert result["with"] < PAGES_PER_STEP / 1000  # kept: a step writes memory it already has
-
-
-def test_it_is_set_once_per_process():
-    assert keep_freed_memory() is keep_freed_memory()
