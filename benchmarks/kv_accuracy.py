@@ -1,10 +1,10 @@
-"""How much an fp8 KV cache changes what a model says: greedy tokens and their log-probabilities
-with the cache in fp8 against the cache in the model's own dtype.
+"""How much a narrower KV cache changes what a model says: greedy tokens and their log-probabilities
+with the cache in a 16-bit float or fp8 against the cache in the model's own dtype.
 
 For 16 fixed prompts (chat-templated when the model has a template) it runs chatd's offline
 engine (`chatd.engine.LLM`, the real scheduler, runner and attention backend) once per
-`cache.kv_cache_dtype`: "auto" (the reference), "fp8_e4m3" and "fp8_e5m2", greedy, EOS ignored so
-every answer has --max-tokens tokens. Per fp8 dtype it prints:
+`cache.kv_cache_dtype`: "auto" (the reference) and each of --settings (default bfloat16, float16,
+fp8_e4m3, fp8_e5m2), greedy, EOS ignored so every answer has --max-tokens tokens. Per setting it prints:
 
 - agreement before divergence: the share of all generated positions that come before a prompt's
   first token that differs from the reference (once one token differs, the contexts differ);
@@ -15,6 +15,7 @@ every answer has --max-tokens tokens. Per fp8 dtype it prints:
 
     python benchmarks/kv_accuracy.py                       # SmolLM2-135M-Instruct if installed, else the demo model
     python benchmarks/kv_accuracy.py --model PATH --device cuda --max-tokens 64
+    python benchmarks/kv_accuracy.py --quantization gguf --settings float16,bfloat16   # SmolLM2's Q4_1 blocks kept
 
 The model's KV scales are 1.0 (chatd reads no calibrated scales), as in serving.
 """
@@ -51,7 +52,7 @@ PROMPTS = [
     "Tell me a story about a robot who learns to paint.",
     "What should I pack for a three-day hiking trip?",
 ]
-FP8_SETTINGS = ("fp8_e4m3", "fp8_e5m2")
+SETTINGS = ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Answer:
 
 @dataclass
 class Agreement:
-    """One fp8 run against the reference."""
+    """One run against the reference."""
 
     before_divergence: float  # share of positions before each prompt's first differing token
     overall: float  # share of positions with the reference's token
@@ -76,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", help="model folder or GGUF file (default: SmolLM2-135M-Instruct if installed, else the demo model)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     parser.add_argument("--dtype", default="auto", help="the model's dtype (default: chatd's choice for the device)")
+    parser.add_argument("--quantization", default="none", help="model.quantization (default none)")
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help=f"comma-separated cache.kv_cache_dtype values against auto (default {','.join(SETTINGS)})")
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     parser.add_argument("--max-model-len", type=int, default=1024, help="context, keeps the KV pool small (default 1024)")
     return parser.parse_args(argv)
@@ -102,7 +106,7 @@ def prompt_ids(llm: LLM) -> list[list[int]] | list[str]:
 def generate(path: str, args: argparse.Namespace, kv_cache_dtype: str) -> tuple[list[Answer], str]:
     """Greedy answers with the KV cache in `kv_cache_dtype`, and a line describing the run."""
     llm = LLM(path, device=args.device, dtype=args.dtype, kv_cache_dtype=kv_cache_dtype,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len, quantization=args.quantization)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
     started = time.perf_counter()
     outputs = llm.generate(prompt_ids(llm), params)
@@ -137,11 +141,12 @@ def compare(reference: list[Answer], answers: list[Answer]) -> Agreement:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     path = model_path(args.model)
-    print(f"model {path}, device {args.device}, {len(PROMPTS)} prompts x {args.max_tokens} greedy tokens (EOS ignored)")
+    print(f"model {path}, device {args.device}, quantization {args.quantization}, "
+          f"{len(PROMPTS)} prompts x {args.max_tokens} greedy tokens (EOS ignored)")
     reference, about = generate(path, args, "auto")
     print(about)
     rows = []
-    for setting in FP8_SETTINGS:
+    for setting in args.settings.split(","):
         answers, about = generate(path, args, setting)
         print(about)
         rows.append((setting, compare(reference, answers)))

@@ -16,6 +16,11 @@ with chatd's engine and measures:
 
     python benchmarks/quant_quality.py                        # SmolLM2-135M (the default model), CPU
     python benchmarks/quant_quality.py --model PATH --modes none,int8,int4 --json q.json
+    python benchmarks/quant_quality.py --modes gguf --kv-cache-dtypes auto,float16,bfloat16   # the KV cache's dtype
+
+Each mode runs once per `--kv-cache-dtypes` setting (default auto: the model's float32); the first
+pair is the reference for agreement and speed. A perplexity window is one prefill with no earlier
+context, whose keys and values are rounded as the cache stores them, so it measures the cache's dtype too.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model folder or GGUF file (default: SmolLM2-135M if installed, else the demo model)")
     parser.add_argument("--modes", help="comma-separated model.quantization values (default: none,int8,int4 and gguf for a GGUF)")
+    parser.add_argument("--kv-cache-dtypes", default="auto",
+                        help="comma-separated cache.kv_cache_dtype values, each run with every mode (default auto)")
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     parser.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     parser.add_argument("--json", help="write the results here")
@@ -108,25 +115,28 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or default_model_path() or ensure_demo_model()
     is_gguf = str(model).lower().endswith(".gguf")
     modes = args.modes.split(",") if args.modes else ["none", "int8", "int4"] + (["gguf"] if is_gguf else [])
-    print(f"model {Path(model).name}, CPU, {torch.get_num_threads()} threads, modes {', '.join(modes)}")
+    kv_dtypes = args.kv_cache_dtypes.split(",")
+    print(f"model {Path(model).name}, CPU, {torch.get_num_threads()} threads, modes {', '.join(modes)}, "
+          f"KV caches {', '.join(kv_dtypes)}")
     results, reference = [], None
-    for mode in modes:
-        with LLM(str(model), device="cpu", dtype="float32", max_model_len=1024, num_blocks=256, quantization=mode) as llm:
+    for mode, kv_dtype in ((mode, kv_dtype) for mode in modes for kv_dtype in kv_dtypes):
+        with LLM(str(model), device="cpu", dtype="float32", max_model_len=1024, num_blocks=256, quantization=mode,
+                 kv_cache_dtype=kv_dtype) as llm:
             ppl, num_tokens, prefill_ms = perplexity(llm, args.window)
             prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
             outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
             tokens = [list(o.outputs[0].token_ids) for o in outputs]
             step_ms = decode_step_ms(llm)
         reference = reference or tokens
-        result = {"mode": mode, "perplexity": ppl, "text_tokens": num_tokens, "agreement": agreement(reference, tokens),
+        result = {"mode": mode, "kv_cache_dtype": kv_dtype, "perplexity": ppl, "text_tokens": num_tokens, "agreement": agreement(reference, tokens),
                   "first_token": sum(r[0] == t[0] for r, t in zip(reference, tokens)) / len(tokens),
                   "decode_step_ms": step_ms, "prefill_ms": prefill_ms, "sample": outputs[0].outputs[0].text[:60]}
         results.append(result)
     base = results[0]["decode_step_ms"]
-    print(f"\n{'mode':<6} {'perplexity':>10} {'agreement':>10} {'first token':>12} {'decode step':>12} {'vs ' + modes[0]:>8}"
-          f" {'prefill ' + str(args.window):>12}")
+    print(f"\n{'mode':<6} {'KV cache':<9} {'perplexity':>10} {'agreement':>10} {'first token':>12} {'decode step':>12} "
+          f"{'vs first':>8} {'prefill ' + str(args.window):>12}")
     for r in results:
-        print(f"{r['mode']:<6} {r['perplexity']:10.3f} {r['agreement']:10.1%} {r['first_token']:12.1%} "
+        print(f"{r['mode']:<6} {r['kv_cache_dtype']:<9} {r['perplexity']:10.3f} {r['agreement']:10.1%} {r['first_token']:12.1%} "
               f"{r['decode_step_ms']:9.2f} ms {r['decode_step_ms'] / base:7.2f}x {r['prefill_ms']:9.0f} ms   {r['sample']!r}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": str(model), "results": results}, indent=2))

@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the context window, prompt and reply, in tokens (default: the model's own)")
     serve.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default auto: float32 on CPU, bfloat16 on CUDA)")
     serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-                       help="how the KV cache stores values (default auto: the model's dtype; fp8 halves bf16's bytes)")
+                       help="how the KV cache stores values (default auto: the model's dtype, float16 beside quantized "
+                            "weights on a CPU; fp8 halves 16-bit bytes)")
     serve.add_argument("--host-kv-cache-gb", type=_non_negative_float, metavar="GIB",
                        help="host RAM for KV blocks evicted from the device pool, copied back on reuse (default 0: off)")
     serve.add_argument("--tool-call-parser", choices=TOOL_PARSERS,

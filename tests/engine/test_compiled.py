@@ -85,10 +85,11 @@ def test_compiled_decode_gives_the_eager_tokens_and_never_compiles_after_start(m
 
 
 @needs_cpp_compiler
-def test_compiled_decode_over_an_fp8_cache_gives_the_eager_tokens(model_dirs, compile_on):
-    with make_llm(model_dirs["llama"], compile=False, kv_cache_dtype="fp8_e4m3") as eager_llm:
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "float16"])
+def test_compiled_decode_over_a_narrow_cache_gives_the_eager_tokens(model_dirs, compile_on, kv_cache_dtype):
+    with make_llm(model_dirs["llama"], compile=False, kv_cache_dtype=kv_cache_dtype) as eager_llm:
         want = generate(eager_llm)
-    with make_llm(model_dirs["llama"], kv_cache_dtype="fp8_e4m3") as llm:
+    with make_llm(model_dirs["llama"], kv_cache_dtype=kv_cache_dtype) as llm:
         assert llm.engine.runner.compiled is not None
         got = generate(llm)
     assert [list(g.token_ids) for g in got] == [list(w.token_ids) for w in want]

@@ -54,7 +54,7 @@ class DecodeAttention(AttentionBackend):
     """Attention of one new token per row over its paged context; `meta` is a DecodeContext."""
 
     name = "decode"
-    reads_fp8_kv = True
+    converts_kv = True
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: DecodeContext,
                scale: float) -> torch.Tensor:

@@ -50,7 +50,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
-    reads_fp8_kv = True
+    converts_kv = True
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:

@@ -5,9 +5,10 @@ Decodes run in groups of similar context length, one call per group: their conte
 gathered (padded to the group's longest, masked past each row's end) and each KV head's query
 heads are treated as a short query, so grouped-query attention copies no K/V. Prefill chunks
 run one call per sequence; a chunk with no earlier context attends to its own new K/V without
-touching the cache. An fp8 cache is widened and scaled after the gather, only the slots read; a
-chunk with no earlier context then rounds its new K/V as the cache stores them, so its output
-does not depend on whether it was computed or found in the prefix cache.
+touching the cache. A cache in another dtype than the queries' (fp8, float16 under float32) is
+widened (and scaled) after the gather, only the slots read; a chunk with no earlier context then
+rounds its new K/V as the cache stores them, so its output does not depend on whether it was
+computed or found in the prefix cache.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from chatd.engine.attention.common import (
     AttentionMetadata,
     KVCache,
     dequantize_kv,
-    is_fp8,
     quantize_kv,
     to_device,
 )
@@ -67,7 +67,7 @@ class SdpaBackend(AttentionBackend):
     """Portable reference: gathers pages and calls torch's scaled_dot_product_attention."""
 
     name = "sdpa"
-    reads_fp8_kv = True
+    converts_kv = True
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
@@ -99,7 +99,7 @@ class SdpaBackend(AttentionBackend):
             seq_q = q[start:end].transpose(0, 1)[None]
             if q_len == seq_len:  # no earlier context: the new K/V are the whole context
                 keys, values = k[start:end], v[start:end]
-                if is_fp8(k_cache.dtype):  # what the cache holds, as a later chunk would read it
+                if k_cache.dtype != q.dtype:  # what the cache holds, as a later chunk would read it
                     keys = dequantize_kv(quantize_kv(keys, k_cache.dtype, self.k_scale), q.dtype, self.k_scale)
                     values = dequantize_kv(quantize_kv(values, v_cache.dtype, self.v_scale), q.dtype, self.v_scale)
                 keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]

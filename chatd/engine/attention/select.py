@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chatd.engine.attention.common import AttentionBackend, build_step, is_fp8, quantize_kv
+from chatd.engine.attention.common import AttentionBackend, build_step, quantize_kv
 from chatd.engine.attention.gpu import FlashAttnBackend, TorchVarlenBackend, TritonBackend
 from chatd.engine.attention.sdpa import SdpaBackend
 
@@ -51,7 +51,7 @@ def select_backend(name: str, device: torch.device, shape: AttentionShape) -> At
     for candidate in AUTO_ORDER if name == "auto" else (name,):
         backend_class = BACKENDS[candidate]
         reason = backend_class.unavailable_reason(device)
-        if reason is None and is_fp8(shape.cache_dtype) and not backend_class.reads_fp8_kv:
+        if reason is None and shape.cache_dtype != shape.dtype and not backend_class.converts_kv:
             reason = f"it reads no {str(shape.cache_dtype).removeprefix('torch.')} KV cache (cache.kv_cache_dtype)"
         backend = backend_class()
         if reason is None and candidate != "sdpa" and device.type == "cuda":

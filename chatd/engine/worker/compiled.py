@@ -41,6 +41,7 @@ import hashlib
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,6 +54,10 @@ from chatd.engine.attention.decode import DecodeAttention, DecodeContext
 from chatd.engine.models.matvec import ROWS_AS_REDUCTIONS
 
 log = logging.getLogger("chatd.engine")
+# Inductor says so for every fused loop that reads a float16 KV cache beside the bfloat16 results of
+# quantized layers (the default cache beside quantized weights): each is widened to float32 first,
+# so nothing is lost, and the warning would only fill the startup log.
+warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node", category=UserWarning)
 
 
 def unavailable_reason(model: nn.Module, device: torch.device) -> str | None:

@@ -141,7 +141,8 @@ def build_runner(config: Config, checkpoint: Checkpoint, tp: TPGroup, device: to
     if device.type == "cpu":  # from now on a step's freed buffers are kept for the next step
         keep_freed_memory()
     context = context_length(hf_config, config.model)
-    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
+    quantized_on_cpu = device.type == "cpu" and set(model.quantized_layers()) != {"float"}
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, quantized_on_cpu)
     heads = hf_config.num_attention_heads // tp.size
     shape = AttentionShape(heads, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype, kv_dtype)
     backend = select_backend(config.model.attention_backend, device, shape)

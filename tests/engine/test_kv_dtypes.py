@@ -1,6 +1,7 @@
-"""The fp8 KV cache (`cache.kv_cache_dtype`): what a write stores and a read gives back, attention
-over it next to attention over a float32 cache, and generation with it.
+"""Narrow KV caches (`cache.kv_cache_dtype`: bfloat16, float16, fp8): what a write stores and a
+read gives back, attention over them next to attention over a float32 cache, and generation.
 
+bfloat16 keeps 8 significant bits and float16 11 (within its range, which a write saturates at);
 fp8 keeps 3 mantissa bits (e4m3) or 2 (e5m2), so one stored value is off by at most 2^-4 or 2^-3
 of itself; attention averages many of them, so its outputs move much less. On CPU the triton
 kernels run in triton's interpreter, which reads fp8 exactly but converts float32 -> fp8 wrongly
@@ -30,6 +31,8 @@ from tests.engine.test_attention import MIXED, make_problem
 CPU = torch.device("cpu")
 # setting -> (dtype, the largest relative error one stored value may have: half its mantissa step)
 FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 2**-4), "fp8_e5m2": (torch.float8_e5m2, 2**-3)}
+SIXTEEN_BIT = {"bfloat16": (torch.bfloat16, 2**-8), "float16": (torch.float16, 2**-11)}
+NARROW = FP8 | SIXTEEN_BIT
 
 
 def write(backend, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype, block_size: int = 4):
@@ -52,13 +55,16 @@ def test_kv_cache_dtype_setting_names_the_dtype():
     assert resolve_kv_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert resolve_kv_dtype("fp8_e4m3", torch.bfloat16) == torch.float8_e4m3fn
     assert resolve_kv_dtype("fp8_e5m2", torch.float32) == torch.float8_e5m2
+    assert resolve_kv_dtype("float16", torch.float32) == torch.float16
+    assert resolve_kv_dtype("bfloat16", torch.float32) == torch.bfloat16
 
 
-@pytest.mark.parametrize("setting", FP8)
+@pytest.mark.parametrize("setting", NARROW)
 @pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.125, 3.0)])
 def test_write_then_read_is_within_the_formats_precision(setting, k_scale, v_scale):
-    """Magnitudes over e4m3's normal range (2^-5 .. 2^8, times the scale) come back within half a mantissa step."""
-    dtype, precision = FP8[setting]
+    """Magnitudes over e4m3's normal range (2^-5 .. 2^8, times the scale) come back within half a
+    mantissa step (a 16-bit cache has no scales: the values are stored as they are)."""
+    dtype, precision = NARROW[setting]
     generator = torch.Generator().manual_seed(0)
 
     def values(scale: float) -> torch.Tensor:
@@ -85,6 +91,14 @@ def test_write_saturates_at_the_formats_largest_value(setting):
     assert read(v_cache, slots, 1.0)[:, 0, 0].tolist() == [largest, -largest, largest, 0.0]
 
 
+def test_float16_write_saturates_at_its_largest_value():
+    """A key past float16's range (65504) is stored as its largest finite value, never inf: one inf
+    key would make its row's attention NaN."""
+    k = torch.tensor([1e9, -1e9, 70000.0, 1.5]).view(4, 1, 1).expand(4, 1, 8).contiguous()
+    (k_cache, _), slots = write(SdpaBackend(), k, k.clone(), torch.float16)
+    assert read(k_cache, slots, 1.0)[:, 0, 0].tolist() == [65504.0, -65504.0, 65504.0, 1.5]
+
+
 def run_sdpa(problem, cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> torch.Tensor:
     """sdpa's output for `problem` with its cached prefixes and new K/V in a cache of `cache_dtype`."""
     backend = SdpaBackend(k_scale, v_scale)
@@ -95,15 +109,17 @@ def run_sdpa(problem, cache_dtype: torch.dtype, k_scale: float, v_scale: float) 
 
 
 # Largest output error against a float32 cache, max and mean over every output value, on unit
-# normal K/V: measured 0.11 / 0.0083 (e4m3) and 0.26 / 0.017 (e5m2) over five seeds.
-SDPA_TOLERANCE = {"fp8_e4m3": (0.2, 0.015), "fp8_e5m2": (0.4, 0.03)}
+# normal K/V: measured 0.11 / 0.0083 (e4m3), 0.26 / 0.017 (e5m2), 0.0083 / 0.00051 (bfloat16) and
+# 0.00096 / 0.000064 (float16) over five seeds.
+SDPA_TOLERANCE = {"fp8_e4m3": (0.2, 0.015), "fp8_e5m2": (0.4, 0.03), "bfloat16": (0.02, 0.001), "float16": (0.002, 0.00015)}
 
 
-@pytest.mark.parametrize("setting", FP8)
+@pytest.mark.parametrize("setting", NARROW)
 @pytest.mark.parametrize("kv_scale", [1.0, 0.25])
-def test_sdpa_over_fp8_cache_is_close_to_float32_cache(setting, kv_scale):
-    """Decodes, chunks over a cached prefix and whole prompts, 4 query heads per kv head."""
-    dtype, _ = FP8[setting]
+def test_sdpa_over_narrow_cache_is_close_to_float32_cache(setting, kv_scale):
+    """Decodes, chunks over a cached prefix and whole prompts (whose new K/V are rounded as the
+    cache holds them), 4 query heads per kv head."""
+    dtype, _ = NARROW[setting]
     problem = make_problem(**MIXED, heads=8, kv_heads=2, head_dim=32, block_size=8, dtype=torch.float32, device=CPU)
     want = run_sdpa(problem, torch.float32, 1.0, 1.0)
     got = run_sdpa(problem, dtype, kv_scale, kv_scale)
@@ -212,13 +228,14 @@ def greedy(path, kv_cache_dtype: str) -> list[tuple[list[int], list[float]]]:
     return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in llm.generate(prompts, params)]
 
 
-# Measured on this model: 87% (e4m3) and 60% (e5m2) of tokens agree; mean |logprob difference|
-# before a sequence's first divergence 0.008 and 0.014.
-GENERATION_FLOOR = {"fp8_e4m3": (0.75, 0.02), "fp8_e5m2": (0.45, 0.04)}
+# Measured on this model: 87% (e4m3), 60% (e5m2), 100% (bfloat16, float16) of tokens agree; mean
+# |logprob difference| before a sequence's first divergence 0.008, 0.014, 0.00043 and 0.00007.
+GENERATION_FLOOR = {"fp8_e4m3": (0.75, 0.02), "fp8_e5m2": (0.45, 0.04), "bfloat16": (0.95, 0.002),
+                    "float16": (0.95, 0.0005)}
 
 
-@pytest.mark.parametrize("setting", FP8)
-def test_greedy_generation_with_fp8_cache_mostly_agrees_with_float32(calm_model, float32_greedy, setting):
+@pytest.mark.parametrize("setting", NARROW)
+def test_greedy_generation_with_a_narrow_cache_mostly_agrees_with_float32(calm_model, float32_greedy, setting):
     reference, quantized = float32_greedy, greedy(calm_model, setting)
     num_same = num_tokens = 0
     logprob_differences = []
@@ -232,12 +249,24 @@ def test_greedy_generation_with_fp8_cache_mostly_agrees_with_float32(calm_model,
     assert sum(logprob_differences) / len(logprob_differences) < max_logprob_difference
 
 
-def test_fp8_pool_holds_four_times_the_blocks_of_float32(calm_model):
-    """The pool is sized by bytes: one byte a value instead of four."""
+def test_pool_holds_the_blocks_its_bytes_allow(calm_model):
+    """The pool is sized by bytes: two bytes a value hold twice float32's blocks, one byte four times."""
     sizes = {}
-    for setting in ("auto", "fp8_e4m3"):
+    for setting, dtype in (("auto", torch.float32), ("float16", torch.float16), ("fp8_e4m3", torch.float8_e4m3fn)):
         llm = make_llm(calm_model, kv_cache_dtype=setting, num_blocks=0, cpu_kv_cache_gb=2**-9, max_model_len=256)
         runner = llm.engine.runner
         sizes[setting] = runner.num_blocks
-        assert runner.kv_caches[0][0].dtype == (torch.float32 if setting == "auto" else torch.float8_e4m3fn)
-    assert sizes["fp8_e4m3"] == 4 * sizes["auto"] > 0
+        assert runner.kv_caches[0][0].dtype == dtype
+    assert sizes["fp8_e4m3"] == 2 * sizes["float16"] == 4 * sizes["auto"] > 0
+
+
+@pytest.mark.parametrize("quantization, setting, dtype", [
+    ("none", "auto", torch.float32),  # a float32 model's numbers stay exact
+    ("int4", "auto", torch.float16),  # beside quantized weights: float16, as llama.cpp's default cache
+    ("int8", "auto", torch.float16),
+    ("int4", "bfloat16", torch.bfloat16),  # a setting is taken as given
+])
+def test_auto_cache_is_float16_beside_quantized_weights_on_a_cpu(calm_model, quantization, setting, dtype):
+    llm = make_llm(calm_model, quantization=quantization, kv_cache_dtype=setting)
+    assert llm.engine.runner.kv_caches[0][0].dtype == dtype
+    assert llm.engine.model_info().details()["kv_cache_dtype"] == str(dtype).removeprefix("torch.")
