@@ -67,7 +67,7 @@ class ModelConfig:
                              f"got {self.max_model_len}")
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 PREFIX_CACHE_SCOPES = ("tenant", "global")
 
 

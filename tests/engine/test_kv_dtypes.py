@@ -265,6 +265,7 @@ def test_pool_holds_the_blocks_its_bytes_allow(calm_model):
     ("int4", "auto", torch.float16),  # beside quantized weights: float16, as llama.cpp's default cache
     ("int8", "auto", torch.float16),
     ("int4", "bfloat16", torch.bfloat16),  # a setting is taken as given
+    ("int4", "float32", torch.float32),
 ])
 def test_auto_cache_is_float16_beside_quantized_weights_on_a_cpu(calm_model, quantization, setting, dtype):
     llm = make_llm(calm_model, quantization=quantization, kv_cache_dtype=setting)

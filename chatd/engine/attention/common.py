@@ -23,7 +23,7 @@ from chatd.engine.worker.ragged import pad_ragged
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block_size, kv_heads, head_dim]
 
-KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
              "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
