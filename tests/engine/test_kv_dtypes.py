@@ -188,6 +188,17 @@ def test_triton_store_scales_and_saturates_as_torch_does(setting):
     assert torch.equal(triton_k, torch_k) and torch.equal(triton_v, torch_v)
 
 
+def test_triton_store_saturates_float16_as_torch_does():
+    """Past 65504 a float16 cache holds its largest value, not inf; the scales, fp8's, are not applied."""
+    pytest.importorskip("triton")
+    generator = torch.Generator().manual_seed(1)
+    k, v = torch.randn(21, 2, 16, generator=generator) * 30, torch.randn(21, 2, 16, generator=generator)
+    k[0, 0, :4] = torch.tensor([1e9, -1e9, 7e4, -7e4])
+    (triton_k, triton_v), (torch_k, torch_v) = store_with_triton_and_torch(torch.float16, k, v, 0.5, 4.0)
+    assert torch.equal(triton_k, torch_k) and torch.equal(triton_v, torch_v)
+    assert torch_k.view(torch.float16).isfinite().all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting", FP8)
 def test_triton_store_rounds_as_torch_does_on_gpu(setting):

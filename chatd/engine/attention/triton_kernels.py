@@ -45,7 +45,7 @@ def _store_kv_kernel(
     stride_cb, stride_cs, stride_ch,  # caches: [num_blocks, block_size, kv_heads, head_dim]
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    FP8_MAX: tl.constexpr,  # an fp8 cache's largest finite value; 0 for a cache in the model's dtype
+    SATURATE_AT: tl.constexpr,  # an fp8 or float16 cache's largest finite value; 0 for another cache
 ):
     """One program per new token: its keys and values for every kv head, to the token's slot."""
     token = tl.program_id(0).to(tl.int64)
@@ -59,9 +59,9 @@ def _store_kv_kernel(
     cache_at = page * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
     new_k = tl.load(k + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     new_v = tl.load(v + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    if FP8_MAX > 0:  # scaled, and saturated: fp8 must hold a too-large value as its largest, not inf or NaN
-        new_k = tl.clamp(new_k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
-        new_v = tl.clamp(new_v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+    if SATURATE_AT > 0:  # scaled (fp8; 1.0 for float16), and saturated: a too-large value is stored as the largest, not inf or NaN
+        new_k = tl.clamp(new_k.to(tl.float32) / k_scale, -SATURATE_AT, SATURATE_AT)
+        new_v = tl.clamp(new_v.to(tl.float32) / v_scale, -SATURATE_AT, SATURATE_AT)
     tl.store(k_cache + cache_at, new_k.to(k_cache.dtype.element_ty), mask=mask)
     tl.store(v_cache + cache_at, new_v.to(v_cache.dtype.element_ty), mask=mask)
 
@@ -73,20 +73,23 @@ def store_kv(
     """Write this step's keys and values ([T, kv_heads, head_dim], views allowed) into their slots, one launch.
 
     slot_mapping: [T] int64; a negative slot is a padding token (CUDA-graph batches) and writes nothing.
-    An fp8 cache gets clamp(k / k_scale) and clamp(v / v_scale), saturated at the format's largest value.
+    An fp8 cache gets clamp(k / k_scale) and clamp(v / v_scale), saturated at the format's largest value;
+    a float16 cache gets k and v saturated at 65504 (unscaled, as `quantize_kv` stores them).
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "the head_dim of new K/V must be contiguous"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
     if num_tokens == 0:
         return
-    fp8_max = torch.finfo(k_cache.dtype).max if k_cache.dtype in FP8_DTYPES else 0.0
+    saturate_at = torch.finfo(k_cache.dtype).max if k_cache.dtype in (*FP8_DTYPES, torch.float16) else 0.0
+    if k_cache.dtype not in FP8_DTYPES:  # only fp8 is stored scaled
+        k_scale = v_scale = 1.0
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), FP8_MAX=fp8_max,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), SATURATE_AT=saturate_at,
     )  # fmt: skip
 
 
