@@ -42,7 +42,7 @@ API_KEY_ENV = "CHATD_API_KEY"
 
 def _load_engine(args: argparse.Namespace, one_reply: bool = False) -> LLMEngine:
     """The LLMEngine for `generate` and `chat`: the config file, with --model and --device over it.
-    For one reply, decode steps are not compiled: compiling (seconds to a minute) would not repay."""
+    For one reply, steps are not compiled: compiling (seconds to a minute) would not repay."""
     from chatd.engine import LLMEngine
 
     overrides = {"model": {"path": args.model}} if args.model else {}
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--attention-backend", help="auto | flash-attn | torch-varlen | triton | sdpa")
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graphs)")
     serve.add_argument("--no-compile", action="store_true",
-                       help="on CPU, run decode steps eagerly (no torch.compile at start)")
+                       help="on CPU, run every step eagerly (no torch.compile at start)")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="the model ids requests may name; the first is the one replies show (default: the model "
                             "folder's name)")

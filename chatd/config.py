@@ -35,7 +35,7 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto | flash-attn | torch-varlen | triton | sdpa
     cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (CUDA only)
     cuda_graph_max_batch: int = 256  # largest decode batch captured; larger ones run eagerly
-    compile: bool = True  # on CPU, run decode-only steps through torch.compile (compiled at start)
+    compile: bool = True  # on CPU, run decode-only and large prefill steps through torch.compile (compiled at start)
     seed: int = 0  # seeds requests that bring no seed of their own
     # false: message content is tokenized as plain text, so a `<|im_end|>` typed by a user stays
     # text; true: the rendered template is tokenized as a whole (content can forge turns).

@@ -52,6 +52,7 @@ class ModelInfo:
     tensor_parallel_size: int = 1  # ranks the model is split over
     quantization: str = "none"  # model.quantization: how the weights are stored and computed
     compiled_decode: bool = False  # decode steps run through torch.compile (CPU; worker/compiled.py)
+    compiled_prefill_tokens: int = 0  # steps of this many tokens or more do too (worker/compiled_prefill.py); 0: none
 
     @property
     def name(self) -> str:
@@ -67,6 +68,7 @@ class ModelInfo:
             "attention_backend": self.attention_backend,
             "cuda_graph_max_batch": self.cuda_graph_max_batch,
             "compiled_decode": self.compiled_decode,
+            "compiled_prefill_tokens": self.compiled_prefill_tokens,
             "num_kv_blocks": self.num_kv_blocks,
             "block_size": self.block_size,
             "kv_cache_dtype": self.kv_cache_dtype,
@@ -455,6 +457,7 @@ class LLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             quantization=getattr(getattr(runner, "model", None), "quantization", "none"),
             compiled_decode=getattr(runner, "compiled", None) is not None,
+            compiled_prefill_tokens=getattr(getattr(runner, "compiled_prefill", None), "min_tokens", 0),
         )
 
     def live_sequences(self) -> list[Sequence]:

@@ -1,10 +1,11 @@
-"""Compiled decode steps (worker/compiled.py): the same tokens as eager steps, no compile after start.
+"""Compiled decode steps (worker/compiled.py) and prefill steps (compiled_prefill.py): the same
+tokens as eager steps, no compile after start.
 
 The suite runs with torch.compile off (tests/conftest.py); these tests turn it on. Decode-only
 attention (attention/decode.py) is checked against the sdpa backend on its own, eagerly; the
 compiled engine is checked against the eager engine on the same weights, over a generation whose
 decode batch shrinks from five sequences to one (every graph: batches 1 to 4 and the dynamic one)
-with contexts that cross block boundaries.
+with contexts that cross block boundaries, and whose first step (220 tokens) is a compiled prefill.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import pytest
 import torch
 
 from chatd.engine import SamplingParams
-from chatd.engine.attention import SdpaBackend, quantize_kv
+from chatd.engine.attention import SdpaBackend, build_step, quantize_kv
 from chatd.engine.attention.decode import DecodeAttention, DecodeContext
+from chatd.engine.models.quant import Int8Linear
 from chatd.engine.worker.compiled import DYNAMIC_BATCH, CompiledDecode, compile_count
+from chatd.engine.worker.compiled_prefill import PREFILL_TOKENS, CompiledPrefill
 from tests.engine.conftest import make_llm
 from tests.engine.test_attention import make_problem
 
@@ -123,6 +126,57 @@ def test_compiled_quantized_decode_stays_close_to_eager(model_dirs, q8_gguf, qua
     assert compared >= len(PROMPTS) + 10
 
 
+LONG_PROMPTS = [[9 + i, 60, 61, 62, 63] * (40 + 13 * i) for i in range(3)]  # 200, 265 and 330 tokens
+
+
+@needs_cpp_compiler
+def test_compiled_prefill_alone_and_beside_decode_rows_gives_the_eager_tokens(model_dirs, compile_on):
+    """Steps of PREFILL_TOKENS or more run each layer's halves compiled: chunks of prompts alone, and
+    chunks beside other sequences' decode rows (a budget of 256 tokens makes both). Tokens and
+    logprobs are the eager engine's, and nothing compiles after start."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (12, 8, 5)]
+    with make_llm(model_dirs["llama"], compile=False, max_num_batched_tokens=256) as eager_llm:
+        want = [out.outputs[0] for out in eager_llm.generate(LONG_PROMPTS, params)]
+    with make_llm(model_dirs["llama"], max_num_batched_tokens=256) as llm:
+        prefill, steps = llm.engine.runner.compiled_prefill, []
+        hidden = prefill.hidden
+
+        def counted(step, *args):
+            steps.append((len(step.input_ids), step.meta.num_decodes))
+            return hidden(step, *args)
+
+        prefill.hidden = counted
+        before = compile_count()
+        got = [out.outputs[0] for out in llm.generate(LONG_PROMPTS, params)]
+        assert compile_count() == before, "a step compiled after start"
+    assert all(tokens >= PREFILL_TOKENS for tokens, _ in steps)
+    assert any(decodes == 0 for _, decodes in steps) and any(decodes > 0 for _, decodes in steps)
+    for g, w in zip(got, want, strict=True):
+        assert list(g.token_ids) == list(w.token_ids)
+        for g_lp, w_lp in zip(g.logprobs, w.logprobs):
+            assert abs(g_lp.logprob - w_lp.logprob) < 1e-4
+
+
+@needs_cpp_compiler
+def test_a_layer_of_another_structure_gets_its_own_compiled_halves(model_dirs, compile_on):
+    """A GGUF file may mix quant types across layers. A layer whose modules differ is compiled apart
+    and computes with its own weights: the step stays within bfloat16's rounding of the eager forward."""
+    with make_llm(model_dirs["llama"], quantization="int4", compile=False) as llm:
+        runner = llm.engine.runner
+        model = runner.model
+        down = model.layers[1].mlp.down_proj
+        down.quantized = Int8Linear.from_float(down.quantized.dequantized())
+        prefill = CompiledPrefill(model)
+        prefill.warm_up()
+        assert len(prefill.halves) == 2 and prefill.keys[0] != prefill.keys[1]
+        prompt = [3 + i % 50 for i in range(250)]
+        step = build_step(prompt, [0], [len(prompt)], [list(range(32))], runner.block_size, runner.device)
+        with torch.inference_mode():
+            want = model(step.input_ids, step.positions, runner.kv_caches, step.meta, runner.backend)
+            got = prefill.hidden(step, runner.kv_caches, runner.backend)
+    assert ((got - want).norm() / want.norm()).item() < 0.02
+
+
 @needs_cpp_compiler
 def test_a_later_start_reads_the_compiled_steps_back(model_dirs, tmp_path, monkeypatch, compile_on):
     """Compiled steps are saved under CHATD_HOME; a later start of the same model reads them back
@@ -131,15 +185,20 @@ def test_a_later_start_reads_the_compiled_steps_back(model_dirs, tmp_path, monke
     with make_llm(model_dirs["llama"]) as llm:
         assert llm.engine.runner.compiled.read_back == 0
         first = generate(llm)
-    saved = sorted((tmp_path / "compiled" / "decode").glob("decode-*.bin"))
+    saved = sorted((tmp_path / "compiled" / "steps").glob("decode-*.bin"))
     assert len(saved) == DYNAMIC_BATCH  # batches 1 to 4, and the one for larger batches
-    saved[2].write_bytes(saved[2].read_bytes()[:1000])  # cut short, as by a full disk
+    halves = sorted((tmp_path / "compiled" / "steps").glob("prefill-*.bin"))
+    assert len(halves) == 2  # before and after attention, for the demo's one layer structure
+    for cut in (saved[2], halves[1]):
+        cut.write_bytes(cut.read_bytes()[:1000])  # cut short, as by a full disk
     with make_llm(model_dirs["llama"]) as llm:
         assert llm.engine.runner.compiled.read_back == DYNAMIC_BATCH - 1
+        assert llm.engine.runner.compiled_prefill.read_back == 1
         again = generate(llm)
     assert [list(g.token_ids) for g in again] == [list(f.token_ids) for f in first]
-    with make_llm(model_dirs["llama"]) as llm:  # the file compiled again was saved again
+    with make_llm(model_dirs["llama"]) as llm:  # the files compiled again were saved again
         assert llm.engine.runner.compiled.read_back == DYNAMIC_BATCH
+        assert llm.engine.runner.compiled_prefill.read_back == 2
 
 
 def test_compiled_steps_of_a_different_model_or_cache_are_kept_apart(model_dirs):

@@ -39,9 +39,10 @@ def test_two_tenants_batched_in_compiled_steps_get_what_each_gets_alone(tmp_path
     keys = {name: create_key(tmp_path / "config.toml", name) for name in ("alice", "bob")}
     proc, url, log = start_server(tmp_path, build_demo_model(tmp_path / "demo"), text, COMPILE_ON)
     try:
-        assert "compiled decode steps in" in log.read_text()
+        assert "compiled decode steps and prefill steps of 192 tokens or more in" in log.read_text()
         card = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {keys['alice']}"}).json()["data"][0]
         assert card["chatd"]["compiled_decode"] is True
+        assert card["chatd"]["compiled_prefill_tokens"] == 192
         prompts = {"alice": "Tell me about the sea.", "bob": "Name three colours, please, and why."}
         alone = {name: reply(url, keys[name], prompt) for name, prompt in prompts.items()}
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -59,9 +60,10 @@ def test_without_a_cpp_compiler_the_server_says_so_and_serves_eagerly(tmp_path):
     proc, url, log = start_server(tmp_path, build_demo_model(tmp_path / "demo"), text,
                                   {**COMPILE_ON, "CXX": str(tmp_path / "no-such-compiler")})
     try:
-        assert "compiling decode steps failed" in log.read_text()
+        assert "compiling decode and prefill steps failed" in log.read_text()
         assert reply(url, "unused", "Hello") != ""
         card = httpx.get(f"{url}/v1/models").json()["data"][0]
         assert card["chatd"]["compiled_decode"] is False
+        assert card["chatd"]["compiled_prefill_tokens"] == 0
     finally:
         stop_server(proc)

@@ -198,9 +198,8 @@ class VocabParallelEmbedding(nn.Embedding):
 class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache."""
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, head_dim: int, tp: TPGroup):
+    def __init__(self, config: PretrainedConfig, head_dim: int, tp: TPGroup):
         super().__init__()
-        self.layer_idx = layer_idx
         heads = HeadLayout.of(tp, config.num_attention_heads, config.num_key_value_heads)
         self.num_heads = heads.num_heads  # this rank's
         self.num_kv_heads = heads.num_kv_heads
@@ -225,6 +224,11 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend
     ) -> Tensor:
         # x: [tokens, hidden]
+        q, k, v = self.project(x, cos, sin)
+        return self.output(self.attend(q, k, v, kv_cache, meta, backend))
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The new tokens' queries [tokens, heads, head_dim], keys and values [tokens, kv_heads, head_dim], rope applied."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # qkv: [tokens, (heads + 2 * kv_heads) * head_dim]
         # split() returns views into qkv, not copies; k and v reach the backend non-contiguous.
@@ -234,10 +238,17 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+               backend: AttentionBackend) -> Tensor:
+        """The new K/V into the cache, then each query's attention over its context: [tokens, heads, head_dim]."""
         backend.write_kv(kv_cache, k, v, meta)
-        out = backend.attend(q, k, v, kv_cache, meta, self.scale)  # out: [tokens, heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))  # [tokens, hidden]
+        return backend.attend(q, k, v, kv_cache, meta, self.scale)
+
+    def output(self, attended: Tensor) -> Tensor:
+        """The output projection of attention's result: [tokens, hidden]."""
+        return self.o_proj(attended.reshape(attended.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -260,9 +271,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, head_dim: int, tp: TPGroup):
+    def __init__(self, config: PretrainedConfig, head_dim: int, tp: TPGroup):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, head_dim, tp)
+        self.self_attn = Attention(config, head_dim, tp)
         self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -270,7 +281,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
+        q, k, v = self.before_attention(x, cos, sin)
+        return self.after_attention(x, self.self_attn.attend(q, k, v, kv_cache, meta, backend))
+
+    # The layer in two halves around attention, which a compiled prefill (worker/compiled_prefill.py)
+    # compiles apart from the attention backend's own kernels between them.
+    def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The norm, then the new tokens' queries, keys and values (Attention.project)."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def after_attention(self, x: Tensor, attended: Tensor) -> Tensor:
+        """x plus the output projection of attention's result [tokens, heads, head_dim], then plus the MLP's."""
+        x = x + self.self_attn.output(attended)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -293,7 +315,7 @@ class LlamaForCausalLM(nn.Module):
         # Module names mirror Hugging Face's (minus the "model." prefix), so loading is a name lookup,
         # except for the fused projections, which FUSED_SHARDS maps.
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.head_dim, tp) for i in range(self.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, tp) for _ in range(self.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # A tied head reuses embed_tokens.weight at compute time rather than sharing a Parameter:
         # Module.to_empty() (used to load without a random init) silently unties shared Parameters.

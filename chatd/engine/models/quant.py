@@ -32,12 +32,12 @@ rules stays in floating point.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from chatd.engine.models.matvec import as_reductions, block_products, row_products, stored
 
@@ -140,9 +140,8 @@ class Int8Linear(nn.Module):
 
     @staticmethod
     def _dequantizes(x: Tensor) -> bool:
-        """Whether a per-row layer multiplies these rows as a dequantized bfloat16 matmul rather than the kernel.
-        Never inside torch.compile: a branch on its dynamic batch size would compile a graph per side."""
-        return NATIVE_BFLOAT16 and not torch.compiler.is_compiling() and x.shape[0] >= DEQUANTIZED_ROWS
+        """Whether a per-row layer multiplies these rows as a dequantized bfloat16 matmul rather than the kernel."""
+        return NATIVE_BFLOAT16 and has_rows(x, DEQUANTIZED_ROWS)
 
     @staticmethod
     def _dequantized_dtype(x: Tensor) -> torch.dtype:
@@ -210,9 +209,8 @@ class Int4Linear(nn.Module):
     @staticmethod
     def _unpacks(x: Tensor) -> bool:
         """Whether these rows are multiplied as a bfloat16 matmul of the unpacked weight rather than the
-        kernel: a prefill's many rows, where the CPU multiplies bfloat16 natively, never inside torch.compile."""
-        return (NATIVE_BFLOAT16 and not torch.compiler.is_compiling() and x.shape[0] >= INT4_UNPACKED_ROWS
-                and kernel_layout_unpacks())
+        kernel: a prefill's many rows, where the CPU multiplies bfloat16 natively."""
+        return INT4_UNPACKS and has_rows(x, INT4_UNPACKED_ROWS)
 
     def _unpacked(self, rows: slice, dtype: torch.dtype) -> Tensor:
         """`rows` of the padded weight (bounds multiples of 64) in `dtype`, read from the kernel's
@@ -229,15 +227,26 @@ class Int4Linear(nn.Module):
 QUANTIZED_LINEARS = {"int8": Int8Linear, "int4": Int4Linear}
 
 
-@functools.cache
+def has_rows(x: Tensor, rows: int) -> bool:
+    """Whether x [tokens, in] has `rows` rows or more. Inside torch.compile, only where the graph's
+    sizes make it so whatever the step (a compiled prefill's tokens are PREFILL_TOKENS or more; a
+    compiled decode step's batch has no such bound): a branch on a dynamic size would otherwise be
+    a guard, and a second graph for the other side."""
+    return statically_known_true(x.shape[0] >= rows)
+
+
 def kernel_layout_unpacks() -> bool:
     """Whether this torch packs int4 weights for the CPU kernel as `Int4Linear._unpacked` reads them:
     rows in blocks of 64, each block [in, 32] bytes whose low nibbles are its rows 0-31 and high
-    nibbles rows 32-63 (torch 2.13). Checked once on a pattern; where it fails, prefill stays on the kernel."""
+    nibbles rows 32-63 (torch 2.13). Checked on a pattern (INT4_UNPACKS); where it fails, prefill stays on the kernel."""
     q = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0))  # any misplaced nibble shows
     ones = torch.ones(128, 64 // GROUP_SIZE)
     layer = Int4Linear(q.to(torch.int32), ones, ones * 8, None)  # w = q - 8 + 8 = q
     return torch.equal(layer._unpacked(slice(None), torch.float32), q.float())
+
+
+# Whether an int4 layer of many rows unpacks its weight (Int4Linear._unpacks): known once, at import (~3 ms).
+INT4_UNPACKS = NATIVE_BFLOAT16 and kernel_layout_unpacks()
 
 
 def chunked_linear(x: Tensor, num_rows: int, weight_rows: Callable[[slice], Tensor]) -> Tensor:

@@ -30,9 +30,10 @@ it writes and reads, and the mask past each row's end, are computed inside the c
 Between steps a decode streams every weight through the CPU's caches, so the host's Python and
 numpy run cold: building the same slots and mask on the host took ~0.5 ms a step that way.
 
-Prefill chunks and mixed steps run eagerly: their work is in large matmuls already. An int4
-layer's kernel (quant.py) is called from the graph as it is: written as a reduction, int4 was
-8x slower than that kernel.
+Steps of PREFILL_TOKENS or more, prefill chunks alone or beside decode rows, have each layer's
+halves around attention compiled instead (compiled_prefill.py); smaller ones run eagerly. An
+int4 layer's kernel (quant.py) is called from a decode step as it is: written as a reduction,
+int4 was 8x slower than that kernel.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _saved_guards(guards: list) -> list[bool]:
 # Without size asserts: inductor's generated code checks every input's sizes and strides again on
 # each call (~18 per layer; 0.4-0.7 ms of a 7-9 ms step on two cores, measured A/B in one process).
 # A step's inputs are this module's own (its dummy steps' shapes, checked by the guards at start).
-_OPTIONS = {"guard_filter_fn": _saved_guards, "size_asserts": False}
+COMPILE_OPTIONS = {"guard_filter_fn": _saved_guards, "size_asserts": False}
 
 DYNAMIC_BATCH = ROWS_AS_REDUCTIONS + 1  # the step of this batch size serves every batch from it up
 
@@ -179,11 +180,11 @@ class CompiledDecode:
         """The step of `batch`, read back or compiled, its guards checked on two dummy steps, then run on them."""
         examples = [self._dummy(batch, 2), self._dummy(batch if batch < DYNAMIC_BATCH else batch + 3, 5)]
         path = self.folder / f"decode-{key}-{batch}.bin" if self.folder is not None else None
-        step = self._read(path, examples) if path is not None and path.exists() else None
+        step = read_compiled(path, _step, examples) if path is not None and path.exists() else None
         if step is not None:
             self.read_back += 1
         else:
-            compiler = torch.compile(_step, fullgraph=True, dynamic=False, options=_OPTIONS)
+            compiler = torch.compile(_step, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
             step = compiler.aot_compile((self._dummy(batch, 2, marked=True), {}))
             if not all(step.guard_check(*args) for args in examples):  # a size that should be dynamic got fixed
                 raise RuntimeError(f"the compiled decode step for batch {batch} does not take every step it must")
@@ -206,32 +207,15 @@ class CompiledDecode:
                 torch._dynamo.maybe_mark_dynamic(rows, 0)
         return self.model, rows, self.kv_caches, self.attention
 
-    @staticmethod
-    def _read(path: Path, examples: list[tuple]) -> Callable[..., Tensor] | None:
-        """A step saved by an earlier start, if it reads back and its guards take these steps; else None."""
-        try:
-            with path.open("rb") as file:
-                step = torch.compiler.load_compiled_function(file, f_globals=_step.__globals__)
-        except Exception as exc:  # written by another torch, cut short: compile it again
-            log.info("compiling again: %s does not read back (%s: %s)", path.name, type(exc).__name__, exc)
-            return None
-        if not all(step.guard_check(*args) for args in examples):
-            log.info("compiling again: %s does not fit this model's steps", path.name)
-            return None
-        return step
-
     def _key(self) -> str:
         """Names this model's steps on disk: what a compiled step depends on and its guards do not
         check. That is chatd's engine code, torch, the CPU's vector width, the settings of every
         module of the model (the constants a step was compiled with), and the shapes and dtypes of
         its weights and KV cache."""
-        digest = hashlib.sha256()
-        for source in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):  # chatd/engine
-            digest.update(source.read_bytes())
-        digest.update(f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {self.block_size} "
-                      f"{self.attention.k_scale} {self.attention.v_scale};".encode())
+        digest = code_digest()
+        digest.update(f"{self.block_size} {self.attention.k_scale} {self.attention.v_scale};".encode())
         for name, module in self.model.named_modules():
-            digest.update(f"{name}={_described(module)};".encode())
+            digest.update(f"{name}={described(module)};".encode())
         tensors = [*self.model.named_parameters(), *self.model.named_buffers(),
                    *((f"kv{i}", pool) for i, cache in enumerate(self.kv_caches) for pool in cache)]
         for name, tensor in tensors:
@@ -239,19 +223,44 @@ class CompiledDecode:
         return digest.hexdigest()[:20]
 
 
-def _described(value: object, depth: int = 0) -> str:
+def code_digest() -> hashlib._Hash:
+    """A digest of what every compiled function depends on and its guards do not check: chatd's
+    engine code, torch, and the CPU's vector width."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):  # chatd/engine
+        digest.update(source.read_bytes())
+    digest.update(f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()};".encode())
+    return digest
+
+
+def read_compiled(path: Path, function: Callable, examples: list[tuple]) -> Callable[..., Tensor] | None:
+    """`function` compiled and saved by an earlier start, if it reads back and its guards take these
+    examples' arguments; else None (compile it again)."""
+    try:
+        with path.open("rb") as file:
+            compiled = torch.compiler.load_compiled_function(file, f_globals=function.__globals__)
+    except Exception as exc:  # written by another torch, cut short: compile it again
+        log.info("compiling again: %s does not read back (%s: %s)", path.name, type(exc).__name__, exc)
+        return None
+    if not all(compiled.guard_check(*args) for args in examples):
+        log.info("compiling again: %s does not fit this model's steps", path.name)
+        return None
+    return compiled
+
+
+def described(value: object, depth: int = 0) -> str:
     """A value as text that is the same in every process: plain values as they are, other objects
     as their type and public attributes (two levels deep), never an address."""
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         return repr(value)
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_described(item, depth) for item in value) + "]"
+        return "[" + ",".join(described(item, depth) for item in value) + "]"
     if isinstance(value, dict):
-        return "{" + ",".join(f"{key!r}:{_described(item, depth)}" for key, item in sorted(value.items(), key=str)) + "}"
+        return "{" + ",".join(f"{key!r}:{described(item, depth)}" for key, item in sorted(value.items(), key=str)) + "}"
     if isinstance(value, Tensor) or depth >= 2 or not hasattr(value, "__dict__"):
         return type(value).__qualname__
     attributes = sorted((name, item) for name, item in vars(value).items() if not name.startswith("_"))
-    return type(value).__qualname__ + "(" + ",".join(f"{name}={_described(item, depth + 1)}" for name, item in attributes) + ")"
+    return type(value).__qualname__ + "(" + ",".join(f"{name}={described(item, depth + 1)}" for name, item in attributes) + ")"
 
 
 def compile_count() -> int:

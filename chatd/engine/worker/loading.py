@@ -114,7 +114,7 @@ def load_engine_parts(config: Config) -> EngineParts:
         if device.type == "cuda":
             capture_cuda_graphs(runner, config)
         else:
-            compile_decode(local, config)
+            compile_steps(local, config)
     except BaseException as exc:
         if runner is not None and hasattr(runner, "close"):
             runner.close()
@@ -270,17 +270,18 @@ def size_kv_pool(config: Config, runner, block_bytes: int, context: int) -> int:
     return num_blocks
 
 
-def compile_decode(runner: ModelRunner, config: Config) -> None:
-    """On CPU, compile decode steps when configured (worker/compiled.py); a failed compile serves eagerly.
+def compile_steps(runner: ModelRunner, config: Config) -> None:
+    """On CPU, compile decode and large prefill steps when configured (worker/compiled.py, compiled_prefill.py);
+    a failed compile serves eagerly.
     Eager steps take int8 layers with a scale per row only: Q8_0 blocks are quantized again per row."""
-    if not _compiled_decode(runner, config):
+    if not _compiled_steps(runner, config):
         requantized = runner.model.int8_blocks_per_row()
         if requantized:
             log.info("%d int8 layers of Q8_0 blocks get a scale per row: eager decode steps have no kernel "
                      "for a scale per block (compiled steps keep the file's blocks)", requantized)
 
 
-def _compiled_decode(runner: ModelRunner, config: Config) -> bool:
+def _compiled_steps(runner: ModelRunner, config: Config) -> bool:
     if not config.model.compile:
         return False
     reason = unavailable_reason(runner.model, runner.device)
@@ -288,17 +289,19 @@ def _compiled_decode(runner: ModelRunner, config: Config) -> bool:
         log.info("decode steps run eagerly: %s", reason)
         return False
     keep_compiled_in(chatd_home() / "compiled")
-    log.info("compiling decode steps (torch.compile; the first time for a model this takes a minute or two, "
-             "later starts read it back; model.compile = false or --no-compile skips it)")
+    log.info("compiling decode and prefill steps (torch.compile; the first time for a model this takes a minute or "
+             "two, later starts read it back; model.compile = false or --no-compile skips it)")
     try:
-        seconds = runner.enable_compiled_decode(chatd_home() / "compiled" / "decode")
+        seconds = runner.enable_compiled_steps(chatd_home() / "compiled" / "steps")
     except Exception as exc:  # no C++ compiler, an operation inductor refuses: serve eagerly, say why
-        log.warning("compiling decode steps failed (%s: %s); every step runs eagerly", type(exc).__name__,
+        runner.compiled = runner.compiled_prefill = None
+        log.warning("compiling decode and prefill steps failed (%s: %s); every step runs eagerly", type(exc).__name__,
                     str(exc).strip().splitlines()[0] if str(exc).strip() else "")
         return False
-    compiled = runner.compiled
-    log.info("compiled decode steps in %.1f s (%d of %d read back from an earlier start)", seconds, compiled.read_back,
-             len(compiled.steps))
+    decode, prefill = runner.compiled, runner.compiled_prefill
+    log.info("compiled decode steps and prefill steps of %d tokens or more in %.1f s (%d of %d read back from an "
+             "earlier start)", prefill.min_tokens, seconds, decode.read_back + prefill.read_back,
+             len(decode.steps) + 2 * len(prefill.halves))
     return True
 
 

@@ -23,6 +23,7 @@ from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.core.sequence import Sequence
 from chatd.engine.params import SamplingParams
 from chatd.engine.worker.compiled import CompiledDecode
+from chatd.engine.worker.compiled_prefill import CompiledPrefill
 from chatd.engine.worker.cuda_graphs import DecodeGraphs
 from chatd.engine.worker.host_kv import HostKVTier
 from chatd.engine.worker.sampler import Sampler, SamplerOutput, SamplingRow
@@ -97,7 +98,8 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.host_tier: HostKVTier | None = None  # allocate_host_kv
         self.graphs: DecodeGraphs | None = None
-        self.compiled: CompiledDecode | None = None  # enable_compiled_decode
+        self.compiled: CompiledDecode | None = None  # enable_compiled_steps
+        self.compiled_prefill: CompiledPrefill | None = None
         self.allocate_kv(num_blocks)
 
     def allocate_kv(self, num_blocks: int) -> None:
@@ -110,7 +112,7 @@ class ModelRunner:
             for _ in range(self.model.num_layers)
         ]
         self.graphs = None
-        self.compiled = None
+        self.compiled = self.compiled_prefill = None
 
     def allocate_host_kv(self, num_host_blocks: int) -> None:
         """(Re)allocate the host tier: `num_host_blocks` blocks laid out as the device pool's, in
@@ -139,13 +141,15 @@ class ModelRunner:
         self.graphs = graphs
         return seconds
 
-    def enable_compiled_decode(self, folder: Path | None = None) -> float:
-        """Run decode-only steps through torch.compile (compiled.py), keeping the compiled steps in
-        `folder` for later starts; returns the seconds compiling (or reading back) took."""
-        compiled = CompiledDecode(self.model, self.kv_caches, self.block_size, self.backend.k_scale, self.backend.v_scale,
-                                  folder)
-        seconds = compiled.warm_up()
-        self.compiled = compiled
+    def enable_compiled_steps(self, folder: Path | None = None) -> float:
+        """Run decode-only steps (compiled.py) and steps of PREFILL_TOKENS or more (compiled_prefill.py)
+        through torch.compile, keeping what is compiled in `folder` for later starts; returns the
+        seconds compiling (or reading back) took."""
+        decode = CompiledDecode(self.model, self.kv_caches, self.block_size, self.backend.k_scale, self.backend.v_scale,
+                                folder)
+        prefill = CompiledPrefill(self.model, folder)
+        seconds = decode.warm_up() + prefill.warm_up()
+        self.compiled, self.compiled_prefill = decode, prefill
         return seconds
 
     def execute(self, scheduled: list[ScheduledSequence]) -> SamplerOutput:
@@ -164,6 +168,8 @@ class ModelRunner:
         meta = step.meta
         if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(meta.num_seqs):
             hidden = self.graphs.run(step)
+        elif self.compiled_prefill is not None and len(inputs.token_ids) >= self.compiled_prefill.min_tokens:
+            hidden = self.compiled_prefill.hidden(step, self.kv_caches, self.backend)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, self.backend)  # [T, hidden]
         if not inputs.sampling:
