@@ -1,14 +1,19 @@
-"""benchmarks/steps.py's CPU smoke run gives every number it promises; offline.py runs it when it should."""
+"""benchmarks/steps.py's CPU smoke run gives every number it promises; offline.py runs it when it should;
+prefill.py compares its two forms of one step."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from chatd.engine.models.demo import ensure_demo_model
+from tests.engine.test_compiled import needs_cpp_compiler
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,3 +125,21 @@ def test_llamacpp_reports_a_crash_by_signal_name_and_ratios_per_shared_level():
     args = module.parse_args(["--concurrency", "1,16", "--num-requests", "8"])
     assert args.num_requests == (8, 8) and args.runs == ("chatd", "chatd-eager", "chatd-q4_1", "llama-f32", "llama-q4_1")
     assert module.quant_name(Path("SmolLM2-135M-Instruct.Q8_0.gguf")) == "Q8_0" and module.quant_name(Path("m.gguf")) == "GGUF"
+
+
+@pytest.mark.slow
+@needs_cpp_compiler
+def test_prefill_runs_one_step_eager_and_compiled_and_they_agree(tmp_path):
+    """benchmarks/prefill.py on the demo model (float32): both forms timed in pairs, the same hidden states."""
+    path = tmp_path / "prefill.json"
+    run = subprocess.run(
+        [sys.executable, "benchmarks/prefill.py", "--model", str(ensure_demo_model()), "--pairs", "2", "--json", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "TORCH_COMPILE_DISABLE": "0"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(path.read_text())
+    assert result["tokens"] >= 192 and result["prompts"] == 4
+    assert len(result["eager_ms"]) == len(result["compiled_ms"]) == 2
+    assert all(t > 0 for t in result["eager_ms"] + result["compiled_ms"]) and result["median_paired_ratio"] > 0
+    assert result["relative_difference"] < 1e-4 and result["same_argmax"] == 1.0
+    assert "median paired ratio" in run.stdout

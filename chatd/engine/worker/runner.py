@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from chatd.engine.attention import AttentionBackend, KVCache, build_step
+from chatd.engine.attention import AttentionBackend, KVCache, StepInputs, build_step
 from chatd.engine.core.block_manager import KVCopy
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.core.sequence import Sequence
@@ -166,18 +166,23 @@ class ModelRunner:
         step = build_step(inputs.token_ids, inputs.starts, inputs.query_lens, inputs.block_tables, self.block_size,
                           self.device)
         meta = step.meta
-        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(meta.num_seqs):
-            hidden = self.graphs.run(step)
-        elif self.compiled_prefill is not None and len(inputs.token_ids) >= self.compiled_prefill.min_tokens:
-            hidden = self.compiled_prefill.hidden(step, self.kv_caches, self.backend)
-        else:
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, self.backend)  # [T, hidden]
+        hidden = self.hidden(step)
         if not inputs.sampling:
             return None
         last_token = [meta.query_starts_cpu[i + 1] - 1 for i in inputs.sampling]
         if last_token != list(range(len(hidden))):
             hidden = hidden[torch.tensor(last_token, device=self.device)]
         return self.model.compute_logits(hidden)  # [num_sampling, vocab]
+
+    def hidden(self, step: StepInputs) -> torch.Tensor:
+        """The model's hidden states after the final norm, [T, hidden], of a step: replayed from a CUDA
+        graph, through the compiled prefill (a step of its many tokens), or eagerly."""
+        meta = step.meta
+        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(meta.num_seqs):
+            return self.graphs.run(step)
+        if self.compiled_prefill is not None and len(step.input_ids) >= self.compiled_prefill.min_tokens:
+            return self.compiled_prefill.hidden(step, self.kv_caches, self.backend)
+        return self.model(step.input_ids, step.positions, self.kv_caches, meta, self.backend)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor | None, scheduled: list[ScheduledSequence], inputs: ForwardInputs) -> SamplerOutput:
