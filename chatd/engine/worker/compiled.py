@@ -130,7 +130,7 @@ def _saved_guards(guards: list) -> list[bool]:
 # Without size asserts: inductor's generated code checks every input's sizes and strides again on
 # each call (~18 per layer; 0.4-0.7 ms of a 7-9 ms step on two cores, measured A/B in one process).
 # A step's inputs are this module's own (its dummy steps' shapes, checked by the guards at start).
-COMPILE_OPTIONS = {"guard_filter_fn": _saved_guards, "size_asserts": False}
+_OPTIONS = {"guard_filter_fn": _saved_guards, "size_asserts": False}
 
 DYNAMIC_BATCH = ROWS_AS_REDUCTIONS + 1  # the step of this batch size serves every batch from it up
 
@@ -180,20 +180,9 @@ class CompiledDecode:
         """The step of `batch`, read back or compiled, its guards checked on two dummy steps, then run on them."""
         examples = [self._dummy(batch, 2), self._dummy(batch if batch < DYNAMIC_BATCH else batch + 3, 5)]
         path = self.folder / f"decode-{key}-{batch}.bin" if self.folder is not None else None
-        step = read_compiled(path, _step, examples) if path is not None and path.exists() else None
-        if step is not None:
-            self.read_back += 1
-        else:
-            compiler = torch.compile(_step, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
-            step = compiler.aot_compile((self._dummy(batch, 2, marked=True), {}))
-            if not all(step.guard_check(*args) for args in examples):  # a size that should be dynamic got fixed
-                raise RuntimeError(f"the compiled decode step for batch {batch} does not take every step it must")
-            if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                step.save_compiled_function(str(path))
-        step.disable_guard_check()
-        for args in examples:
-            step(*args)
+        step, read_back = ready_compiled(_step, lambda: self._dummy(batch, 2, marked=True), examples, path,
+                                         f"decode step for batch {batch}")
+        self.read_back += read_back
         return step
 
     def _dummy(self, batch: int, blocks: int, marked: bool = False) -> tuple:
@@ -231,6 +220,27 @@ def code_digest() -> hashlib._Hash:
         digest.update(source.read_bytes())
     digest.update(f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()};".encode())
     return digest
+
+
+def ready_compiled(function: Callable, marked: Callable[[], tuple], examples: list[tuple], path: Path | None,
+                   what: str) -> tuple[Callable, bool]:
+    """`function` read back from `path` (when it was saved there and its guards take the examples) or
+    compiled ahead of time on `marked()`'s arguments (their dynamic sizes marked) and saved; then,
+    its guards checked once, run on each example without them. Returns it and whether it was read back."""
+    compiled = read_compiled(path, function, examples) if path is not None and path.exists() else None
+    read_back = compiled is not None
+    if compiled is None:
+        compiler = torch.compile(function, fullgraph=True, dynamic=False, options=_OPTIONS)
+        compiled = compiler.aot_compile((marked(), {}))
+        if not all(compiled.guard_check(*args) for args in examples):  # a size that should be dynamic got fixed
+            raise RuntimeError(f"the compiled {what} does not take every step it must")
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            compiled.save_compiled_function(str(path))
+    compiled.disable_guard_check()
+    for args in examples:
+        compiled(*args)
+    return compiled, read_back
 
 
 def read_compiled(path: Path, function: Callable, examples: list[tuple]) -> Callable[..., Tensor] | None:

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from chatd.engine.attention import AttentionBackend, KVCache, StepInputs
 from chatd.engine.models.quant import INT4_UNPACKED_ROWS
-from chatd.engine.worker.compiled import COMPILE_OPTIONS, code_digest, described, read_compiled
+from chatd.engine.worker.compiled import code_digest, described, ready_compiled
 
 # Steps of this many tokens or more run compiled: as many as an int4 layer needs to take its
 # unpacked path (quant.py), where the unpacking itself gains most from being fused.
@@ -91,23 +91,9 @@ class CompiledPrefill:
         """`function` read back or compiled for dynamic token counts from PREFILL_TOKENS, its guards
         checked on the examples (two token counts), then run on them."""
         path = self.folder / f"prefill-{key}-{half}.bin" if self.folder is not None else None
-        compiled = read_compiled(path, function, examples) if path is not None and path.exists() else None
-        if compiled is not None:
-            self.read_back += 1
-        else:
-            marked = examples[0]
-            for tensor in marked[1:]:
-                torch._dynamo.mark_dynamic(tensor, 0, min=PREFILL_TOKENS, max=MAX_TOKENS)
-            compiler = torch.compile(function, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
-            compiled = compiler.aot_compile((marked, {}))
-            if not all(compiled.guard_check(*args) for args in examples):
-                raise RuntimeError(f"the compiled prefill ({half} attention) does not take every step it must")
-            if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                compiled.save_compiled_function(str(path))
-        compiled.disable_guard_check()
-        for args in examples:
-            compiled(*args)
+        compiled, read_back = ready_compiled(function, lambda: _marked(examples[0]), examples, path,
+                                             f"prefill ({half} attention)")
+        self.read_back += read_back
         return compiled
 
     def _inputs(self, tokens: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -125,6 +111,15 @@ class CompiledPrefill:
             x = self._inputs(tokens)[0]
             examples.append((layer, x, torch.zeros(tokens, attention.num_heads, attention.head_dim, dtype=x.dtype)))
         return examples
+
+
+def _marked(example: tuple) -> tuple:
+    """A half's arguments with their token dimension marked dynamic from PREFILL_TOKENS, for the compiler."""
+    layer, *tensors = example
+    tensors = [tensor.clone() for tensor in tensors]  # the examples themselves stay unmarked, as real steps are
+    for tensor in tensors:
+        torch._dynamo.mark_dynamic(tensor, 0, min=PREFILL_TOKENS, max=MAX_TOKENS)
+    return (layer, *tensors)
 
 
 def _layer_key(layer: nn.Module, digest: hashlib._Hash) -> str:
