@@ -220,13 +220,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend
-    ) -> Tensor:
-        # x: [tokens, hidden]
-        q, k, v = self.project(x, cos, sin)
-        return self.output(self.attend(q, k, v, kv_cache, meta, backend))
-
+    # In three parts (DecoderLayer composes them), so a compiled prefill can compile the first and
+    # last apart from the attention backend: project, attend, output.
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The new tokens' queries [tokens, heads, head_dim], keys and values [tokens, kv_heads, head_dim], rope applied."""
         num_tokens = x.shape[0]
