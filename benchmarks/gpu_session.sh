@@ -6,12 +6,29 @@
 #   bash benchmarks/gpu_session.sh steps        # steps.py: 8B decode rooflines and TTFT
 #   bash benchmarks/gpu_session.sh kv           # kv_sessions.py (host tier, fp8 KV) and kv_accuracy.py
 #
+# The GPU machine lacks some of chatd's and the tests' packages and has no network: first, here,
+#
+#   bash benchmarks/gpu_session.sh wheels       # downloads them into .whl/ (git-ignored), for Python 3.12
+#
+# and have the device call carry .whl. Arguments after the first go to the script it runs
+# (pytest, offline.py, steps.py or kv_sessions.py), e.g. `throughput --repeats 1 --peers chatd,hf-cb`
+# or `steps --quantization none,fp8,int4` when device time is short.
+#
 # It runs from a checkout without installing chatd (PYTHONPATH), installs wheels carried in
 # .whl/ first if there are any (the GPU machine has no network), and leaves logs and JSON in
 # $OUT (the device tool's output folder; /tmp/chatd-gpu elsewhere).
 set -o pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# What the GPU image (torch 2.11+cu130, transformers 5.17, aiohttp, pytest) lacks, by version tested here.
+WHEELS="orjson==3.13.0 aiosqlite==0.22.1 gguf==0.19.0 llguidance==1.6.1 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
+        pytest-asyncio==1.5.0 jsonschema==4.25.1 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1"
+if [ "${1:-}" = wheels ]; then
+    mkdir -p .whl && grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >>.git/info/exclude
+    # shellcheck disable=SC2086
+    exec "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $WHEELS
+fi
 OUT=${OUT:-/tmp/chatd-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -21,16 +38,18 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
 "$PYTHON" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-case "${1:-}" in
+what=${1:-}
+shift
+case "$what" in
     tests)
-        "$PYTHON" -m pytest -q -m gpu -rs -p no:cacheprovider tests/engine 2>&1 | tee "$OUT/gpu-tests.log" ;;
+        "$PYTHON" -m pytest -q -m gpu -rs -p no:cacheprovider tests/engine "$@" 2>&1 | tee "$OUT/gpu-tests.log" ;;
     throughput)
-        "$PYTHON" benchmarks/offline.py --device cuda --skip-steps --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" ;;
+        "$PYTHON" benchmarks/offline.py --device cuda --skip-steps --json "$OUT/throughput.json" "$@" 2>&1 | tee "$OUT/throughput.log" ;;
     steps)
-        "$PYTHON" benchmarks/steps.py --device cuda --tmp-dir /tmp --json "$OUT/steps.json" 2>&1 | tee "$OUT/steps.log" ;;
+        "$PYTHON" benchmarks/steps.py --device cuda --tmp-dir /tmp --json "$OUT/steps.json" "$@" 2>&1 | tee "$OUT/steps.log" ;;
     kv)
-        "$PYTHON" benchmarks/kv_sessions.py --device cuda --repeats 3 --json "$OUT/kv_sessions.json" 2>&1 | tee "$OUT/kv.log"
+        "$PYTHON" benchmarks/kv_sessions.py --device cuda --repeats 3 --json "$OUT/kv_sessions.json" "$@" 2>&1 | tee "$OUT/kv.log"
         "$PYTHON" benchmarks/kv_accuracy.py --device cuda 2>&1 | tee -a "$OUT/kv.log" ;;
     *)
-        echo "usage: bash benchmarks/gpu_session.sh tests|throughput|steps|kv" >&2; exit 2 ;;
+        echo "usage: bash benchmarks/gpu_session.sh wheels|tests|throughput|steps|kv" >&2; exit 2 ;;
 esac

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import random
@@ -252,15 +253,22 @@ class HfContinuousBatchingPeer:
         self.workload, self.device = workload, torch.device(args.device)
         # sdpa: transformers 5.23 pages it itself ("paged|sdpa" is deprecated there).
         self.model = load_hf_model(path, args)
-        page_size = args.hf_page_size or ContinuousBatchingConfig.page_size  # None: transformers' default
+        # Its fields moved between releases (5.17 has no page_size): pass what this one takes.
+        fields = inspect.signature(ContinuousBatchingConfig).parameters
+        size_field = "page_size" if "page_size" in fields else "block_size"
+        default_size = fields[size_field].default
+        page_size = args.hf_page_size or (default_size if isinstance(default_size, int) else 256)
         num_blocks = 4 + sum(-(-(len(p) + o) // page_size) for p, o in zip(workload.prompts, workload.output_lens))
-        self.cb_config = dict(
-            page_size=page_size,
-            num_blocks=num_blocks,
-            max_batch_tokens=args.hf_max_batch_tokens,
-            max_requests_per_batch=len(workload.prompts),
-            use_cuda_graph=None if self.device.type == "cuda" else False,  # None: transformers decides
-        )
+        wanted = {
+            size_field: page_size,
+            "num_blocks": num_blocks,
+            "max_batch_tokens": args.hf_max_batch_tokens,
+            "max_requests_per_batch": len(workload.prompts),
+            "use_cuda_graph": None if self.device.type == "cuda" else False,  # None: transformers decides
+        }
+        self.cb_config = {name: value for name, value in wanted.items() if name in fields}
+        if len(self.cb_config) < len(wanted):
+            print(f"  hf-cb: this transformers' ContinuousBatchingConfig takes no {', '.join(sorted(set(wanted) - set(fields)))}")
         self.ContinuousBatchingConfig = ContinuousBatchingConfig
         self.generation_config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(workload.output_lens))
         self.hints = {}

@@ -118,9 +118,11 @@ class PagedRunner:
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
         shape = (NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
-        dtype = model.embed_tokens.weight.dtype
+        weight = model.embed_tokens.weight
+        self.device = weight.device  # the step's tensors and the caches live where the model does
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(model.num_layers)
+            (torch.zeros(shape, dtype=weight.dtype, device=self.device),
+             torch.zeros(shape, dtype=weight.dtype, device=self.device)) for _ in range(model.num_layers)
         ]
         self.backend = SdpaBackend()
 
@@ -132,7 +134,7 @@ class PagedRunner:
             query_lens=[len(c.token_ids) for c in chunks],
             block_tables=[c.block_table for c in chunks],
             block_size=BLOCK_SIZE,
-            device=torch.device("cpu"),
+            device=self.device,
         )
         with torch.inference_mode():
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.backend)
@@ -206,7 +208,6 @@ def test_cuda_bfloat16_load_keeps_greedy_tokens(tmp_path):
     hf_model = make_hf_model("qwen3", tmp_path)
     model, _ = load_model(Checkpoint(tmp_path), torch.bfloat16, torch.device("cuda"))
     runner = PagedRunner(model)
-    runner.kv_caches = [(k.cuda(), v.cuda()) for k, v in runner.kv_caches]
     ids = prompt(seed=7)
     logits = runner.step([Chunk(ids, 0, [0, 1, 2])]).cpu()
     agree = (logits.argmax(-1) == hf_logits(hf_model, ids).argmax(-1)).float().mean()

@@ -107,7 +107,7 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
     pinned buffer makes a step's inputs one transfer that overlaps with queued GPU work.
     Tensors of 4- and 8-byte dtypes travel as int32 words, bit for bit.
     """
-    if device.type == "cpu":
+    if device.type == "cpu" or not tensors:  # (a step without decodes has no decode groups to move)
         return tensors
     # 8-byte tensors first, so each keeps an 8-byte aligned offset in the staging buffer.
     order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())

@@ -17,7 +17,9 @@ them over (widening the pages they would read, every step, would cost more than 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import os
 
 import torch
@@ -43,6 +45,19 @@ def cuda_module_missing(device: torch.device, what: str, module: str, missing: s
     except ImportError:  # a parent package is missing
         found = False
     return None if found else missing
+
+
+# What varlen_attn must take to read a page pool; enable_gqa is passed only where it is taken
+# (torch 2.13 has it; torch 2.11's FlashAttention refused it as an unknown keyword).
+PAGED_VARLEN_PARAMETERS = ("block_table", "seqused_k", "window_size", "scale")
+
+
+@functools.cache
+def varlen_parameters() -> frozenset[str]:
+    """The keyword parameters of this torch's `varlen_attn`."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 class TritonBackend(AttentionBackend):
@@ -86,9 +101,13 @@ class TorchVarlenBackend(AttentionBackend):
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
-        return cuda_module_missing(
+        reason = cuda_module_missing(
             device, "torch's varlen attention", "torch.nn.attention.varlen", f"torch {torch.__version__} has no varlen attention (needs >= 2.10)"
         )
+        missing = [] if reason else [name for name in PAGED_VARLEN_PARAMETERS if name not in varlen_parameters()]
+        if missing:
+            reason = f"torch {torch.__version__}'s varlen_attn takes no {', '.join(missing)} (a paged cache needs them)"
+        return reason
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
@@ -96,12 +115,13 @@ class TorchVarlenBackend(AttentionBackend):
         from torch.nn.attention.varlen import varlen_attn
 
         k_cache, v_cache = kv_cache
+        grouped = {"enable_gqa": q.shape[1] != k_cache.shape[2]} if "enable_gqa" in varlen_parameters() else {}
         # window (-1, 0) is causal, aligned to the end of each sequence: a chunk's queries are
         # the last q_len positions of its context.
         return varlen_attn(
             q.contiguous(), k_cache, v_cache, meta.query_start_loc, cu_seq_lens(meta), meta.max_query_len,
-            meta.max_seq_len, scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k_cache.shape[2],
-            seqused_k=meta.seq_lens, block_table=meta.block_tables,
+            meta.max_seq_len, scale=scale, window_size=(-1, 0), seqused_k=meta.seq_lens, block_table=meta.block_tables,
+            **grouped,
         )
 
 
