@@ -15,8 +15,9 @@ from gguf.quants import dequantize, quantize
 from chatd.engine import SamplingParams
 from chatd.engine.models.gguf_quant import int4_parts, int8_parts
 from chatd.engine.models.loader import Checkpoint, default_model_path, load_model, open_checkpoint
-from chatd.engine.models.quant import (DEQUANTIZED_CHUNK, DEQUANTIZED_ROWS, GROUP_SIZE, INT4_UNPACKED_ROWS, NATIVE_BFLOAT16,
-                                       Int4Linear, Int8Linear, kernel_layout_unpacks, quantize_linear)
+from chatd.engine.models.quant import (DEQUANTIZED_CHUNK, DEQUANTIZED_ROWS, FP8, FP8_MAX, GROUP_SIZE, INT4_UNPACKED_ROWS,
+                                       NATIVE_BFLOAT16, Fp8Linear, Int4Linear, Int8Linear, can_quantize,
+                                       kernel_layout_unpacks, quantize_linear)
 from tests.engine.conftest import make_llm
 from tests.engine.test_gguf import write_gguf
 
@@ -25,7 +26,13 @@ SHAPES = [(576, 576), (192, 576), (1536, 576), (100, 96), (16, 32), (49, 64), (2
 
 
 LAYERS = {"int8": Int8Linear.from_float, "int8 per block": lambda w, b: Int8Linear.from_float(w, b, per_block=True),
-          "int4": Int4Linear.from_float}
+          "int4": Int4Linear.from_float, "fp8": Fp8Linear.from_float}
+
+
+def fp8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [..., in] as Fp8Linear feeds it to its GEMM: each row scaled into fp8's range, rounded, scaled back."""
+    scales = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return (x.float() / scales).to(FP8).float() * scales
 
 
 @pytest.mark.parametrize("kind", list(LAYERS))
@@ -36,9 +43,14 @@ def test_a_quantized_linear_computes_what_its_dequantized_weight_would(kind, out
     generator = torch.Generator().manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator)
+    if kind == "fp8" and not can_quantize(weight, "fp8"):  # _scaled_mm takes sizes in sixteens only
+        assert quantize_linear(weight, bias, "fp8") is None
+        return
     layer = LAYERS[kind](weight, bias)
     x = torch.randn(tokens // 2, 2, in_features, generator=generator)  # [batch, tokens, in]: any leading shape
-    reference = x.to(torch.bfloat16).float() @ layer.dequantized().T + bias  # the kernel's inputs are bfloat16
+    # The kernels' inputs: bfloat16, or for fp8 each token rounded to fp8 with a scale of its own.
+    x_in = fp8_rounded(x) if kind == "fp8" else x.to(torch.bfloat16).float()
+    reference = x_in @ layer.dequantized().T + bias
     y = layer(x)
     assert y.shape == (tokens // 2, 2, out_features) and y.dtype == torch.float32
     assert (y - reference).abs().max() <= 0.02 * reference.abs().max()
@@ -47,7 +59,10 @@ def test_a_quantized_linear_computes_what_its_dequantized_weight_would(kind, out
     groups = weight.reshape(out_features, -1, GROUP_SIZE)
     step = {"int8": weight.abs().amax(1, keepdim=True) / 127,
             "int8 per block": groups.abs().amax(-1).repeat_interleave(GROUP_SIZE, 1) / 127,
-            "int4": (groups.amax(-1) - groups.amin(-1)).repeat_interleave(GROUP_SIZE, 1) / 15}[kind]
+            "int4": (groups.amax(-1) - groups.amin(-1)).repeat_interleave(GROUP_SIZE, 1) / 15,
+            # e4m3 keeps 3 bits of mantissa: a step of 1/8 of a weight's power of two (2^-9 of the
+            # row's scale below fp8's normal range)
+            "fp8": torch.maximum(weight.abs() / 8, weight.abs().amax(1, keepdim=True) / FP8_MAX * 2**-6)}[kind]
     error = (layer.dequantized() - weight).abs()
     assert (error <= step / 2 + 2**-7 * weight.abs().amax()).all()
     assert error.mean() <= step.mean() / 3
@@ -79,6 +94,19 @@ def test_int8_blocks_are_finer_than_rows():
 def test_a_weight_the_kernels_cannot_take_stays_float():
     assert quantize_linear(torch.randn(64, 48), None, "int4") is None  # 48 columns: not whole groups of 32
     assert quantize_linear(torch.randn(64, 40), None, "int8") is None
+    assert quantize_linear(torch.randn(72, 64), None, "fp8") is None  # 72 rows: not sixteens
+    assert isinstance(quantize_linear(torch.randn(64, 48), None, "fp8"), Fp8Linear)
+
+
+def test_fp8_scales_each_token_on_its_own():
+    """A token a thousand times larger than the next shares no scale with it: the small one keeps
+    fp8's relative precision (one scale for both would flush it to zero)."""
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
+    layer = Fp8Linear.from_float(weight)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
+    x[0] *= 1000
+    y, exact = layer(x), x @ weight.T
+    assert ((y - exact).norm(dim=1) / exact.norm(dim=1) < 0.1).all()
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
@@ -183,8 +211,10 @@ def test_int8_models_keep_their_first_greedy_token(model_dirs, family):
 
 
 def test_a_quantization_the_device_cannot_run_is_refused_by_name(model_dirs, q4_gguf):
-    with pytest.raises(ValueError, match="model.quantization 'int4' runs on CPU only"):
-        load_model(Checkpoint(model_dirs["llama"]), torch.bfloat16, torch.device("cuda"), quantization="int4")
+    with pytest.raises(ValueError, match="model.quantization 'int8' runs on CPU only.*on cuda use none, int4 or fp8"):
+        load_model(Checkpoint(model_dirs["llama"]), torch.bfloat16, torch.device("cuda"), quantization="int8")
+    with pytest.raises(ValueError, match="model.quantization 'fp8' needs a CUDA GPU with fp8 tensor cores.*on cpu use int8 or int4"):
+        load_model(Checkpoint(model_dirs["llama"]), torch.float32, torch.device("cpu"), quantization="fp8")
     with pytest.raises(ValueError, match='model.quantization "gguf" keeps a GGUF file\'s blocks'):
         load_model(Checkpoint(model_dirs["llama"]), torch.float32, torch.device("cpu"), quantization="gguf")
 
@@ -213,3 +243,78 @@ def test_the_default_model_keeps_its_answers_quantized(tmp_path, monkeypatch):
     assert agreement(reference, [o.token_ids for o in results["int8"]]) >= 0.4
     first = sum(o.token_ids[0] == r[0] for o, r in zip(results["int4"], reference)) / len(texts)
     assert first >= 0.5
+
+
+# -- on a CUDA GPU: int4 in torch's CUDA kernel, fp8 through _scaled_mm -------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("out_features, in_features", [(576, 576), (1536, 576), (100, 96), (4096, 1024)])
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_cuda_int4_computes_the_groups_it_was_given(out_features, in_features, tokens):
+    """The CUDA kernel's packing holds exactly w = (q - 8) * scale + zero (scales and zeros in
+    bfloat16, as the kernel keeps them), and its product with x is x times that weight."""
+    generator = torch.Generator().manual_seed(out_features + tokens)
+    groups = in_features // GROUP_SIZE
+    q = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.int32)
+    scales = torch.rand(out_features, groups, generator=generator) * 0.1 + 0.01
+    zeros = torch.randn(out_features, groups, generator=generator) * 0.1
+    layer = Int4Linear(q.cuda(), scales.cuda(), zeros.cuda(), None)
+    s, z = (t.to(torch.bfloat16).float().repeat_interleave(GROUP_SIZE, 1) for t in (scales, zeros))
+    weight = (q.float() - 8) * s + z
+    assert (layer.dequantized().cpu() - weight).abs().max() <= 2**-7 * weight.abs().max()
+    x = torch.randn(tokens, in_features, generator=generator)
+    y = layer(x.cuda()).cpu()
+    reference = x.to(torch.bfloat16).float() @ weight.T
+    assert y.shape == (tokens, out_features)
+    assert (y - reference).abs().max() <= 0.02 * reference.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_cuda_fp8_computes_what_its_dequantized_weight_would(tokens):
+    generator = torch.Generator().manual_seed(tokens)
+    weight, x = torch.randn(1536, 576, generator=generator), torch.randn(tokens, 576, generator=generator)
+    layer = Fp8Linear.from_float(weight.cuda())
+    y = layer(x.cuda().to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and y.shape == (tokens, 1536)
+    reference = fp8_rounded(x.to(torch.bfloat16)) @ layer.dequantized().cpu().T
+    assert (y.float().cpu() - reference).abs().max() <= 0.02 * reference.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind, floor", [("fp8", 0.93), ("int4", 0.85)])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cuda_quantized_models_keep_their_logits(tmp_path, family, kind, floor):
+    """A bfloat16 model quantized on the GPU against the float32 model on CPU, 40 positions: the
+    mean cosine of their logits. The floors sit under what the same models quantized on CPU gave
+    (fp8 0.964 llama, 0.990 qwen3; int4 0.903, 0.951: these random models' logits are near uniform)."""
+    from tests.engine.test_models import Chunk, PagedRunner, make_hf_model, prompt
+
+    make_hf_model(family, tmp_path)
+    reference, _ = load_model(Checkpoint(tmp_path), torch.float32, torch.device("cpu"))
+    model, _ = load_model(Checkpoint(tmp_path), torch.bfloat16, torch.device("cuda"), quantization=kind)
+    assert set(model.quantized_layers()) == {kind}
+    ids = prompt(seed=7)
+    expected = PagedRunner(reference).step([Chunk(ids, 0, [0, 1, 2])])
+    logits = PagedRunner(model).step([Chunk(ids, 0, [0, 1, 2])]).float().cpu()
+    cosine = torch.nn.functional.cosine_similarity(logits, expected, dim=-1).mean().item()
+    assert cosine >= floor, f"{family} {kind}: mean cosine {cosine:.4f}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_cuda_graphs_replay_quantized_steps_as_eager_ones(model_dirs, kind):
+    from tests.engine.test_engine import prompts, token_ids
+
+    batch = prompts(500, [5, 17, 40, 63, 8, 21], seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    options = dict(device="cuda", dtype="bfloat16", quantization=kind)
+    eager = make_llm(model_dirs["qwen3"], cuda_graphs=False, **options)
+    graphs = make_llm(model_dirs["qwen3"], cuda_graph_max_batch=4, **options)
+    assert graphs.engine.model_info().quantization == kind and graphs.engine.runner.graphs.graphs
+    assert token_ids(graphs.generate(batch, params)) == token_ids(eager.generate(batch, params))

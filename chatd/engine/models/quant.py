@@ -28,6 +28,15 @@ The kernels' shape rules: the reduced dimension (in_features) a multiple of 32, 
 rows a multiple of 16 (padded here with zero rows to a multiple of 64, where the packing has one
 layout throughout, and cut from the output). A layer outside those
 rules stays in floating point.
+
+On a CUDA GPU: int4 is the same groups in torch's CUDA int4 kernel (`aten._weight_int4pack_mm`,
+"tinygemm", its own packing), and fp8 (`Fp8Linear`) stores each weight as float8 e4m3 with a
+scale per row and multiplies with `torch._scaled_mm`, each call quantizing its input per token:
+GPUs with fp8 tensor cores (compute capability 8.9: Ada, Hopper) only. int8 and gguf stay CPU-only
+(`unavailable_reason`). Measured on an H100 with Llama-3.1-8B's shape (benchmarks/README.md), step
+time over bfloat16's: int4 0.66x at one sequence but 3.0x at 64 and 15x for a 2000-token prefill
+(the kernel is made for few rows); fp8 1.06x at one and 1.15x at 64 (its per-token input scaling
+is five small kernels per layer). Both halve or quarter the weights' memory.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from chatd.engine.models.matvec import as_reductions, block_products, row_products, stored
 
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "fp8")
 GROUP_SIZE = 32  # weights of a row sharing a scale (and for int4 a zero): GGUF's blocks
 # From this many rows an int8 layer dequantizes its weight to bfloat16 and runs a bfloat16 matmul
 # instead of the int8 kernel, where the CPU multiplies bfloat16 natively. Timed apart on a 3072 x 576
@@ -70,9 +79,37 @@ NATIVE_BFLOAT16 = _native_bfloat16()
 DEQUANTIZED_DTYPE = torch.bfloat16 if NATIVE_BFLOAT16 else torch.float32
 
 
-def can_quantize(weight: Tensor) -> bool:
-    """Whether the kernels take a [out_features, in_features] weight of this shape."""
-    return weight.dim() == 2 and weight.shape[1] % GROUP_SIZE == 0
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+FP8_MULTIPLE = 16  # _scaled_mm takes a weight whose both sizes are multiples of this
+
+
+def can_quantize(weight: Tensor, kind: str = "int8") -> bool:
+    """Whether the kernels of `kind` take a [out_features, in_features] weight of this shape."""
+    if weight.dim() != 2:
+        return False
+    if kind == "fp8":
+        return weight.shape[0] % FP8_MULTIPLE == 0 and weight.shape[1] % FP8_MULTIPLE == 0
+    return weight.shape[1] % GROUP_SIZE == 0
+
+
+def unavailable_reason(kind: str, device: torch.device) -> str | None:
+    """Why weights quantized as `kind` cannot be computed on `device` (a startup error); None when they can."""
+    setting = f"model.quantization {kind!r}"
+    if kind == "none":
+        return None
+    if device.type == "cpu":
+        return f"{setting} needs a CUDA GPU with fp8 tensor cores (Ada or Hopper); on cpu use int8 or int4" if kind == "fp8" else None
+    if device.type != "cuda" or kind not in ("int4", "fp8"):
+        return f"{setting} runs on CPU only (PyTorch's int8/int4 CPU kernels); on {device.type} use none, int4 or fp8"
+    if not torch.cuda.is_available():  # (the device itself is refused where it is chosen)
+        return None
+    needed = (8, 9) if kind == "fp8" else (8, 0)
+    capability = torch.cuda.get_device_capability(device)
+    if capability < needed:
+        return (f"{setting} needs a GPU of compute capability {needed[0]}.{needed[1]} or more; "
+                f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
+    return None
 
 
 class Int8Linear(nn.Module):
@@ -166,10 +203,11 @@ class Int4Linear(nn.Module):
         padded = -(-self.out_features // 64) * 64
         if padded != self.out_features:
             extra = padded - self.out_features
-            q = torch.cat([q, torch.full((extra, self.in_features), 8, dtype=q.dtype)])
-            scales = torch.cat([scales, torch.zeros(extra, scales.shape[1], dtype=scales.dtype)])
-            zeros = torch.cat([zeros, torch.zeros(extra, zeros.shape[1], dtype=zeros.dtype)])
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 8))
+            q = torch.cat([q, q.new_full((extra, self.in_features), 8)])
+            scales = torch.cat([scales, scales.new_zeros(extra, scales.shape[1])])
+            zeros = torch.cat([zeros, zeros.new_zeros(extra, zeros.shape[1])])
+        self.on_cuda = q.is_cuda  # CUDA's kernel has a packing of its own
+        self.register_buffer("packed", self._pack(q))
         # The kernel's layout: [groups, rows, (scale, zero)].
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
@@ -178,6 +216,21 @@ class Int4Linear(nn.Module):
         # per layer) passed as None in torch 2.13.
         self.register_buffer("group_size", torch.tensor(GROUP_SIZE), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def _pack(self, q: Tensor) -> Tensor:
+        """q [rows, in] (0..15) in the kernel's packing: on CUDA, two values a byte (even columns in the
+        high nibble) tiled in `inner_k_tiles` k-tiles of 16 (the most that divide in_features)."""
+        if not self.on_cuda:
+            return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 8)
+        q = q.to(torch.uint8)
+        inner_k_tiles = next(tiles for tiles in (8, 4, 2) if self.in_features % (16 * tiles) == 0)
+        return torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), inner_k_tiles)
+
+    def _kernel(self, x: Tensor) -> Tensor:
+        """x [tokens, in] bfloat16 times the padded weight by the kernel: [tokens, padded rows] bfloat16."""
+        if self.on_cuda:
+            return torch.ops.aten._weight_int4pack_mm(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        return torch.ops.quantized.int4mm_packed_weight_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
     @classmethod
     def from_float(cls, weight: Tensor, bias: Tensor | None = None) -> Int4Linear:
@@ -192,9 +245,8 @@ class Int4Linear(nn.Module):
 
     def dequantized(self) -> Tensor:
         """The weight the kernel computes with, in float32 (for tests and references)."""
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        columns = torch.ops.quantized.int4mm_packed_weight_cpu(eye, self.packed, self.group_size, self.scales_and_zeros)
-        return columns.float().T[: self.out_features]
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
+        return self._kernel(eye).float().T[: self.out_features]
 
     def forward(self, x: Tensor) -> Tensor:
         shape, dtype = x.shape, x.dtype
@@ -202,21 +254,20 @@ class Int4Linear(nn.Module):
         if self._unpacks(x):
             y = chunked_linear(x, self.packed.shape[0], lambda rows: self._unpacked(rows, torch.bfloat16))
         else:
-            y = torch.ops.quantized.int4mm_packed_weight_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+            y = self._kernel(x)
         y = y[:, : self.out_features].to(dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
-    @staticmethod
-    def _unpacks(x: Tensor) -> bool:
+    def _unpacks(self, x: Tensor) -> bool:
         """Whether these rows are multiplied as a bfloat16 matmul of the unpacked weight rather than the
         kernel: a prefill's many rows, where the CPU multiplies bfloat16 natively."""
-        return INT4_UNPACKS and has_rows(x, INT4_UNPACKED_ROWS)
+        return INT4_UNPACKS and not self.on_cuda and has_rows(x, INT4_UNPACKED_ROWS)
 
     def _unpacked(self, rows: slice, dtype: torch.dtype) -> Tensor:
         """`rows` of the padded weight (bounds multiples of 64) in `dtype`, read from the kernel's
         packing: (q - 8) * scale + zero computed in float32 and rounded once, as the kernel computes it."""
         start, stop, _ = rows.indices(self.packed.shape[0])
-        blocks = self.packed.view(-1, self.in_features, 32)[start // 64 : stop // 64]  # [blocks, in, 32] bytes
+        blocks = self.packed.view(-1, self.in_features, 32)[start // 64 : stop // 64]  # (the CPU's packing)  # [blocks, in, 32] bytes
         q = torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2)  # [blocks, 64 rows, in]
         q = q.reshape(stop - start, self.in_features // GROUP_SIZE, GROUP_SIZE).float()
         scale_zero = self.scales_and_zeros[:, start:stop].transpose(0, 1).float()  # [rows, groups, (scale, zero)]
@@ -224,7 +275,43 @@ class Int4Linear(nn.Module):
         return weight.view(stop - start, self.in_features).to(dtype)
 
 
-QUANTIZED_LINEARS = {"int8": Int8Linear, "int4": Int4Linear}
+class Fp8Linear(nn.Module):
+    """y = x W^T (+ b) with W in float8 e4m3 and a float32 scale per output row. Each call scales
+    x per token into fp8's range and multiplies with `torch._scaled_mm` (rowwise scales), which
+    reads half of bfloat16's bytes; the product comes back in bfloat16 and is handed back in x's dtype."""
+
+    def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None) -> None:
+        """qweight [out, in] float8_e4m3fn; scales [out]: w = qweight * scale."""
+        super().__init__()
+        self.kind = "fp8"
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.float().reshape(1, -1).contiguous())  # [1, out]: _scaled_mm's rowwise form
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_float(cls, weight: Tensor, bias: Tensor | None = None) -> Fp8Linear:
+        """Scale = max |w| / FP8_MAX over each row; each weight rounded to the nearest fp8 value."""
+        weight = weight.detach().float()
+        scales = (weight.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+        return cls((weight / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales, bias)
+
+    def dequantized(self) -> Tensor:
+        """The weight in float32 (for tests and references)."""
+        return self.qweight.float() * self.scales.T
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape, dtype = x.shape, x.dtype
+        x = x.reshape(-1, self.in_features).float()  # [tokens, in]
+        x_scales = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)  # [tokens, 1]
+        x_fp8 = (x / x_scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        # The weight's transpose is the column-major second operand the fp8 GEMM takes.
+        y = torch._scaled_mm(x_fp8, self.qweight.T, scale_a=x_scales, scale_b=self.scales, out_dtype=torch.bfloat16)
+        y = y.to(dtype).reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+QUANTIZED_LINEARS = {"int8": Int8Linear, "int4": Int4Linear, "fp8": Fp8Linear}
 
 
 def has_rows(x: Tensor, rows: int) -> bool:
@@ -261,7 +348,7 @@ def chunked_linear(x: Tensor, num_rows: int, weight_rows: Callable[[slice], Tens
 
 def quantize_linear(weight: Tensor, bias: Tensor | None, kind: str) -> nn.Module | None:
     """The quantized layer for a float weight, or None when the kernels cannot take its shape."""
-    if not can_quantize(weight):
+    if not can_quantize(weight, kind):
         return None
     return QUANTIZED_LINEARS[kind].from_float(weight, bias)
 
