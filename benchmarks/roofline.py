@@ -126,25 +126,29 @@ def build_checkpoint(dir: Path, shape: dict, dtype: torch.dtype, device: torch.d
     )
 
 
-def step_cost(shape: dict, params: dict, dtype_bytes: int, contexts: list[int]) -> dict:
-    """Bytes and FLOPs of one decode step whose sequences attend to `contexts` tokens each (see FORMULAS)."""
+def step_cost(shape: dict, params: dict, dtype_bytes: int, contexts: list[int], weight_bytes: float | None = None) -> dict:
+    """Bytes and FLOPs of one decode step whose sequences attend to `contexts` tokens each (see FORMULAS);
+    `weight_bytes`: bytes per quantized weight (default dtype_bytes)."""
     batch, total_context = len(contexts), sum(contexts)
     layers, heads = shape["num_hidden_layers"], shape["num_attention_heads"]
     kv_per_token = layers * 2 * shape["num_key_value_heads"] * shape["head_dim"] * dtype_bytes
-    weights = dtype_bytes * (params["non_embedding_params"] + params["lm_head_params"] + batch * shape["hidden_size"])
+    weights = (weight_bytes or dtype_bytes) * (params["non_embedding_params"] + params["lm_head_params"])
+    weights += dtype_bytes * batch * shape["hidden_size"]
     flops = 2 * (params["non_embedding_params"] + params["lm_head_params"]) * batch
     flops += 4 * layers * heads * shape["head_dim"] * total_context
     return dict(weight_bytes=weights, kv_read_bytes=kv_per_token * total_context,
                 kv_write_bytes=kv_per_token * batch, flops=flops)
 
 
-def prefill_cost(shape: dict, params: dict, dtype_bytes: int, prompt_len: int, num_cached: int) -> dict:
+def prefill_cost(shape: dict, params: dict, dtype_bytes: int, prompt_len: int, num_cached: int,
+                 weight_bytes: float | None = None) -> dict:
     """Bytes and FLOPs of computing a prompt's last prompt_len - num_cached tokens, then one token's logits."""
     layers, heads = shape["num_hidden_layers"], shape["num_attention_heads"]
     computed = prompt_len - num_cached
     total_context = sum(range(num_cached + 1, prompt_len + 1))  # token i attends to i + 1 tokens
     kv_per_token = layers * 2 * shape["num_key_value_heads"] * shape["head_dim"] * dtype_bytes
-    weights = dtype_bytes * (params["non_embedding_params"] + params["lm_head_params"] + computed * shape["hidden_size"])
+    weights = (weight_bytes or dtype_bytes) * (params["non_embedding_params"] + params["lm_head_params"])
+    weights += dtype_bytes * computed * shape["hidden_size"]
     flops = 2 * params["non_embedding_params"] * computed + 2 * params["lm_head_params"]
     flops += 4 * layers * heads * shape["head_dim"] * total_context
     return dict(weight_bytes=weights, kv_read_bytes=kv_per_token * prompt_len,

@@ -92,6 +92,7 @@ BLOCK_SIZE = 16
 FORMULAS = """\
 memory roofline  = (weights + KV read + KV written) / copy bandwidth
   weights    = dtype bytes x (every linear incl. lm_head + norms, read once + batch embedding rows)
+               (quantized: the linears and norms at 1 byte a weight for fp8, 0.625 for int4, scales counted)
   KV read    = dtype bytes x sum(context) x layers x 2 x kv_heads x head_dim
   KV written = dtype bytes x batch x layers x 2 x kv_heads x head_dim
 compute roofline = FLOPs / matmul rate
@@ -209,16 +210,14 @@ def time_ttft(engine, args: argparse.Namespace, rng: random.Random) -> list[dict
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Measure ceilings, build the model, time decode steps and TTFT, print the tables; return every number."""
-    from chatd import LLM, SamplingParams
-
+    """Measure ceilings, build the model, time decode steps and TTFT of each quantization, print the
+    tables; return every number."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     args.shape = "tiny Llama" if args.quick else args.shape or "Llama-3.1-8B"
     shape = dict(SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
     args.vocab = shape["vocab_size"]
-    rng = random.Random(args.seed)
     print(f"torch {torch.__version__}, device {device}, dtype {args.dtype}, seed {args.seed}", flush=True)
     start_ceilings = measure_ceilings(args)
     print(f"copy bandwidth {start_ceilings['copy_bytes_per_s'] / 1e9:.1f} GB/s ({args.copy_mib} MiB copied, read + write "
@@ -234,36 +233,7 @@ def run(args: argparse.Namespace) -> dict:
               f"{params['total_params'] / 1e6:.1f}M parameters ({params['non_embedding_params'] / 1e6:.1f}M non-embedding), "
               f"{params['checkpoint_bytes'] / 1e9:.3f} GB in {params['num_files']} files, written in {build_seconds:.1f} s",
               flush=True)
-        started = time.perf_counter()
-        options = dict(device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE, max_num_seqs=max(args.batches),
-                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-                       enable_prefix_caching=True, compile=not args.no_compile)
-        if args.gpu_memory_utilization:
-            options["gpu_memory_utilization"] = args.gpu_memory_utilization
-        llm = LLM(tmp, **options)
-        load_seconds = time.perf_counter() - started
-        engine = llm.engine
-        describe = engine.model_info().details()
-        print(f"engine built in {load_seconds:.1f} s (weights, KV pool, CUDA graphs): {describe}", flush=True)
-        llm.generate([[1, 2, 3, 4], [5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-        # A failure is reported in its row and the rest still run: a GPU run is too dear to lose whole.
-        decode = []
-        for batch in args.batches:
-            try:
-                decode.append(time_decode(engine, batch, args, rng))
-                print(f"batch {batch}: median step {statistics.median(decode[-1]['step_seconds']) * 1e3:.2f} ms", flush=True)
-            except Exception as exc:
-                traceback.print_exc()
-                decode.append(dict(batch=batch, error=f"{type(exc).__name__}: {exc}"))
-        try:
-            ttft = time_ttft(engine, args, rng)
-        except Exception as exc:
-            traceback.print_exc()
-            ttft = [dict(case="all", error=f"{type(exc).__name__}: {exc}")]
-        del llm, engine
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        runs = [measure(tmp, quantization, args, max_model_len) for quantization in args.quantization]
 
     try:
         end_ceilings = measure_ceilings(args)
@@ -271,25 +241,78 @@ def run(args: argparse.Namespace) -> dict:
         end_ceilings = start_ceilings
     ceilings = {k: statistics.median([start_ceilings[k], end_ceilings[k]]) for k in start_ceilings}
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    decode_rows = [decode_row(r, shape, params, dtype_bytes, ceilings) for r in decode]
-    ttft_rows = [ttft_row(r, shape, params, dtype_bytes, ceilings) for r in ttft]
-    first = decode_rows[0]
-    target = first["step_seconds"] <= 1.25 * first["roofline_seconds"] if first["batch"] == 1 and "error" not in first else None
-    report(args, shape, ceilings, start_ceilings, end_ceilings, decode_rows, ttft_rows, target)
+    for run_ in runs:
+        weight_bytes = WEIGHT_BYTES.get(run_["quantization"], dtype_bytes)
+        run_["decode"] = [decode_row(r, shape, params, dtype_bytes, ceilings, weight_bytes) for r in run_.pop("decode_times")]
+        run_["ttft"] = [ttft_row(r, shape, params, dtype_bytes, ceilings, weight_bytes) for r in run_.pop("ttft_times")]
+        first = run_["decode"][0]
+        run_["batch1_meets_target"] = (first["step_seconds"] <= 1.25 * first["roofline_seconds"]
+                                       if first["batch"] == 1 and "error" not in first else None)
+        report(args, shape, ceilings, start_ceilings, end_ceilings, run_)
+    if len(runs) > 1:
+        report_ratios(runs)
+    print(FORMULAS)
+    first = runs[0]
     return dict(
         args=dict(vars(args)), torch=torch.__version__, shape=shape, params=params,
-        engine=describe, max_model_len=max_model_len, build_seconds=build_seconds, load_seconds=load_seconds,
-        ceilings=ceilings, ceilings_start=start_ceilings, ceilings_end=end_ceilings, decode=decode_rows,
-        ttft=ttft_rows, batch1_meets_target=target, formulas=FORMULAS,
-        errors=[r["error"] for r in decode_rows + ttft_rows if "error" in r],
+        engine=first["engine"], max_model_len=max_model_len, build_seconds=build_seconds, load_seconds=first["load_seconds"],
+        ceilings=ceilings, ceilings_start=start_ceilings, ceilings_end=end_ceilings, decode=first["decode"],
+        ttft=first["ttft"], batch1_meets_target=first["batch1_meets_target"], formulas=FORMULAS, runs=runs,
+        errors=[f"{r['quantization']}: {row['error']}" if len(runs) > 1 else row["error"]
+                for r in runs for row in r["decode"] + r["ttft"] if "error" in row],
     )
 
 
-def decode_row(result: dict, shape: dict, params: dict, dtype_bytes: int, ceilings: dict) -> dict:
+def measure(folder: str, quantization: str, args: argparse.Namespace, max_model_len: int) -> dict:
+    """Build chatd's engine on the checkpoint with weights quantized as `quantization`, time its decode
+    steps and TTFT (the same prompts for each quantization), and give its memory back."""
+    from chatd import LLM, SamplingParams
+
+    device, rng = torch.device(args.device), random.Random(args.seed)
+    started = time.perf_counter()
+    options = dict(device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE, max_num_seqs=max(args.batches),
+                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
+                   enable_prefix_caching=True, compile=not args.no_compile, quantization=quantization)
+    if args.gpu_memory_utilization:
+        options["gpu_memory_utilization"] = args.gpu_memory_utilization
+    try:
+        llm = LLM(folder, **options)
+    except Exception as exc:  # a quantization this device cannot run: its rows say so, the others still run
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {exc}"
+        return dict(quantization=quantization, engine=None, load_seconds=None,
+                    decode_times=[dict(batch=b, error=error) for b in args.batches], ttft_times=[dict(case="all", error=error)])
+    load_seconds = time.perf_counter() - started
+    engine = llm.engine
+    describe = engine.model_info().details()
+    print(f"engine built in {load_seconds:.1f} s (weights, KV pool, CUDA graphs): {describe}", flush=True)
+    llm.generate([[1, 2, 3, 4], [5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    # A failure is reported in its row and the rest still run: a GPU run is too dear to lose whole.
+    decode = []
+    for batch in args.batches:
+        try:
+            decode.append(time_decode(engine, batch, args, rng))
+            print(f"{quantization} batch {batch}: median step {statistics.median(decode[-1]['step_seconds']) * 1e3:.2f} ms", flush=True)
+        except Exception as exc:
+            traceback.print_exc()
+            decode.append(dict(batch=batch, error=f"{type(exc).__name__}: {exc}"))
+    try:
+        ttft = time_ttft(engine, args, rng)
+    except Exception as exc:
+        traceback.print_exc()
+        ttft = [dict(case="all", error=f"{type(exc).__name__}: {exc}")]
+    del llm, engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dict(quantization=quantization, engine=describe, load_seconds=load_seconds, decode_times=decode, ttft_times=ttft)
+
+
+def decode_row(result: dict, shape: dict, params: dict, dtype_bytes: int, ceilings: dict, weight_bytes: float) -> dict:
     """One batch size's median step time set against the rooflines of its timed steps' mean cost."""
     if "error" in result:
         return result
-    costs = [step_cost(shape, params, dtype_bytes, contexts) for contexts in result["contexts"]]
+    costs = [step_cost(shape, params, dtype_bytes, contexts, weight_bytes) for contexts in result["contexts"]]
     mean = {k: statistics.fmean(c[k] for c in costs) for k in costs[0]}
     memory, compute = rooflines(mean, ceilings)
     measured = statistics.median(result["step_seconds"])
@@ -301,19 +324,21 @@ def decode_row(result: dict, shape: dict, params: dict, dtype_bytes: int, ceilin
     )
 
 
-def ttft_row(case: dict, shape: dict, params: dict, dtype_bytes: int, ceilings: dict) -> dict:
+def ttft_row(case: dict, shape: dict, params: dict, dtype_bytes: int, ceilings: dict, weight_bytes: float) -> dict:
     """One TTFT case's median set against the roofline of the prefill it computed."""
     if "error" in case:
         return case
-    cost = prefill_cost(shape, params, dtype_bytes, case["prompt_tokens"], min(case["num_cached_tokens"]))
+    cost = prefill_cost(shape, params, dtype_bytes, case["prompt_tokens"], min(case["num_cached_tokens"]), weight_bytes)
     memory, compute = rooflines(cost, ceilings)
     return dict(case, ttft_seconds=statistics.median(case["seconds"]), floor_seconds=max(memory, compute),
                 memory_floor_seconds=memory, compute_floor_seconds=compute)
 
 
-def report(args, shape, ceilings, start, end, decode_rows, ttft_rows, target) -> None:
-    """Print the decode and TTFT tables, the ceilings they were set against, and the formulas."""
-    print(f"\nDecode step time, {args.shape} shape ({shape['num_hidden_layers']} layers, {args.dtype}), prompts of "
+def report(args, shape, ceilings, start, end, run_: dict) -> None:
+    """Print one engine's decode and TTFT tables and the ceilings they were set against."""
+    decode_rows, ttft_rows, target = run_["decode"], run_["ttft"], run_["batch1_meets_target"]
+    weights = "" if run_["quantization"] == "none" else f", weights {run_['quantization']}"
+    print(f"\nDecode step time, {args.shape} shape ({shape['num_hidden_layers']} layers, {args.dtype}{weights}), prompts of "
           f"{args.context} tokens, median of {args.decode_steps} timed steps after {args.warmup_steps} untimed")
     print(f"{'batch':>5} {'context':>8} {'step ms':>9} {'memory ms':>10} {'compute ms':>11} {'roofline ms':>12} "
           f"{'fraction':>9} {'x roofline':>11}  {'GB read+written':>15} {'GFLOP':>9}  steps ms (min-max)")
@@ -350,13 +375,32 @@ def report(args, shape, ceilings, start, end, decode_rows, ttft_rows, target) ->
           f"(start {start['copy_bytes_per_s'] / 1e9:.1f}, end {end['copy_bytes_per_s'] / 1e9:.1f}); {args.dtype} matmul "
           f"{ceilings['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s (start {start['matmul_flops_per_s'] / 1e9:.1f}, "
           f"end {end['matmul_flops_per_s'] / 1e9:.1f})")
-    print(FORMULAS)
+
+
+def report_ratios(runs: list[dict]) -> None:
+    """Each quantization's median decode step and TTFT over the first's (the same checkpoint, this run)."""
+    base = runs[0]
+    print(f"\nStep time over {base['quantization']}'s (same checkpoint and device, this run)")
+    for run_ in runs[1:]:
+        cells = [f"batch {a['batch']} {b['step_seconds'] / a['step_seconds']:.2f}x"
+                 for a, b in zip(base["decode"], run_["decode"]) if "error" not in a and "error" not in b]
+        cells += [f"TTFT {a['case']} {b['ttft_seconds'] / a['ttft_seconds']:.2f}x"
+                  for a, b in zip(base["ttft"], run_["ttft"]) if "error" not in a and "error" not in b]
+        print(f"  {run_['quantization']}: {', '.join(cells) or 'no rows to compare'}")
+
+
+# Bytes a quantized weight takes, scales included (chatd's formats): fp8 one byte and a float32
+# scale per row (~0.1%, not counted); int4 half a byte and a bfloat16 scale and zero per 32.
+WEIGHT_BYTES = {"fp8": 1.0, "int4": 0.5 + 4 / 32}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of this benchmark (offline.py passes its --device and --quick through)."""
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=DTYPES, help="default bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--quantization", type=lambda s: s.split(","), default=["none"],
+                   help="chatd's model.quantization, or several comma-separated: one engine each on the same "
+                        "checkpoint, ratios to the first printed (default none; on CUDA fp8 and int4)")
     p.add_argument("--quick", action="store_true", help="tiny model, batches 1 and 4, 200-token TTFT prompt: a smoke test")
     p.add_argument("--batches", type=lambda s: tuple(int(b) for b in s.split(",")), help="decode batch sizes (1,8,64,256)")
     p.add_argument("--context", type=int, help="prompt tokens per decode sequence (1024)")
@@ -385,6 +429,11 @@ def finish_arguments(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, key, value)
     if args.dtype is None:
         args.dtype = "float32" if torch.device(args.device).type == "cpu" else "bfloat16"
+    from chatd.config import QUANTIZATIONS
+
+    unknown = [q for q in args.quantization if q not in QUANTIZATIONS]
+    if unknown:
+        raise ValueError(f"--quantization takes {', '.join(QUANTIZATIONS)}, got {', '.join(unknown)}")
     if not 0 < args.ttft_cached < args.ttft_prompt:
         raise ValueError(f"--ttft-cached must be between 0 and --ttft-prompt ({args.ttft_prompt}), got {args.ttft_cached}")
     if args.ttft_prompt > args.max_num_batched_tokens:
