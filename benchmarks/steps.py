@@ -32,6 +32,7 @@ This script knows nothing of chatd's internals; it only calls the engine's publi
 
     python benchmarks/steps.py --device cuda --json steps.json
     python benchmarks/steps.py --quick                  # tiny model on CPU: a smoke test, seconds
+    python benchmarks/steps.py --device cuda --quantization none,fp8,int4 --batches 1,64
 """
 
 from __future__ import annotations
