@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh throughput   # offline.py: Qwen3-0.6B shape vs transformers' peers
 #   bash benchmarks/gpu_session.sh steps        # steps.py: 8B decode rooflines and TTFT
 #   bash benchmarks/gpu_session.sh kv           # kv_sessions.py (host tier, fp8 KV) and kv_accuracy.py
+#   bash benchmarks/gpu_session.sh serve        # serve.py: `chatd serve` on CUDA, streamed, 1-256 at once
 #
 # The GPU machine lacks some of chatd's and the tests' packages and has no network: first, here,
 #
@@ -12,7 +13,8 @@
 #
 # and have the device call carry .whl. Arguments after the first go to the script it runs
 # (pytest, offline.py, steps.py or kv_sessions.py), e.g. `throughput --repeats 1 --peers chatd,hf-cb`
-# or `steps --quantization none,fp8,int4` when device time is short.
+# or `steps --quantization none,fp8,int4 --batches 1,64`, or `steps --profile 10` (where a step's
+# time goes: device busy against wall, top kernels).
 #
 # It runs from a checkout without installing chatd (PYTHONPATH), installs wheels carried in
 # .whl/ first if there are any (the GPU machine has no network), and leaves logs and JSON in
@@ -50,6 +52,10 @@ case "$what" in
     kv)
         "$PYTHON" benchmarks/kv_sessions.py --device cuda --repeats 3 --json "$OUT/kv_sessions.json" "$@" 2>&1 | tee "$OUT/kv.log"
         "$PYTHON" benchmarks/kv_accuracy.py --device cuda 2>&1 | tee -a "$OUT/kv.log" ;;
+    serve)  # a Llama of Qwen3-0.6B's size; transformers serve needs packages the image lacks
+        "$PYTHON" benchmarks/serve.py --device cuda --skip-transformers --concurrency 1,16,64,256 --hidden 1024 \
+            --layers 28 --heads 16 --kv-heads 8 --intermediate 3072 --max-num-batched-tokens 8192 \
+            --json "$OUT/serve.json" "$@" 2>&1 | tee "$OUT/serve.log" ;;
     *)
-        echo "usage: bash benchmarks/gpu_session.sh wheels|tests|throughput|steps|kv" >&2; exit 2 ;;
+        echo "usage: bash benchmarks/gpu_session.sh wheels|tests|throughput|steps|kv|serve" >&2; exit 2 ;;
 esac

@@ -16,6 +16,8 @@ the server / offline ratio at the highest level.
     python benchmarks/serve.py                                   # levels 1,16,64
     python benchmarks/serve.py --concurrency 1,4 --num-requests 8 --output-tokens 16   # smoke test
     python benchmarks/serve.py --skip-transformers --json serve.json
+    python benchmarks/serve.py --device cuda --skip-transformers --concurrency 1,16,64,256 \
+        --hidden 1024 --layers 28 --heads 16 --kv-heads 8 --intermediate 3072 --max-num-batched-tokens 8192
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ def run_chatd(args, model_dir: Path, config_path: Path, work: Path) -> dict:
     port = free_port()
     server = Server(
         "chatd", [sys.executable, "-m", "chatd", "serve", "--model", str(model_dir), "--config", str(config_path),
-                  "--host", HOST, "--port", str(port), "--device", "cpu"],
+                  "--host", HOST, "--port", str(port), "--device", args.device],
         work / "chatd.log",
     )
     try:
@@ -189,7 +191,7 @@ def run_transformers(args, model_dir: Path, work: Path) -> dict:
     port = free_port()
     server = Server(
         "transformers", [transformers_cli(), "serve", str(model_dir), "--continuous-batching", "--attn-implementation",
-                         "sdpa", "--device", "cpu", "--dtype", "float32", "--host", HOST, "--port", str(port)],
+                         "sdpa", "--device", args.device, "--dtype", args.dtype, "--host", HOST, "--port", str(port)],
         work / "transformers.log", env={"HF_HUB_OFFLINE": "1"},
     )
     try:
@@ -315,8 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-transformers", action="store_true", help="run chatd (server and offline) only")
     parser.add_argument("--skip-offline", action="store_true", help="do not run chatd's offline engine")
     add_common_arguments(parser)
+    parser.add_argument("--device", default="cpu", help="where both servers and the offline engine run: cpu or cuda (default cpu)")
+    parser.add_argument("--dtype", help="the model's dtype (default float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--json", metavar="PATH", help="also write every number to this file")
     args = parser.parse_args(argv)
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     # SIGTERM as Ctrl-C, so the try/finally blocks stop the server subprocesses.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
@@ -331,10 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         silenced = build_bench_model(args, model_dir)
         report["silenced_token_ids"] = len(silenced)
         print(f"zeroed {len(silenced)} lm_head rows (byte-fallback and special tokens)", flush=True)
-        engine_options = dict(device="cpu", dtype="float32", max_num_batched_tokens=args.max_num_batched_tokens)
+        engine_options = dict(device=args.device, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
         config_path = work / "chatd.toml"
         config_path.write_text(
-            f'[model]\ndevice = "cpu"\ndtype = "float32"\n\n[scheduler]\nmax_num_batched_tokens = {args.max_num_batched_tokens}\n'
+            f'[model]\ndevice = "{args.device}"\ndtype = "{args.dtype}"\n\n'
+            f'[scheduler]\nmax_num_batched_tokens = {args.max_num_batched_tokens}\n'
         )
         print(f"model folder {model_dir}", flush=True)
         try:

@@ -119,7 +119,8 @@ def time_decode(engine, batch: int, args: argparse.Namespace, rng: random.Random
 
     # Early sequences decode while later ones still prefill, so leave room for those tokens too.
     prefill_steps = -(-batch * args.context // max(args.max_num_batched_tokens - batch, 1)) + 2
-    params = SamplingParams(max_tokens=prefill_steps + args.warmup_steps + args.decode_steps + 2,
+    profiled = args.profile if batch == args.batches[0] else 0
+    params = SamplingParams(max_tokens=prefill_steps + args.warmup_steps + args.decode_steps + profiled + 2,
                             temperature=0.0, ignore_eos=True)
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     prompts = [[rng.randrange(args.vocab) for _ in range(args.context)] for _ in ids]
@@ -163,7 +164,33 @@ def _time_decode(engine, batch: int, ids: list[str], prompts: list[list[int]], p
         raise RuntimeError(f"batch {batch}: prompt tokens computed or sequences preempted during the timed steps")
     if after.num_running != batch or after.num_waiting:
         raise RuntimeError(f"batch {batch}: {after.num_running} running, {after.num_waiting} waiting")
+    if args.profile and batch == args.batches[0]:
+        profile_steps(step, batch, args)
     return dict(batch=batch, step_seconds=times, contexts=contexts)
+
+
+def profile_steps(step, batch: int, args: argparse.Namespace) -> None:
+    """Run `args.profile` more decode steps under torch's profiler and print where their time went:
+    the device's busy time against the wall time (the rest is the host's, or idle), and the top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(args.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(args.profile):
+            step()
+        sync(device)
+        wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    on_device = sum(e.self_device_time_total for e in averages) / 1e6 if device.type == "cuda" else 0.0
+    busy = (f"; device busy {on_device / args.profile * 1e3:.3f} ms a step ({on_device / wall:.0%} of the wall time)"
+            if device.type == "cuda" else "")
+    print(f"\nprofile of {args.profile} decode steps at batch {batch}: {wall / args.profile * 1e3:.3f} ms a step "
+          f"(under the profiler){busy}")
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(averages.table(sort_by=sort, row_limit=20, max_name_column_width=60), flush=True)
 
 
 def first_token(engine, request_id: str, prompt: list[int], device: torch.device):
@@ -399,6 +426,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of this benchmark (offline.py passes its --device and --quick through)."""
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=DTYPES, help="default bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the first batch size's timed steps, N more under torch's profiler: device busy "
+                        "time against wall time, and the top ops (default 0: none)")
     p.add_argument("--quantization", type=lambda s: s.split(","), default=["none"],
                    help="chatd's model.quantization, or several comma-separated: one engine each on the same "
                         "checkpoint, ratios to the first printed (default none; on CUDA fp8 and int4)")

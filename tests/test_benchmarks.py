@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,8 @@ def load_offline():
 def test_steps_quick_on_cpu_reports_step_times_rooflines_and_a_prefix_cache_hit(tmp_path):
     path = tmp_path / "steps.json"
     run = subprocess.run(
-        [sys.executable, "benchmarks/steps.py", "--quick", "--device", "cpu", "--json", str(path)],
+        [sys.executable, "benchmarks/steps.py", "--quick", "--device", "cpu", "--profile", "2",
+         "--quantization", "none,int8", "--json", str(path)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -49,6 +51,11 @@ def test_steps_quick_on_cpu_reports_step_times_rooflines_and_a_prefix_cache_hit(
     assert "FLOPs = 2 x (non-embedding params + lm_head) x batch" in run.stdout
     assert "memory roofline  = (weights + KV read + KV written) / copy bandwidth" in run.stdout
     assert "(the prompt is one step)" in run.stdout
+    # The profiled steps print where their time went; int8 got an engine of its own, compared with none's.
+    assert "profile of 2 decode steps at batch 1:" in run.stdout
+    assert [r["quantization"] for r in result["runs"]] == ["none", "int8"]
+    assert result["runs"][1]["engine"]["quantization"] == "int8"
+    assert re.search(r"int8: batch 1 \d+\.\d\dx, batch 4 \d+\.\d\dx", run.stdout)
 
 
 @pytest.mark.parametrize(
