@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh steps        # steps.py: 8B decode rooflines and TTFT
 #   bash benchmarks/gpu_session.sh kv           # kv_sessions.py (host tier, fp8 KV) and kv_accuracy.py
 #   bash benchmarks/gpu_session.sh serve        # serve.py: `chatd serve` on CUDA, streamed, 1-256 at once
+#   bash benchmarks/gpu_session.sh linears      # linears.py: bf16, int4, unpacked int4, fp8 per layer, 1-8192 rows
 #
 # The GPU machine lacks some of chatd's and the tests' packages and has no network: first, here,
 #
@@ -56,6 +57,8 @@ case "$what" in
         "$PYTHON" benchmarks/serve.py --device cuda --skip-transformers --concurrency 1,16,64,256 --hidden 1024 \
             --layers 28 --heads 16 --kv-heads 8 --intermediate 3072 --max-num-batched-tokens 8192 \
             --json "$OUT/serve.json" "$@" 2>&1 | tee "$OUT/serve.log" ;;
+    linears)
+        "$PYTHON" benchmarks/linears.py --device cuda --json "$OUT/linears.json" "$@" 2>&1 | tee "$OUT/linears.log" ;;
     *)
-        echo "usage: bash benchmarks/gpu_session.sh wheels|tests|throughput|steps|kv|serve" >&2; exit 2 ;;
+        echo "usage: bash benchmarks/gpu_session.sh wheels|tests|throughput|steps|kv|serve|linears" >&2; exit 2 ;;
 esac

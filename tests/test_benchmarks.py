@@ -150,3 +150,17 @@ def test_prefill_runs_one_step_eager_and_compiled_and_they_agree(tmp_path):
     assert all(t > 0 for t in result["eager_ms"] + result["compiled_ms"]) and result["median_paired_ratio"] > 0
     assert result["relative_difference"] < 1e-4 and result["same_argmax"] == 1.0
     assert "median paired ratio" in run.stdout
+
+
+def test_linears_quick_times_every_weight_format_at_each_row_count(tmp_path):
+    """benchmarks/linears.py (the per-layer table a GPU session decides int4's and fp8's paths by)
+    runs on CPU: a cell per format and row count, and its two int4 forms hold the same weight."""
+    path = tmp_path / "linears.json"
+    run = subprocess.run([sys.executable, "benchmarks/linears.py", "--quick", "--json", str(path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = json.loads(path.read_text())["table"]
+    assert [row["rows"] for row in table] == [1, 16, 256]
+    for row in table:
+        assert set(row["seconds"]) == {"bf16", "int4", "int4 unpacked"}  # no fp8 on a CPU
+        assert all(seconds > 0 for seconds in row["seconds"].values())
