@@ -43,7 +43,7 @@ class ModelConfig:
     # How the model's tool calls are read: auto (from its chat template) | hermes | llama3_json | mistral.
     tool_parser: str = "auto"
     # Weights stored and computed in fewer bits: "none", "int8" (per output channel), "int4" (groups
-    # of 32), "gguf" (a GGUF file's Q4_0/Q4_1/Q4_K blocks kept as int4 and Q8_0 blocks as int8,
+    # of 32), "gguf" (a GGUF file's Q4_0/Q4_1/Q4_K blocks kept as int4 and Q8_0/Q6_K blocks as int8,
     # exactly; its other quantized tensors int8 per row), or "fp8" (e4m3 with a scale per output
     # channel). On CPU: int8, int4, gguf. On a CUDA GPU: int4 (compute capability 8.0+) and fp8 (8.9+).
     quantization: str = "none"

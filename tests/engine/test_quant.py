@@ -138,6 +138,71 @@ def test_gguf_q8_0_blocks_are_int8_blocks_exactly():
     assert np.array_equal(layer.dequantized().numpy(), expected)  # the file's weights, nothing rounded
 
 
+def random_q6_k(rows: int, columns: int, seed: int = 0) -> np.ndarray:
+    """Q6_K blocks of random bytes (every bit pattern of values, high bits and int8 scales occurs)
+    with finite float16 d: [rows, columns / 256 * 210] uint8, as the gguf library reads a tensor."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, columns // 256, 210), dtype=np.uint8)
+    d = rng.uniform(0.0005, 0.005, (rows, columns // 256)).astype(np.float16)
+    raw[..., 208:210] = d.view(np.uint8).reshape(rows, -1, 2)
+    return raw.reshape(rows, -1)
+
+
+def test_gguf_q6_k_blocks_are_int8_blocks_of_16_exactly():
+    rows, columns = 48, 512
+    raw = random_q6_k(rows, columns)
+    q, scales = int8_parts(raw, columns, "Q6_K")
+    assert q.dtype == np.int8 and q.min() >= -32 and q.max() <= 31 and scales.shape == (rows, columns // 16)
+    layer = Int8Linear(torch.from_numpy(q), torch.from_numpy(scales), None)
+    assert layer.kind == "int8 per 16-weight block"
+    expected = dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(rows, columns)
+    # llama.cpp's d * sc * q, in float32 as the gguf library computes it: rounded once at most.
+    np.testing.assert_allclose(layer.dequantized().numpy(), expected, rtol=2**-23, atol=0)
+
+
+class FileBlocks:
+    """A GGUF file's blocks by tensor name, as LlamaForCausalLM.quantize("gguf") reads them."""
+
+    def __init__(self, int8: dict) -> None:
+        self.int8 = int8
+
+    def int4_parts(self, name):
+        return None
+
+    def int8_parts(self, name):
+        return self.int8.get(name)
+
+    def is_quantized(self, name):
+        return name in self.int8
+
+
+def test_a_fused_projection_of_q8_0_and_q6_k_parts_keeps_both_exactly(model_dirs):
+    """Q4_K_M files keep attn_v in Q6_K beside other types: a fused q/k/v of Q8_0 (blocks of 32)
+    and Q6_K (blocks of 16) parts is one int8 layer with blocks of 16, each part's weights as the file has them."""
+    model, _ = load_model(Checkpoint(model_dirs["llama"]), torch.float32, torch.device("cpu"))
+    attention = model.layers[0].self_attn
+    sizes = attention.qkv_proj.output_sizes
+    columns = attention.qkv_proj.in_features
+    q8 = [quantize(np.random.default_rng(i).normal(size=(n, columns)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+          for i, n in enumerate(sizes[:2])]
+    # v as int8_parts reads a Q6_K tensor (the tiny model's rows are narrower than its 256-weight
+    # super-blocks, so the parts are drawn directly): values -32..31, a float32 scale per 16.
+    rng = np.random.default_rng(9)
+    v_parts = (rng.integers(-32, 32, (sizes[2], columns), dtype=np.int8),
+               rng.uniform(1e-4, 1e-2, (sizes[2], columns // 16)).astype(np.float32))
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    blocks = FileBlocks({names[0]: int8_parts(q8[0], columns), names[1]: int8_parts(q8[1], columns), names[2]: v_parts})
+    model.quantize("gguf", blocks)
+    layer = model.layers[0].self_attn.qkv_proj.quantized
+    assert isinstance(layer, Int8Linear) and layer.kind == "int8 per 16-weight block"
+    expected = np.concatenate([dequantize(q8[0], gguf.GGMLQuantizationType.Q8_0).reshape(sizes[0], columns),
+                               dequantize(q8[1], gguf.GGMLQuantizationType.Q8_0).reshape(sizes[1], columns),
+                               (v_parts[0].astype(np.float32).reshape(sizes[2], -1, 16)
+                                * v_parts[1][..., None]).reshape(sizes[2], columns)])
+    assert np.array_equal(layer.dequantized().numpy(), expected)
+    assert model.layers[0].self_attn.o_proj.quantized is None  # a tensor the file keeps in float stays float
+
+
 @pytest.fixture(scope="module")
 def q4_gguf(model_dirs, tmp_path_factory):
     """The llama family's random model as a GGUF of Q4_1 blocks (q/k rows permuted as llama.cpp's converter does)."""

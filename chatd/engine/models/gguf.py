@@ -205,11 +205,12 @@ class GGUFCheckpoint:
         return self._rows_as_hf(tensor, int4_parts(np.asarray(tensor.data), tensor.tensor_type.name, int(tensor.shape[0])))
 
     def int8_parts(self, hf: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """A Q8_0 tensor as (q int8, scales float16 per 32 weights), rows in Hugging Face's order; None for other types."""
+        """A Q8_0 or Q6_K tensor as (q int8, a scale per block of 32 or 16 weights), rows in Hugging
+        Face's order; None for other types."""
         tensor = self._tensor(hf)
         if tensor is None or tensor.tensor_type.name not in INT8_TYPES:
             return None
-        return self._rows_as_hf(tensor, int8_parts(np.asarray(tensor.data), int(tensor.shape[0])))
+        return self._rows_as_hf(tensor, int8_parts(np.asarray(tensor.data), int(tensor.shape[0]), tensor.tensor_type.name))
 
     def _rows_as_hf(self, tensor, parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
         """Per-row arrays of a tensor with a `llama` file's q/k rows put back in Hugging Face's order."""

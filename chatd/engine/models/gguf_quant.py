@@ -9,7 +9,10 @@ the only difference from llama.cpp's dequantization (tested against the gguf lib
 
 Q8_0 stores each run of 32 weights as int8 values q and one float16 scale d: `d * q`. That is
 quant.py's int8 layer with a scale per block, which keeps q and d as they are: exactly
-llama.cpp's weights.
+llama.cpp's weights. Q6_K (in 256-weight super-blocks: a float16 d and an int8 scale sc per 16
+weights) is `d * sc * (q - 32)` with q a 6-bit number: int8 values q - 32 with a float32 scale
+d * sc per block of 16, also exactly (a float16 times an int8 is exact in float32). Q4_K_M and
+Q5_K_M files keep some tensors (often ffn_down, attn_v, the output head) in Q6_K.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # GGUF types that map exactly onto int4 groups of 32
-INT8_TYPES = ("Q8_0",)  # ... and onto int8 blocks of 32 with a scale each
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34}  # bytes per block (32, 32, 256 and 32 weights)
+INT8_TYPES = ("Q8_0", "Q6_K")  # ... and onto int8 blocks (of 32, and of 16) with a scale each
+# Bytes per block: 32 weights (Q4_0, Q4_1, Q8_0) or 256 (the K types).
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34, "Q6_K": 210}
 
 
 def int4_parts(data: np.ndarray, type_name: str, columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -40,11 +44,15 @@ def int4_parts(data: np.ndarray, type_name: str, columns: int) -> tuple[np.ndarr
     return q.reshape(rows, columns), scales.reshape(rows, -1), zeros.reshape(rows, -1)
 
 
-def int8_parts(data: np.ndarray, columns: int) -> tuple[np.ndarray, np.ndarray]:
-    """A Q8_0 tensor's raw blocks ([rows, bytes per row] uint8) as q [rows, columns] int8 and
-    scales [rows, columns / 32] float16, the file's own numbers."""
+def int8_parts(data: np.ndarray, columns: int, type_name: str = "Q8_0") -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 or Q6_K tensor's raw blocks ([rows, bytes per row] uint8) as q [rows, columns] int8
+    and a scale per block: [rows, columns / 32] float16 (Q8_0, the file's own numbers) or
+    [rows, columns / 16] float32 (Q6_K, d * sc)."""
     rows = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(rows, -1, BLOCK_BYTES["Q8_0"])  # [rows, blocks, 2 + 32]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, BLOCK_BYTES[type_name])
+    if type_name == "Q6_K":
+        q, scales = _q6_k(blocks)
+        return q.reshape(rows, columns), scales.reshape(rows, -1)
     scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [rows, blocks]
     q = blocks[..., 2:].copy().view(np.int8)  # [rows, blocks, 32]
     return q.reshape(rows, columns), scales
@@ -72,3 +80,19 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     q = np.stack([chunks & 0x0F, chunks >> 4], axis=3)  # [rows, blocks, 4, 2, 32]: run 2c, then 2c + 1
     scales = d * sc
     return q.reshape(*blocks.shape[:2], 256), scales, 8 * scales - dmin * mn
+
+
+def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks of 256 weights: 128 bytes of low nibbles, 64 bytes of high bit pairs,
+    16 int8 scales, then d (float16). Each half of 128 weights takes 64 low-nibble bytes and 32
+    high bytes: its four runs of 32 are the low nibbles of bytes 0-31 and 32-63, then their high
+    nibbles, each with bit pair 0, 1, 2, 3 of the high byte at the same place as its top two bits."""
+    rows, num = blocks.shape[:2]
+    low = blocks[..., 0:128].reshape(rows, num, 2, 2, 32)  # [rows, blocks, half, bytes 0-31 | 32-63, 32]
+    high = blocks[..., 128:192].reshape(rows, num, 2, 1, 32)  # [rows, blocks, half, 1, 32]
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [rows, blocks, 16]
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)  # [rows, blocks, 1]
+    runs = np.concatenate([low & 0x0F, low >> 4], axis=3)  # [rows, blocks, half, 4 runs, 32]
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)  # run r's top bits: pair r
+    q = (runs | ((high >> shifts) & 3) << 4).astype(np.int8) - 32
+    return q.reshape(rows, num * 256), d * sc

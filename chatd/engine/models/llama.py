@@ -42,7 +42,8 @@ class GGUFBlocks(Protocol):
         """(q, scales, zeros) numpy arrays of a 4-bit tensor, rows as the model wants them; None otherwise."""
 
     def int8_parts(self, name: str) -> tuple | None:
-        """(q, scales per 32 weights) numpy arrays of a Q8_0 tensor, rows as the model wants them; None otherwise."""
+        """(q, a scale per block of 32 or 16 weights) numpy arrays of a Q8_0 or Q6_K tensor, rows as the
+        model wants them; None otherwise."""
 
     def is_quantized(self, name: str) -> bool:
         """Whether the file stores the tensor quantized (in any block format)."""
@@ -360,8 +361,8 @@ class LlamaForCausalLM(nn.Module):
         """Weight-only quantization of every projection and the LM head (quant.py); the embedding,
         norms and biases stay as they are. A tied head gets a quantized copy of the embedding.
         `kind` "gguf": a layer whose GGUF tensors are 4-bit blocks keeps them (int4, exactly), one of
-        Q8_0 blocks keeps them too (int8 with a scale per block), another quantized one is int8 with
-        a scale per row, a float one stays float."""
+        Q8_0 or Q6_K blocks keeps them too (int8 with a scale per block), another quantized one is
+        int8 with a scale per row, a float one stays float."""
         self.quantization = kind
         for name, module in self.named_modules():
             if isinstance(module, FusedLinear):
@@ -409,7 +410,12 @@ class LlamaForCausalLM(nn.Module):
             return Int4Linear(q.to(torch.int32), scales, zeros, bias)
         parts = [gguf.int8_parts(name) for name in names] if exact else [None]
         if all(part is not None for part in parts):
-            q, scales = (torch.cat([torch.from_numpy(part[i]) for part in parts]) for i in range(2))
+            # Parts with blocks of 32 (Q8_0) beside parts with blocks of 16 (Q6_K), as a Q4_K_M
+            # file's fused projections can have: each scale repeated to the finest blocks, exactly.
+            width = max(part[1].shape[1] for part in parts)
+            q = torch.cat([torch.from_numpy(part[0]) for part in parts])
+            scales = torch.cat([torch.from_numpy(part[1]).float().repeat_interleave(width // part[1].shape[1], dim=1)
+                                for part in parts])
             return Int8Linear(q, scales, bias)
         if gguf is not None and any(gguf.is_quantized(name) for name in names):
             return quantize_linear(weight, bias, "int8")

@@ -113,17 +113,19 @@ def unavailable_reason(kind: str, device: torch.device) -> str | None:
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T (+ b) with W stored as int8 and a scale per output row, or per block of
-    GROUP_SIZE weights of a row (GGUF's Q8_0, kept as the file has it)."""
+    """y = x W^T (+ b) with W stored as int8 and a scale per output row, or per block of a row's
+    weights (GGUF's Q8_0, blocks of 32, and Q6_K, blocks of 16, kept as the file has them)."""
 
     def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None) -> None:
         """qweight [out, in] int8; scales [out] (per row: kept in bfloat16, the kernel's) or
-        [out, in / GROUP_SIZE] (per block: kept in float32, which holds Q8_0's float16 scales
-        exactly; a compiled step read float16 ones 10-25% slower, for 6% fewer bytes)."""
+        [out, in / block] (per block: kept in float32, which holds Q8_0's float16 scales and Q6_K's
+        products exactly; a compiled step read float16 ones 10-25% slower, for 6% fewer bytes)."""
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.per_block = scales.dim() == 2
-        self.kind = "int8 per 32-weight block" if self.per_block else "int8"  # as the startup log names it
+        self.block_size = self.in_features // scales.shape[1] if self.per_block else self.in_features
+        # as the startup log names it
+        self.kind = f"int8 per {self.block_size}-weight block" if self.per_block else "int8"
         self.register_buffer("qweight", qweight.contiguous())  # [out, in] int8
         self.register_buffer("scales", scales.to(torch.float32 if self.per_block else torch.bfloat16).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -148,7 +150,7 @@ class Int8Linear(nn.Module):
         """The weight [out, in] (or those `rows` of it) in `dtype`: each int8 value times its scale, rounded once."""
         qweight, scales = self.qweight[rows], self.scales[rows]
         if self.per_block:
-            blocks = qweight.view(qweight.shape[0], -1, GROUP_SIZE).float().mul_(scales[..., None])
+            blocks = qweight.view(qweight.shape[0], -1, self.block_size).float().mul_(scales[..., None])
             return blocks.view(qweight.shape).to(dtype)
         if dtype == torch.bfloat16:  # the values and scales are exact in bfloat16; the product is rounded once
             return qweight.to(dtype).mul_(scales[:, None])
