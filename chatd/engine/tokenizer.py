@@ -54,6 +54,12 @@ class Tokenizer:
             self._control_token_guard = ControlTokenGuard(backend, _template_source(hf))
         backend = getattr(hf, "backend_tokenizer", None)
         self._stored_replies = StoredReplies(backend, self._decode_all) if backend is not None else None
+        # The Rust tokenizer's own decode, where transformers' decode adds nothing to it (with no
+        # clean-up of spaces, as here): 3.4 us a call against 7.3 us through transformers'
+        # wrapper. Streaming calls it twice a token, 512 times a step at 256 sequences.
+        wrapper = getattr(type(hf), "_decode", None)
+        plain = getattr(wrapper, "__qualname__", "") in ("TokenizersBackend._decode", "PreTrainedTokenizerFast._decode")
+        self._backend_decode = backend.decode if backend is not None and plain else None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, special_tokens_in_messages: bool = False) -> Tokenizer:
@@ -76,6 +82,8 @@ class Tokenizer:
         """Text for token ids, exactly as the detokenizer would stream it from an empty prompt."""
         # No clean-up of spaces before punctuation: it depends on the neighbouring tokens, so
         # streamed deltas could not reproduce it.
+        if self._backend_decode is not None:
+            return self._backend_decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(
             list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )

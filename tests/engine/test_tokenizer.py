@@ -58,6 +58,22 @@ def test_encode_decode_round_trips_text_outside_the_vocabulary(tok):
     assert tok.vocab_size == len(tok.hf)
 
 
+@pytest.mark.parametrize("kind", ["sentencepiece", "llama3-bpe"])
+def test_decode_is_transformers_decode_without_clean_up(tokenizer_dir, tmp_path, kind):
+    """Tokenizer.decode calls the Rust tokenizer itself (faster): it must read every id sequence,
+    special tokens shown or skipped, exactly as transformers' own decode does."""
+    import random
+
+    chosen = Tokenizer.from_pretrained(tokenizer_dir if kind == "sentencepiece" else build_llama3_tokenizer(tmp_path))
+    assert chosen._backend_decode is not None  # the fast path is the one under test
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(chosen.vocab_size) for _ in range(rng.randint(1, 16))]
+        for skip in (True, False):
+            assert chosen.decode(ids, skip_special_tokens=skip) == chosen.hf.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
 def test_chat_template_renders_every_role_and_encode_chat_has_one_bos(tok):
     messages = [
         {"role": "system", "content": "Be brief."},
