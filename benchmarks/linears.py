@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, installed or not
 
-from chatd.engine.models.quant import FP8, FP8_MAX, GROUP_SIZE, Fp8Linear, Int4Linear, unavailable_reason  # noqa: E402
+from chatd.engine.models.quant import GROUP_SIZE, Fp8Linear, Int4Linear, unavailable_reason  # noqa: E402
 
 # (out_features, in_features) of one layer's projections: q/k/v fused, o, gate/up fused, down.
 SHAPES = {"Llama-3.1-8B": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
@@ -79,13 +79,6 @@ class PlainInt4:
         return F.linear(x, self.weight())
 
 
-def scale_input(x: torch.Tensor) -> torch.Tensor:
-    """Fp8Linear's per-token input scaling alone."""
-    x = x.float()
-    scales = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    return (x / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-
-
 def measure(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -104,7 +97,7 @@ def measure(args: argparse.Namespace) -> dict:
             raise RuntimeError(f"the unpacked int4 weight of {out_features}x{in_features} is not the kernel's")
         if unavailable_reason("fp8", device) is None:
             formats["fp8"] = Fp8Linear.from_float(weight)
-            formats["fp8 input scaling"] = scale_input
+            formats["fp8 input scaling"] = Fp8Linear.scaled_input
         layers.append((in_features, formats))
     names = list(layers[0][1])
     print(f"torch {torch.__version__}, {device}"

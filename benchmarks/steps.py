@@ -93,7 +93,7 @@ BLOCK_SIZE = 16
 FORMULAS = """\
 memory roofline  = (weights + KV read + KV written) / copy bandwidth
   weights    = dtype bytes x (every linear incl. lm_head + norms, read once + batch embedding rows)
-               (quantized: the linears and norms at 1 byte a weight for fp8, 0.625 for int4, scales counted)
+               (quantized: the linears and norms at 1 byte a weight for fp8 and int8, 0.625 for int4)
   KV read    = dtype bytes x sum(context) x layers x 2 x kv_heads x head_dim
   KV written = dtype bytes x batch x layers x 2 x kv_heads x head_dim
 compute roofline = FLOPs / matmul rate
@@ -417,9 +417,10 @@ def report_ratios(runs: list[dict]) -> None:
         print(f"  {run_['quantization']}: {', '.join(cells) or 'no rows to compare'}")
 
 
-# Bytes a quantized weight takes, scales included (chatd's formats): fp8 one byte and a float32
-# scale per row (~0.1%, not counted); int4 half a byte and a bfloat16 scale and zero per 32.
-WEIGHT_BYTES = {"fp8": 1.0, "int4": 0.5 + 4 / 32}
+# Bytes a quantized weight takes, scales included (chatd's formats): fp8 and int8 one byte and a
+# scale per row (~0.1%, not counted); int4 half a byte and a bfloat16 scale and zero per 32. A
+# `gguf` file's mix of types is counted at the model's dtype.
+WEIGHT_BYTES = {"fp8": 1.0, "int8": 1.0, "int4": 0.5 + 4 / 32}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

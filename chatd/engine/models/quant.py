@@ -36,7 +36,7 @@ GPUs with fp8 tensor cores (compute capability 8.9: Ada, Hopper) only. int8 and 
 (`unavailable_reason`). Measured on an H100 with Llama-3.1-8B's shape (benchmarks/README.md), step
 time over bfloat16's: int4 0.66x at one sequence but 3.0x at 64 and 15x for a 2000-token prefill
 (the kernel is made for few rows); fp8 1.06x at one and 1.15x at 64 (its per-token input scaling
-is five small kernels per layer). Both halve or quarter the weights' memory.
+is five small kernels per layer). fp8 halves the weights' memory, int4 cuts it to under a third.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from chatd.engine.models.matvec import as_reductions, block_products, row_products, stored
 
-QUANTIZATIONS = ("none", "int8", "int4", "fp8")
 GROUP_SIZE = 32  # weights of a row sharing a scale (and for int4 a zero): GGUF's blocks
 # From this many rows an int8 layer dequantizes its weight to bfloat16 and runs a bfloat16 matmul
 # instead of the int8 kernel, where the CPU multiplies bfloat16 natively. Timed apart on a 3072 x 576
@@ -269,7 +268,7 @@ class Int4Linear(nn.Module):
         """`rows` of the padded weight (bounds multiples of 64) in `dtype`, read from the kernel's
         packing: (q - 8) * scale + zero computed in float32 and rounded once, as the kernel computes it."""
         start, stop, _ = rows.indices(self.packed.shape[0])
-        blocks = self.packed.view(-1, self.in_features, 32)[start // 64 : stop // 64]  # (the CPU's packing)  # [blocks, in, 32] bytes
+        blocks = self.packed.view(-1, self.in_features, 32)[start // 64 : stop // 64]  # [blocks, in, 32] bytes (CPU packing)
         q = torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2)  # [blocks, 64 rows, in]
         q = q.reshape(stop - start, self.in_features // GROUP_SIZE, GROUP_SIZE).float()
         scale_zero = self.scales_and_zeros[:, start:stop].transpose(0, 1).float()  # [rows, groups, (scale, zero)]
@@ -302,11 +301,16 @@ class Fp8Linear(nn.Module):
         """The weight in float32 (for tests and references)."""
         return self.qweight.float() * self.scales.T
 
+    @staticmethod
+    def scaled_input(x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [tokens, in] as fp8 with a float32 scale per token ([tokens, 1]): x ~ x_fp8 * scale."""
+        x = x.float()
+        scales = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        return (x / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+
     def forward(self, x: Tensor) -> Tensor:
         shape, dtype = x.shape, x.dtype
-        x = x.reshape(-1, self.in_features).float()  # [tokens, in]
-        x_scales = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)  # [tokens, 1]
-        x_fp8 = (x / x_scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        x_fp8, x_scales = self.scaled_input(x.reshape(-1, self.in_features))  # [tokens, in], [tokens, 1]
         # The weight's transpose is the column-major second operand the fp8 GEMM takes.
         y = torch._scaled_mm(x_fp8, self.qweight.T, scale_a=x_scales, scale_b=self.scales, out_dtype=torch.bfloat16)
         y = y.to(dtype).reshape(*shape[:-1], self.out_features)
