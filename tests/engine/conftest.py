@@ -29,6 +29,17 @@ def q8_gguf(model_dirs, tmp_path_factory) -> Path:
                       quant=gguf.GGMLQuantizationType.Q8_0)
 
 
+@pytest.fixture(scope="session")
+def q5_1_gguf(model_dirs, tmp_path_factory) -> Path:
+    """The llama family's random model as a GGUF file of Q5_1 blocks (5-bit values, a scale and a min per 32 weights)."""
+    import gguf
+
+    from tests.engine.test_gguf import write_gguf
+
+    return write_gguf(model_dirs["llama"], tmp_path_factory.mktemp("q5_1") / "llama.Q5_1.gguf",
+                      quant=gguf.GGMLQuantizationType.Q5_1)
+
+
 def make_llm(path: Path, **options) -> LLM:
     """chatd's offline engine on CPU in fp32, with small blocks so prompts cross block boundaries."""
     defaults = dict(device="cpu", dtype="float32", block_size=8, num_blocks=256, max_num_batched_tokens=512)

@@ -99,18 +99,20 @@ def test_compiled_decode_over_a_narrow_cache_gives_the_eager_tokens(model_dirs, 
 
 
 @needs_cpp_compiler
-@pytest.mark.parametrize("quantization", ["int8", "gguf", "int4"])  # a scale per row; Q8_0's per 32 weights; int4
-def test_compiled_quantized_decode_stays_close_to_eager(model_dirs, q8_gguf, quantization, compile_on):
+# A scale per row; Q8_0's per 32 weights; Q5_1's scale and zero per 32 weights; int4
+@pytest.mark.parametrize("case, kind", [("int8", "int8"), ("gguf", "int8 per 32-weight block"),
+                                        ("gguf-q5_1", "int8 per 32-weight block with zeros"), ("int4", "int4")])
+def test_compiled_quantized_decode_stays_close_to_eager(model_dirs, q8_gguf, q5_1_gguf, case, kind, compile_on):
     """Quantized layers compute in bfloat16, where fusing changes the rounding: logprobs stay within
     bfloat16's step at the demo model's logits (8 bits of mantissa: ~0.4% of logits of 10-30)."""
-    model = q8_gguf if quantization == "gguf" else model_dirs["llama"]
-    # Eager steps serve Q8_0 blocks per row (no kernel takes a scale per block): the blocks' own
-    # reference is the file's weights in float32, which they equal exactly.
+    model = {"gguf": q8_gguf, "gguf-q5_1": q5_1_gguf}.get(case, model_dirs["llama"])
+    quantization = case.partition("-")[0]
+    # Eager steps serve a GGUF file's blocks per row (no kernel takes a scale per block): the blocks'
+    # own reference is the file's weights in float32, which they equal exactly.
     with make_llm(model, compile=False, quantization="none" if quantization == "gguf" else quantization) as eager_llm:
         want = generate(eager_llm)
     with make_llm(model, quantization=quantization) as llm:
         assert llm.engine.runner.compiled is not None
-        kind = {"int8": "int8", "gguf": "int8 per 32-weight block", "int4": "int4"}[quantization]
         assert llm.engine.runner.model.quantized_layers() == {kind: 9}
         before = compile_count()
         got = generate(llm)

@@ -13,8 +13,9 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from chatd.engine import SamplingParams
-from chatd.engine.models.gguf_quant import int4_parts, int8_parts
+from chatd.engine.models.gguf_quant import BLOCK_BYTES, INT8_TYPES, int4_parts, int8_parts
 from chatd.engine.models.loader import Checkpoint, default_model_path, load_model, open_checkpoint
+from chatd.engine.models.matvec import block_products
 from chatd.engine.models.quant import (DEQUANTIZED_CHUNK, DEQUANTIZED_ROWS, FP8, FP8_MAX, GROUP_SIZE, INT4_UNPACKED_ROWS,
                                        NATIVE_BFLOAT16, Fp8Linear, Int4Linear, Int8Linear, can_quantize,
                                        kernel_layout_unpacks, quantize_linear)
@@ -25,8 +26,14 @@ from tests.engine.test_gguf import write_gguf
 SHAPES = [(576, 576), (192, 576), (1536, 576), (100, 96), (16, 32), (49, 64), (2 * DEQUANTIZED_CHUNK + 48, 64)]
 
 
+def q5_1_blocks(weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
+    """A weight as the gguf library writes it in Q5_1 (5-bit values, a scale and a min per 32), kept as int8 blocks with zeros."""
+    q, scales, zeros = int8_parts(quantize(weight.numpy(), gguf.GGMLQuantizationType.Q5_1), weight.shape[1], "Q5_1")
+    return Int8Linear(torch.from_numpy(q), torch.from_numpy(scales), bias, torch.from_numpy(zeros))
+
+
 LAYERS = {"int8": Int8Linear.from_float, "int8 per block": lambda w, b: Int8Linear.from_float(w, b, per_block=True),
-          "int4": Int4Linear.from_float, "fp8": Fp8Linear.from_float}
+          "int8 Q5_1 blocks": q5_1_blocks, "int4": Int4Linear.from_float, "fp8": Fp8Linear.from_float}
 
 
 def fp8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -59,6 +66,7 @@ def test_a_quantized_linear_computes_what_its_dequantized_weight_would(kind, out
     groups = weight.reshape(out_features, -1, GROUP_SIZE)
     step = {"int8": weight.abs().amax(1, keepdim=True) / 127,
             "int8 per block": groups.abs().amax(-1).repeat_interleave(GROUP_SIZE, 1) / 127,
+            "int8 Q5_1 blocks": (groups.amax(-1) - groups.amin(-1)).repeat_interleave(GROUP_SIZE, 1) / 31,
             "int4": (groups.amax(-1) - groups.amin(-1)).repeat_interleave(GROUP_SIZE, 1) / 15,
             # e4m3 keeps 3 bits of mantissa: a step of 1/8 of a weight's power of two (2^-9 of the
             # row's scale below fp8's normal range)
@@ -128,36 +136,50 @@ def test_gguf_4bit_blocks_are_int4_groups_exactly(type_name):
     assert np.array_equal(mine, dequantize(raw, qtype).reshape(rows, columns))
 
 
-def test_gguf_q8_0_blocks_are_int8_blocks_exactly():
-    rows, columns = 48, 512
-    raw = quantize(np.random.default_rng(0).normal(size=(rows, columns)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
-    q, scales = int8_parts(raw, columns)
-    assert q.dtype == np.int8 and scales.dtype == np.float16 and scales.shape == (rows, columns // 32)
-    layer = Int8Linear(torch.from_numpy(q), torch.from_numpy(scales), None)
-    expected = dequantize(raw, gguf.GGMLQuantizationType.Q8_0).reshape(rows, columns)
-    assert np.array_equal(layer.dequantized().numpy(), expected)  # the file's weights, nothing rounded
+# Where each block type keeps its float16 numbers (d; m or dmin), by byte offset in its block.
+FLOAT16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+                  "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
-def random_q6_k(rows: int, columns: int, seed: int = 0) -> np.ndarray:
-    """Q6_K blocks of random bytes (every bit pattern of values, high bits and int8 scales occurs)
-    with finite float16 d: [rows, columns / 256 * 210] uint8, as the gguf library reads a tensor."""
+def random_blocks(type_name: str, rows: int, columns: int, seed: int = 0) -> np.ndarray:
+    """Blocks of random bytes (every bit pattern of values, high bits and packed scales occurs) with
+    finite float16 fields: [rows, bytes per row] uint8, as the gguf library reads a tensor."""
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows, columns // 256, 210), dtype=np.uint8)
-    d = rng.uniform(0.0005, 0.005, (rows, columns // 256)).astype(np.float16)
-    raw[..., 208:210] = d.view(np.uint8).reshape(rows, -1, 2)
+    per_block = 256 if type_name.endswith("_K") else 32
+    raw = rng.integers(0, 256, (rows, columns // per_block, BLOCK_BYTES[type_name]), dtype=np.uint8)
+    for offset in FLOAT16_FIELDS[type_name]:
+        values = rng.uniform(0.0005, 0.05, (rows, columns // per_block)) * rng.choice([-1, 1], (rows, columns // per_block))
+        raw[..., offset : offset + 2] = values.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
     return raw.reshape(rows, -1)
 
 
-def test_gguf_q6_k_blocks_are_int8_blocks_of_16_exactly():
+@pytest.mark.parametrize("type_name", INT8_TYPES)
+def test_every_gguf_block_type_is_int8_blocks_exactly(type_name):
+    """Each type as int8 values with a scale (and a zero) per block: the gguf library's dequantization
+    bit for bit, over random bytes. Q5_0 and Q5_1 (most of SmolLM2's Q4_K_M and Q5_K_M files) and
+    Q5_K carry a fifth bit per weight apart from its nibble; Q6_K two more bits, in blocks of 16."""
     rows, columns = 48, 512
-    raw = random_q6_k(rows, columns)
-    q, scales = int8_parts(raw, columns, "Q6_K")
-    assert q.dtype == np.int8 and q.min() >= -32 and q.max() <= 31 and scales.shape == (rows, columns // 16)
-    layer = Int8Linear(torch.from_numpy(q), torch.from_numpy(scales), None)
-    assert layer.kind == "int8 per 16-weight block"
-    expected = dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(rows, columns)
-    # llama.cpp's d * sc * q, in float32 as the gguf library computes it: rounded once at most.
-    np.testing.assert_allclose(layer.dequantized().numpy(), expected, rtol=2**-23, atol=0)
+    raw = random_blocks(type_name, rows, columns)
+    q, scales, zeros = int8_parts(raw, columns, type_name)
+    assert q.dtype == np.int8 and scales.shape == (rows, columns // (16 if type_name == "Q6_K" else 32))
+    assert (zeros is not None) == (type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"))
+    value_bits = {"Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5}.get(type_name, 4)
+    assert int(q.max()) - int(q.min()) == 2**value_bits - 1  # every value occurs
+    layer = Int8Linear(torch.from_numpy(q), torch.from_numpy(scales), None, None if zeros is None else torch.from_numpy(zeros))
+    expected = dequantize(raw, getattr(gguf.GGMLQuantizationType, type_name)).reshape(rows, columns)
+    assert np.array_equal(layer.dequantized().numpy(), expected)  # the file's weights, nothing rounded
+
+
+def test_int8_blocks_with_zeros_as_reductions_add_each_blocks_zero_times_its_inputs():
+    """A compiled decode step's form of a layer with zeros (matvec.block_products) is x times its weight."""
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 32, (40, 96), generator=generator, dtype=torch.int8)
+    scales, zeros = torch.rand(40, 3, generator=generator) * 0.01, torch.randn(40, 3, generator=generator) * 0.1
+    layer = Int8Linear(q, scales, None, zeros)
+    x = torch.randn(3, 96, generator=generator)
+    reference = x @ layer.dequantized().T
+    torch.testing.assert_close(block_products(x, layer.qweight, layer.scales, layer.zeros), reference, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(block_products(x, layer.qweight, layer.scales), reference, atol=0.1)  # the zeros count
 
 
 class FileBlocks:
@@ -176,29 +198,30 @@ class FileBlocks:
         return name in self.int8
 
 
-def test_a_fused_projection_of_q8_0_and_q6_k_parts_keeps_both_exactly(model_dirs):
-    """Q4_K_M files keep attn_v in Q6_K beside other types: a fused q/k/v of Q8_0 (blocks of 32)
-    and Q6_K (blocks of 16) parts is one int8 layer with blocks of 16, each part's weights as the file has them."""
+def test_a_fused_projection_of_parts_of_different_types_keeps_each_exactly(model_dirs):
+    """Q4_K_M and Q5_K_M files mix types within a fused q/k/v: here Q5_1 (blocks of 32 with a zero),
+    Q8_0 (blocks of 32) and Q6_K (blocks of 16) parts make one int8 layer with blocks of 16 and
+    zeros, each part's weights as the file has them."""
     model, _ = load_model(Checkpoint(model_dirs["llama"]), torch.float32, torch.device("cpu"))
     attention = model.layers[0].self_attn
     sizes = attention.qkv_proj.output_sizes
     columns = attention.qkv_proj.in_features
-    q8 = [quantize(np.random.default_rng(i).normal(size=(n, columns)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
-          for i, n in enumerate(sizes[:2])]
+    types = [gguf.GGMLQuantizationType.Q5_1, gguf.GGMLQuantizationType.Q8_0]
+    raw = [quantize(np.random.default_rng(i).normal(size=(n, columns)).astype(np.float32), t)
+           for i, (n, t) in enumerate(zip(sizes[:2], types))]
     # v as int8_parts reads a Q6_K tensor (the tiny model's rows are narrower than its 256-weight
     # super-blocks, so the parts are drawn directly): values -32..31, a float32 scale per 16.
     rng = np.random.default_rng(9)
     v_parts = (rng.integers(-32, 32, (sizes[2], columns), dtype=np.int8),
-               rng.uniform(1e-4, 1e-2, (sizes[2], columns // 16)).astype(np.float32))
+               rng.uniform(1e-4, 1e-2, (sizes[2], columns // 16)).astype(np.float32), None)
     names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
-    blocks = FileBlocks({names[0]: int8_parts(q8[0], columns), names[1]: int8_parts(q8[1], columns), names[2]: v_parts})
+    blocks = FileBlocks({names[0]: int8_parts(raw[0], columns, "Q5_1"), names[1]: int8_parts(raw[1], columns), names[2]: v_parts})
     model.quantize("gguf", blocks)
     layer = model.layers[0].self_attn.qkv_proj.quantized
-    assert isinstance(layer, Int8Linear) and layer.kind == "int8 per 16-weight block"
-    expected = np.concatenate([dequantize(q8[0], gguf.GGMLQuantizationType.Q8_0).reshape(sizes[0], columns),
-                               dequantize(q8[1], gguf.GGMLQuantizationType.Q8_0).reshape(sizes[1], columns),
-                               (v_parts[0].astype(np.float32).reshape(sizes[2], -1, 16)
-                                * v_parts[1][..., None]).reshape(sizes[2], columns)])
+    assert isinstance(layer, Int8Linear) and layer.kind == "int8 per 16-weight block with zeros"
+    expected = np.concatenate([dequantize(r, t).reshape(n, columns) for r, t, n in zip(raw, types, sizes)]
+                              + [(v_parts[0].astype(np.float32).reshape(sizes[2], -1, 16)
+                                  * v_parts[1][..., None]).reshape(sizes[2], columns)])
     assert np.array_equal(layer.dequantized().numpy(), expected)
     assert model.layers[0].self_attn.o_proj.quantized is None  # a tensor the file keeps in float stays float
 
@@ -229,10 +252,13 @@ def test_a_gguf_models_blocks_are_served_as_the_float_path_reads_them(q4_gguf, t
         assert (quantized.dequantized() - float_weight).abs().max() <= 0.01 * float_weight.abs().max()
 
 
-def test_a_gguf_models_q8_0_blocks_are_kept_exactly(q8_gguf, tmp_path):
-    whole, kept, pairs = float_and_kept(q8_gguf, tmp_path)
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q5_1"])
+def test_a_gguf_models_int8_blocks_are_kept_exactly(model_dirs, tmp_path, type_name):
+    path = write_gguf(model_dirs["llama"], tmp_path / f"llama.{type_name}.gguf", quant=getattr(gguf.GGMLQuantizationType, type_name))
+    whole, kept, pairs = float_and_kept(path, tmp_path)
     for name, float_weight, quantized in pairs:
         assert isinstance(quantized, Int8Linear) and quantized.per_block, name
+        assert (quantized.zeros is not None) == (type_name == "Q5_1"), name
         # The same weights the float path dequantized (q/k rows unpermuted alike), bit for bit.
         assert torch.equal(quantized.dequantized(), float_weight), name
     head = whole.embed_tokens.weight if whole.lm_head is None else whole.lm_head.weight

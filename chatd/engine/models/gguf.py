@@ -204,22 +204,22 @@ class GGUFCheckpoint:
             return None
         return self._rows_as_hf(tensor, int4_parts(np.asarray(tensor.data), tensor.tensor_type.name, int(tensor.shape[0])))
 
-    def int8_parts(self, hf: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """A Q8_0 or Q6_K tensor as (q int8, a scale per block of 32 or 16 weights), rows in Hugging
-        Face's order; None for other types."""
+    def int8_parts(self, hf: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+        """A tensor of any block type gguf_quant reads as (q int8, a scale per block of 32 or 16
+        weights, a zero per block or None), rows in Hugging Face's order; None for other types."""
         tensor = self._tensor(hf)
         if tensor is None or tensor.tensor_type.name not in INT8_TYPES:
             return None
         return self._rows_as_hf(tensor, int8_parts(np.asarray(tensor.data), int(tensor.shape[0]), tensor.tensor_type.name))
 
     def _rows_as_hf(self, tensor, parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
-        """Per-row arrays of a tensor with a `llama` file's q/k rows put back in Hugging Face's order."""
+        """Per-row arrays (or None) of a tensor with a `llama` file's q/k rows put back in Hugging Face's order."""
         heads = int(self.field(f"{self.architecture}.attention.head_count"))
         kv_heads = int(self.field(f"{self.architecture}.attention.head_count_kv", heads))
         if self.architecture == "llama" and tensor.name.endswith("attn_q.weight"):
-            return tuple(unpermute_rope_rows(part, heads) for part in parts)
+            return tuple(None if part is None else unpermute_rope_rows(part, heads) for part in parts)
         if self.architecture == "llama" and tensor.name.endswith("attn_k.weight"):
-            return tuple(unpermute_rope_rows(part, kv_heads) for part in parts)
+            return tuple(None if part is None else unpermute_rope_rows(part, kv_heads) for part in parts)
         return parts
 
     def prepare_config_dir(self, cache_root: Path) -> Path:

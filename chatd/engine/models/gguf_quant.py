@@ -1,61 +1,94 @@
-"""GGUF's 4-bit and 8-bit blocks as quant.py's int4 groups and int8 blocks, without rounding anything again.
+"""GGUF's block formats as quant.py's int4 groups and int8 blocks, without rounding anything again.
 
-llama.cpp's Q4_0, Q4_1 and Q4_K store each run of 32 weights of a row as 4-bit values q with
-one scale and one offset: Q4_0 `d * (q - 8)`, Q4_1 `d * q + m`, Q4_K `d * sc * q - dmin * mn`
-(sc and mn are 6-bit numbers per 32 weights, inside 256-weight super-blocks). All three are
-`(q - 8) * scale + zero`, the int4 kernel's form (quant.py), with scale and zero computed here
-from the block's own numbers. The kernel keeps scales and zeros in bfloat16: that rounding is
-the only difference from llama.cpp's dequantization (tested against the gguf library's).
+Every block format llama.cpp writes stores a run of weights of a row as small integers q with a
+scale and, for some, a zero per run: w = q * scale + zero. What differs is how they are packed:
 
-Q8_0 stores each run of 32 weights as int8 values q and one float16 scale d: `d * q`. That is
-quant.py's int8 layer with a scale per block, which keeps q and d as they are: exactly
-llama.cpp's weights. Q6_K (in 256-weight super-blocks: a float16 d and an int8 scale sc per 16
-weights) is `d * sc * (q - 32)` with q a 6-bit number: int8 values q - 32 with a float32 scale
-d * sc per block of 16, also exactly (a float16 times an int8 is exact in float32). Q4_K_M and
-Q5_K_M files keep some tensors (often ffn_down, attn_v, the output head) in Q6_K.
+  Q8_0  32 weights: int8 q, a float16 d            w = d * q
+  Q4_0  32 weights: 4-bit q, d                     w = d * (q - 8)
+  Q4_1  32 weights: 4-bit q, d and m               w = d * q + m
+  Q5_0  32 weights: 5-bit q (a nibble and a bit)   w = d * (q - 16)
+  Q5_1  32 weights: 5-bit q, d and m               w = d * q + m
+  Q4_K  256 weights: 4-bit q in runs of 32, each with a 6-bit scale sc and min mn, and a float16 d
+        and dmin for the 256                       w = d * sc * q - dmin * mn
+  Q5_K  as Q4_K, with 5-bit q                      w = d * sc * q - dmin * mn
+  Q6_K  256 weights: 6-bit q in runs of 16, each with an int8 scale sc, and a float16 d
+                                                   w = d * sc * (q - 32)
+
+`file_blocks` reads any of them as (q, scale, zero) with the file's own numbers, computed as
+llama.cpp computes them: d * sc is exact in float32 (a float16 times a small integer), so is
+dmin * mn, and w = q * scale + zero is then the gguf library's dequantization bit for bit.
+
+`int8_parts` hands those to quant.py's int8 layer with a scale (and a zero) per block: every type
+above, exactly. `int4_parts` hands the 4-bit types to the int4 kernel, whose form is
+(q - 8) * scale + zero over 0..15: the same numbers with the zero moved by 8 scales. The kernel
+keeps scales and zeros in bfloat16: that rounding is the only difference from llama.cpp's
+dequantization, and why the int4 layer is chosen only when every part of a projection is 4-bit.
+
+Q4_K_M and Q5_K_M files mix types: a small model's rows (SmolLM2's 576 columns) are not a
+multiple of the K types' 256, so llama-quantize writes most of its tensors in Q5_0 (Q4_K_M) or
+Q5_1 (Q5_K_M) instead, and ffn_down, attn_v or the output head in Q6_K or Q8_0.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # GGUF types that map exactly onto int4 groups of 32
-INT8_TYPES = ("Q8_0", "Q6_K")  # ... and onto int8 blocks (of 32, and of 16) with a scale each
-# Bytes per block: 32 weights (Q4_0, Q4_1, Q8_0) or 256 (the K types).
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34, "Q6_K": 210}
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # GGUF types that map exactly onto the int4 kernel's groups of 32
+# ... and every type this module reads maps exactly onto int8 blocks (of 32, or of 16 for Q6_K)
+INT8_TYPES = ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", *INT4_TYPES)
+# Bytes per block: 32 weights, or 256 for the K types.
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176, "Q8_0": 34, "Q6_K": 210}
+
+
+def file_blocks(data: np.ndarray, type_name: str, columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A tensor's raw blocks ([rows, bytes per row] uint8, as the gguf library reads them) as the
+    file's w = q * scale + zero: q [rows, columns] int8, and scales and zeros [rows, runs] float32
+    (one per run of 32 weights, of 16 for Q6_K); zeros is None for the types without them."""
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, BLOCK_BYTES[type_name])  # [rows, blocks, bytes]
+    if type_name == "Q6_K":
+        q, scales, zeros = *_q6_k(blocks), None
+    elif type_name in ("Q4_K", "Q5_K"):
+        q, scales, zeros = _k_quant(blocks, high_bits=type_name == "Q5_K")
+    else:
+        d = _float16(blocks, 0)  # [rows, blocks]
+        if type_name == "Q8_0":
+            q, zeros = blocks[..., 2:].copy().view(np.int8), None
+        else:
+            with_min = type_name in ("Q4_1", "Q5_1")
+            start = 4 if with_min else 2  # after d (and m)
+            if type_name.startswith("Q5"):  # 32 high bits (a little-endian uint32), then the nibbles
+                high = np.unpackbits(blocks[..., start : start + 4], axis=-1, bitorder="little")
+                q = _nibbles(blocks[..., start + 4 : start + 20]) | (high << 4)
+            else:
+                q = _nibbles(blocks[..., start : start + 16])
+            q = q.astype(np.int8)
+            if with_min:
+                zeros = _float16(blocks, 2)
+            else:
+                q, zeros = q - (16 if type_name == "Q5_0" else 8), None
+        scales = d
+    return q.reshape(rows, columns), scales.reshape(rows, -1), None if zeros is None else zeros.reshape(rows, -1)
 
 
 def int4_parts(data: np.ndarray, type_name: str, columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A tensor's raw blocks ([rows, bytes per row] uint8, as the gguf library reads them) as
+    """A Q4_0, Q4_1 or Q4_K tensor's raw blocks as the int4 kernel's form (q - 8) * scale + zero:
     q [rows, columns] in 0..15 and scales, zeros [rows, columns / 32] float32."""
-    rows = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(rows, -1, BLOCK_BYTES[type_name])  # [rows, blocks, bytes]
-    if type_name == "Q4_K":
-        q, scales, zeros = _q4_k(blocks)
-    else:
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, blocks]
-        offset = 2 if type_name == "Q4_0" else 4
-        q = _nibbles(blocks[..., offset : offset + 16])  # [rows, blocks, 32]
-        if type_name == "Q4_0":
-            scales, zeros = d, np.zeros_like(d)
-        else:
-            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-            scales, zeros = d, m + 8 * d
-    return q.reshape(rows, columns), scales.reshape(rows, -1), zeros.reshape(rows, -1)
+    q, scales, zeros = file_blocks(data, type_name, columns)
+    if zeros is None:  # Q4_0: q already centred
+        return (q + 8).astype(np.uint8), scales, np.zeros_like(scales)
+    return q.astype(np.uint8), scales, zeros + 8 * scales
 
 
-def int8_parts(data: np.ndarray, columns: int, type_name: str = "Q8_0") -> tuple[np.ndarray, np.ndarray]:
-    """A Q8_0 or Q6_K tensor's raw blocks ([rows, bytes per row] uint8) as q [rows, columns] int8
-    and a scale per block: [rows, columns / 32] float16 (Q8_0, the file's own numbers) or
-    [rows, columns / 16] float32 (Q6_K, d * sc)."""
-    rows = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(rows, -1, BLOCK_BYTES[type_name])
-    if type_name == "Q6_K":
-        q, scales = _q6_k(blocks)
-        return q.reshape(rows, columns), scales.reshape(rows, -1)
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [rows, blocks]
-    q = blocks[..., 2:].copy().view(np.int8)  # [rows, blocks, 32]
-    return q.reshape(rows, columns), scales
+def int8_parts(data: np.ndarray, columns: int, type_name: str = "Q8_0") -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Any type of INT8_TYPES as int8 blocks: `file_blocks`, with Q8_0's scales kept as the file's float16."""
+    q, scales, zeros = file_blocks(data, type_name, columns)
+    return q, scales.astype(np.float16) if type_name == "Q8_0" else scales, zeros
+
+
+def _float16(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The float16 at `offset` of every block, as float32: [rows, blocks]."""
+    return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -63,12 +96,13 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
 
 
-def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K super-blocks of 256 weights: d, dmin (float16), 12 bytes of eight 6-bit scales and
-    eight 6-bit mins, then 128 bytes of values: four chunks of 32 bytes, each holding two runs
-    of 32 weights (its low nibbles, then its high nibbles)."""
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]  # [rows, blocks, 1]
-    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+def _k_quant(blocks: np.ndarray, high_bits: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K and Q5_K super-blocks of 256 weights: d, dmin (float16), 12 bytes of eight 6-bit scales
+    and eight 6-bit mins, (Q5_K: 32 bytes of high bits,) then 128 bytes of 4-bit values: four chunks
+    of 32 bytes, each holding two runs of 32 weights (its low nibbles, then its high nibbles). Run r's
+    weight i takes bit r of high byte i as its fifth bit. Returns q [rows, blocks, 256] and a scale
+    d * sc and a zero -dmin * mn per run [rows, blocks, 8]."""
+    d, dmin = _float16(blocks, 0)[..., None], _float16(blocks, 2)[..., None]  # [rows, blocks, 1]
     packed = blocks[..., 4:16].astype(np.uint16)  # [rows, blocks, 12]
     sc = np.empty((*blocks.shape[:2], 8), dtype=np.float32)
     mn = np.empty_like(sc)
@@ -76,10 +110,13 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     mn[..., :4] = packed[..., 4:8] & 63
     sc[..., 4:] = (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)
     mn[..., 4:] = (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)
-    chunks = blocks[..., 16:144].reshape(*blocks.shape[:2], 4, 32)  # [rows, blocks, 4, 32]
-    q = np.stack([chunks & 0x0F, chunks >> 4], axis=3)  # [rows, blocks, 4, 2, 32]: run 2c, then 2c + 1
-    scales = d * sc
-    return q.reshape(*blocks.shape[:2], 256), scales, 8 * scales - dmin * mn
+    values = 48 if high_bits else 16
+    chunks = blocks[..., values : values + 128].reshape(*blocks.shape[:2], 4, 32)  # [rows, blocks, 4, 32]
+    q = np.stack([chunks & 0x0F, chunks >> 4], axis=3).reshape(*blocks.shape[:2], 8, 32)  # run 2c, then 2c + 1
+    if high_bits:
+        high = blocks[..., 16:48].reshape(*blocks.shape[:2], 1, 32)  # [rows, blocks, 1, 32]
+        q = q | (((high >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1) << 4)
+    return q.astype(np.int8).reshape(*blocks.shape[:2], 256), d * sc, -(dmin * mn)
 
 
 def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

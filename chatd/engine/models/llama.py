@@ -42,8 +42,8 @@ class GGUFBlocks(Protocol):
         """(q, scales, zeros) numpy arrays of a 4-bit tensor, rows as the model wants them; None otherwise."""
 
     def int8_parts(self, name: str) -> tuple | None:
-        """(q, a scale per block of 32 or 16 weights) numpy arrays of a Q8_0 or Q6_K tensor, rows as the
-        model wants them; None otherwise."""
+        """(q, a scale per block of 32 or 16 weights, a zero per block or None) numpy arrays of a tensor
+        in any block type gguf_quant reads, rows as the model wants them; None otherwise."""
 
     def is_quantized(self, name: str) -> bool:
         """Whether the file stores the tensor quantized (in any block format)."""
@@ -410,13 +410,21 @@ class LlamaForCausalLM(nn.Module):
             return Int4Linear(q.to(torch.int32), scales, zeros, bias)
         parts = [gguf.int8_parts(name) for name in names] if exact else [None]
         if all(part is not None for part in parts):
-            # Parts with blocks of 32 (Q8_0) beside parts with blocks of 16 (Q6_K), as a Q4_K_M
-            # file's fused projections can have: each scale repeated to the finest blocks, exactly.
+            # Parts of different types, as Q4_K_M and Q5_K_M files' fused projections have (Q5_0 or
+            # Q5_1 q/k beside a Q8_0 or Q6_K v): one int8 layer whose blocks are the finest part's,
+            # each part's scales (and zeros: 0 for a type without) repeated to them, exactly.
             width = max(part[1].shape[1] for part in parts)
+
+            def per_finest_block(values) -> Tensor:  # [rows, blocks] numpy -> [rows, width] float32
+                return torch.from_numpy(values).float().repeat_interleave(width // values.shape[1], dim=1)
+
             q = torch.cat([torch.from_numpy(part[0]) for part in parts])
-            scales = torch.cat([torch.from_numpy(part[1]).float().repeat_interleave(width // part[1].shape[1], dim=1)
-                                for part in parts])
-            return Int8Linear(q, scales, bias)
+            scales = torch.cat([per_finest_block(part[1]) for part in parts])
+            zeros = None
+            if any(part[2] is not None for part in parts):
+                zeros = torch.cat([per_finest_block(part[2]) if part[2] is not None else torch.zeros(len(part[1]), width)
+                                   for part in parts])
+            return Int8Linear(q, scales, bias, zeros)
         if gguf is not None and any(gguf.is_quantized(name) for name in names):
             return quantize_linear(weight, bias, "int8")
         return None

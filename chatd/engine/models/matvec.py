@@ -8,7 +8,7 @@ as one `(weight * x[i]).sum(-1)` per row, inductor (worker/compiled.py) makes ea
 loop that streams the weight once at 26-29 GB/s (design notes, "Compiled decode steps"). Outside
 torch.compile, and for more rows, the library's matmul is used as before: it pays there. An
 int8 weight's loop is bound by its arithmetic, not its bytes, so what feeds it is stored first
-(`stored`), and a weight with a scale per block (GGUF's Q8_0) scales each product in the same
+(`stored`), and a weight with a scale per block (GGUF's types) scales each product in the same
 loop (`block_products`).
 """
 
@@ -31,13 +31,18 @@ def row_products(x: Tensor, weight: Tensor) -> Tensor:
     return torch.stack([(weight * x[i]).sum(-1) for i in range(x.shape[0])])
 
 
-def block_products(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
-    """x [rows, in] . (weight [out, in] with a scale per block of its row: scales [out, in / block])
-    -> [rows, out], one reduction per row that scales each product by its block's scale."""
+def block_products(x: Tensor, weight: Tensor, scales: Tensor, zeros: Tensor | None = None) -> Tensor:
+    """x [rows, in] . (weight [out, in] with a scale per block of its row: scales [out, in / block],
+    and a zero per block or none: w = q * scale + zero) -> [rows, out]: one reduction per row that
+    scales each product by its block's scale, plus, with zeros, each block's zero times the sum
+    of x over the block (a reduction 1/block the weight's size, not an add per weight)."""
     out_features, num_blocks = scales.shape
     blocks = weight.view(out_features, num_blocks, -1)  # [out, blocks, block]
     block_scales = scales.view(out_features, num_blocks, 1)
-    return torch.stack([(blocks * x[i].view(num_blocks, -1) * block_scales).sum((-2, -1)) for i in range(x.shape[0])])
+    y = torch.stack([(blocks * x[i].view(num_blocks, -1) * block_scales).sum((-2, -1)) for i in range(x.shape[0])])
+    if zeros is None:
+        return y
+    return y + row_products(x.view(x.shape[0], num_blocks, -1).sum(-1), zeros)
 
 
 def stored(x: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""Weight-only quantized linears: int8 with a scale per row or per 32 weights, int4 in groups of 32.
+"""Weight-only quantized linears: int8 with a scale per row or per block of weights, int4 in groups of 32.
 
 A decode step at batch 1 reads every weight once, so on a CPU its time is the weights' bytes over
 the memory bandwidth: fewer bytes per weight is what makes one stream fast. The kernels are
@@ -18,11 +18,13 @@ int4 layer with INT4_UNPACKED_ROWS or more unpacks its weight from the kernel's 
 (`Int4Linear._unpacked`) and does the same. Both go 1024 weight rows at a time, so a large
 weight (an LM head) is never a large new buffer.
 
-int8 is symmetric: w = q * scale, one scale per row (`int8`), or per block of 32 weights of a
-row, which is GGUF's Q8_0 (kept exactly: no kernel takes it, so it is always a reduction or a
-dequantized matmul). int4 is asymmetric, as llama.cpp's Q4_1: each group of 32 weights of a row
-has a scale and a zero, w = (q - 8) * scale + zero for q in 0..15. GGUF's Q4_0, Q4_1 and Q4_K
-blocks are exactly that (gguf_quant.py converts them without rounding anything again).
+int8 quantizing a float weight is symmetric, w = q * scale with one scale per row (`int8`). A GGUF
+file's blocks keep their own numbers instead (gguf_quant.py): a scale per block of 32 weights of a
+row (16 for Q6_K), and for the types with a min a zero too, w = q * scale + zero (no kernel takes
+blocks, so they are always a reduction or a dequantized matmul). int4 is asymmetric, as llama.cpp's
+Q4_1: each group of 32 weights of a row has a scale and a zero, w = (q - 8) * scale + zero for q in
+0..15. GGUF's Q4_0, Q4_1 and Q4_K blocks are exactly that (nothing rounded again but the kernel's
+bfloat16 scales and zeros).
 
 The kernels' shape rules: the reduced dimension (in_features) a multiple of 32, and for int4 the
 rows a multiple of 16 (padded here with zero rows to a multiple of 64, where the packing has one
@@ -113,20 +115,28 @@ def unavailable_reason(kind: str, device: torch.device) -> str | None:
 
 class Int8Linear(nn.Module):
     """y = x W^T (+ b) with W stored as int8 and a scale per output row, or per block of a row's
-    weights (GGUF's Q8_0, blocks of 32, and Q6_K, blocks of 16, kept as the file has them)."""
+    weights, with or without a zero per block: w = q * scale (+ zero). Blocks hold GGUF files'
+    types as the file has them (gguf_quant.py): Q8_0, Q5_0 and Q4_0 as blocks of 32, Q6_K of 16,
+    and with zeros Q5_1, Q5_K, Q4_1 and Q4_K."""
 
-    def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None) -> None:
+    def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None, zeros: Tensor | None = None) -> None:
         """qweight [out, in] int8; scales [out] (per row: kept in bfloat16, the kernel's) or
-        [out, in / block] (per block: kept in float32, which holds Q8_0's float16 scales and Q6_K's
-        products exactly; a compiled step read float16 ones 10-25% slower, for 6% fewer bytes)."""
+        [out, in / block] (per block: kept in float32, which holds Q8_0's float16 scales and the K
+        types' products exactly; a compiled step read float16 ones 10-25% slower, for 6% fewer
+        bytes); zeros None or, per block only, [out, in / block] (float32)."""
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.per_block = scales.dim() == 2
+        if zeros is not None and not self.per_block:
+            raise ValueError("int8 zeros are per block: scales must be [out, in / block]")
         self.block_size = self.in_features // scales.shape[1] if self.per_block else self.in_features
         # as the startup log names it
         self.kind = f"int8 per {self.block_size}-weight block" if self.per_block else "int8"
+        if zeros is not None:
+            self.kind += " with zeros"
         self.register_buffer("qweight", qweight.contiguous())  # [out, in] int8
         self.register_buffer("scales", scales.to(torch.float32 if self.per_block else torch.bfloat16).contiguous())
+        self.register_buffer("zeros", None if zeros is None else zeros.to(torch.float32).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
@@ -148,8 +158,10 @@ class Int8Linear(nn.Module):
     def dequantized(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> Tensor:
         """The weight [out, in] (or those `rows` of it) in `dtype`: each int8 value times its scale, rounded once."""
         qweight, scales = self.qweight[rows], self.scales[rows]
-        if self.per_block:
+        if self.per_block:  # in float32, as llama.cpp: q * scale exact, + zero rounded once
             blocks = qweight.view(qweight.shape[0], -1, self.block_size).float().mul_(scales[..., None])
+            if self.zeros is not None:
+                blocks.add_(self.zeros[rows][..., None])
             return blocks.view(qweight.shape).to(dtype)
         if dtype == torch.bfloat16:  # the values and scales are exact in bfloat16; the product is rounded once
             return qweight.to(dtype).mul_(scales[:, None])
@@ -163,7 +175,7 @@ class Int8Linear(nn.Module):
             # here made the step 7% slower and agreed no better with the kernel's results.
             x_stored = stored(x)  # int8 loops are compute-bound: the norm before them is not recomputed inside
             if self.per_block:
-                y = block_products(x_stored, self.qweight, self.scales)
+                y = block_products(x_stored, self.qweight, self.scales, self.zeros)
             else:
                 y = row_products(x_stored, self.qweight) * self.scales
         elif self.per_block or self._dequantizes(x):
