@@ -1,7 +1,7 @@
 """Weight-only quantization: each quantized linear computes what its dequantized weight would, for
 every shape class and for a decode step's few rows and a prefill's many; GGUF's 4-bit blocks
-become int4 groups and its Q8_0 blocks int8 blocks without rounding again (checked against the
-gguf library), rows unpermuted as the float path does; quantized models keep their greedy
+become int4 groups and every block type int8 blocks (with zeros where the type has mins) without
+rounding again (checked against the gguf library), rows unpermuted as the float path does; quantized models keep their greedy
 answers within the agreement measured here; a quantization the device cannot run is refused by name."""
 
 from __future__ import annotations
