@@ -378,7 +378,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.register_parameter("weight", None)
 
     def int8_blocks_per_row(self) -> int:
-        """Make every int8 layer with a scale per block (GGUF's Q8_0) one with a scale per row; returns
+        """Make every int8 layer with a scale per block (a GGUF file's types) one with a scale per row; returns
         how many were. For eager decode steps: a block layer has no kernel, so each eager step
         dequantized all of them (SmolLM2 Q8_0: 185 ms a step against 25 per row)."""
         changed = 0

@@ -273,11 +273,12 @@ def size_kv_pool(config: Config, runner, block_bytes: int, context: int) -> int:
 def compile_steps(runner: ModelRunner, config: Config) -> None:
     """On CPU, compile decode and large prefill steps when configured (worker/compiled.py, compiled_prefill.py);
     a failed compile serves eagerly.
-    Eager steps take int8 layers with a scale per row only: Q8_0 blocks are quantized again per row."""
+    Eager steps take int8 layers with a scale per row only: a GGUF file's blocks (Q8_0, Q6_K, Q5_*)
+    are quantized again per row."""
     if not _compiled_steps(runner, config):
         requantized = runner.model.int8_blocks_per_row()
         if requantized:
-            log.info("%d int8 layers of Q8_0 blocks get a scale per row: eager decode steps have no kernel "
+            log.info("%d int8 layers of GGUF blocks get a scale per row: eager decode steps have no kernel "
                      "for a scale per block (compiled steps keep the file's blocks)", requantized)
 
 
