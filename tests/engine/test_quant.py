@@ -17,7 +17,7 @@ from chatd.engine.models.gguf_quant import BLOCK_BYTES, INT8_TYPES, int4_parts, 
 from chatd.engine.models.loader import Checkpoint, default_model_path, load_model, open_checkpoint
 from chatd.engine.models.matvec import block_products
 from chatd.engine.models.quant import (DEQUANTIZED_CHUNK, DEQUANTIZED_ROWS, FP8, FP8_MAX, GROUP_SIZE, INT4_UNPACKED_ROWS,
-                                       NATIVE_BFLOAT16, Fp8Linear, Int4Linear, Int8Linear, can_quantize,
+                                       NATIVE_BFLOAT16, ConcatLinear, Fp8Linear, Int4Linear, Int8Linear, can_quantize,
                                        kernel_layout_unpacks, quantize_linear)
 from tests.engine.conftest import make_llm
 from tests.engine.test_gguf import write_gguf
@@ -185,11 +185,11 @@ def test_int8_blocks_with_zeros_as_reductions_add_each_blocks_zero_times_its_inp
 class FileBlocks:
     """A GGUF file's blocks by tensor name, as LlamaForCausalLM.quantize("gguf") reads them."""
 
-    def __init__(self, int8: dict) -> None:
-        self.int8 = int8
+    def __init__(self, int8: dict, int4: dict | None = None) -> None:
+        self.int8, self.int4 = int8, int4 or {}
 
     def int4_parts(self, name):
-        return None
+        return self.int4.get(name)
 
     def int8_parts(self, name):
         return self.int8.get(name)
@@ -224,6 +224,39 @@ def test_a_fused_projection_of_parts_of_different_types_keeps_each_exactly(model
                                   * v_parts[1][..., None]).reshape(sizes[2], columns)])
     assert np.array_equal(layer.dequantized().numpy(), expected)
     assert model.layers[0].self_attn.o_proj.quantized is None  # a tensor the file keeps in float stays float
+
+
+def test_a_fused_projection_of_4_bit_parts_beside_others_keeps_them_in_the_int4_kernel(model_dirs):
+    """A large model's Q4_K_M keeps q/k in Q4_K and v in Q6_K in some layers: q/k become one int4
+    layer (0.625 bytes a weight) and v an int8 one, side by side, each part's weights as the file has
+    them (the int4 kernel's bfloat16 scales and zeros aside), and the fused output is both."""
+    model, _ = load_model(Checkpoint(model_dirs["qwen2"]), torch.float32, torch.device("cpu"))  # q/k/v biases
+    qkv = model.layers[0].self_attn.qkv_proj
+    sizes, columns = qkv.output_sizes, qkv.in_features
+    float_bias = qkv.bias.detach().clone()
+    rng = np.random.default_rng(3)
+    int4, int8 = {}, {}
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    for name, rows in zip(names[:2], sizes[:2]):  # drawn as int4_parts / int8_parts read a Q4_K tensor
+        q = rng.integers(0, 16, (rows, columns)).astype(np.uint8)
+        scales = rng.uniform(1e-3, 1e-2, (rows, columns // 32)).astype(np.float32)
+        mins = -rng.uniform(0, 0.05, (rows, columns // 32)).astype(np.float32)
+        int4[name] = (q, scales, mins + 8 * scales)
+        int8[name] = (q.astype(np.int8), scales, mins)
+    int8[names[2]] = (rng.integers(-32, 32, (sizes[2], columns), dtype=np.int8),
+                      rng.uniform(1e-4, 1e-2, (sizes[2], columns // 16)).astype(np.float32), None)
+    model.quantize("gguf", FileBlocks(int8, int4))
+    layer = model.layers[0].self_attn.qkv_proj.quantized
+    assert isinstance(layer, ConcatLinear) and layer.kind == "int4 + int8 per 16-weight block"
+    qk = np.concatenate([(int8[n][0].astype(np.float32).reshape(r, -1, 32) * int8[n][1][..., None] + int8[n][2][..., None])
+                         .reshape(r, columns) for n, r in zip(names[:2], sizes[:2])])
+    v = (int8[names[2]][0].astype(np.float32).reshape(sizes[2], -1, 16) * int8[names[2]][1][..., None]).reshape(sizes[2], columns)
+    weight = layer.dequantized()
+    assert np.array_equal(weight[sizes[0] + sizes[1] :].numpy(), v)
+    assert np.abs(weight[: sizes[0] + sizes[1]].numpy() - qk).max() <= 0.01 * np.abs(qk).max()
+    x = torch.randn(3, columns, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(layer(x), x.to(torch.bfloat16).float() @ weight.T + float_bias, rtol=0.02, atol=0.02)
+    assert isinstance(layer.per_row().layers[1], Int8Linear) and not layer.per_row().per_block  # eager decode steps
 
 
 @pytest.fixture(scope="module")

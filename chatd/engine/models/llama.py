@@ -21,6 +21,7 @@ reads only that part; o_proj, down_proj and the embedding end in an all-reduce.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -32,8 +33,33 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from chatd.engine.attention import AttentionBackend, AttentionMetadata, KVCache
 from chatd.engine.models.matvec import dense
-from chatd.engine.models.quant import Int4Linear, Int8Linear, quantize_linear
+from chatd.engine.models.quant import ConcatLinear, Int4Linear, Int8Linear, quantize_linear
 from chatd.engine.models.tensor_parallel import HeadLayout, Shard, TPGroup
+
+def _int4_layer(parts: list[tuple], bias: Tensor | None) -> Int4Linear:
+    """One int4 layer of a fused projection's parts, each (q, scales, zeros) numpy arrays."""
+    q, scales, zeros = (torch.cat([torch.from_numpy(part[i]) for part in parts]) for i in range(3))
+    return Int4Linear(q.to(torch.int32), scales, zeros, bias)
+
+
+def _int8_blocks_layer(parts: list[tuple], bias: Tensor | None) -> Int8Linear:
+    """One int8 layer of a fused projection's parts, each (q, scales, zeros or None) numpy arrays.
+    Parts of different types, as Q4_K_M and Q5_K_M files' fused projections have (Q5_0 or Q5_1 q/k
+    beside a Q8_0 or Q6_K v), take the finest part's blocks, each part's scales (and zeros: 0 for a
+    type without) repeated to them, exactly."""
+    width = max(part[1].shape[1] for part in parts)
+
+    def per_finest_block(values) -> Tensor:  # [rows, blocks] numpy -> [rows, width] float32
+        return torch.from_numpy(values).float().repeat_interleave(width // values.shape[1], dim=1)
+
+    q = torch.cat([torch.from_numpy(part[0]) for part in parts])
+    scales = torch.cat([per_finest_block(part[1]) for part in parts])
+    zeros = None
+    if any(part[2] is not None for part in parts):
+        zeros = torch.cat([per_finest_block(part[2]) if part[2] is not None else torch.zeros(len(part[1]), width)
+                           for part in parts])
+    return Int8Linear(q, scales, bias, zeros)
+
 
 class GGUFBlocks(Protocol):
     """What quantize("gguf") reads of a GGUF file (gguf.GGUFCheckpoint), by Hugging Face tensor name."""
@@ -404,27 +430,23 @@ class LlamaForCausalLM(nn.Module):
             return quantize_linear(weight, bias, kind)
         # The blocks are whole rows and columns of the file's tensors: exact only on one rank.
         exact = gguf is not None and self.tp.size == 1
-        parts = [gguf.int4_parts(name) for name in names] if exact else [None]
-        if all(part is not None for part in parts):
-            q, scales, zeros = (torch.cat([torch.from_numpy(part[i]) for part in parts]) for i in range(3))
-            return Int4Linear(q.to(torch.int32), scales, zeros, bias)
-        parts = [gguf.int8_parts(name) for name in names] if exact else [None]
-        if all(part is not None for part in parts):
-            # Parts of different types, as Q4_K_M and Q5_K_M files' fused projections have (Q5_0 or
-            # Q5_1 q/k beside a Q8_0 or Q6_K v): one int8 layer whose blocks are the finest part's,
-            # each part's scales (and zeros: 0 for a type without) repeated to them, exactly.
-            width = max(part[1].shape[1] for part in parts)
-
-            def per_finest_block(values) -> Tensor:  # [rows, blocks] numpy -> [rows, width] float32
-                return torch.from_numpy(values).float().repeat_interleave(width // values.shape[1], dim=1)
-
-            q = torch.cat([torch.from_numpy(part[0]) for part in parts])
-            scales = torch.cat([per_finest_block(part[1]) for part in parts])
-            zeros = None
-            if any(part[2] is not None for part in parts):
-                zeros = torch.cat([per_finest_block(part[2]) if part[2] is not None else torch.zeros(len(part[1]), width)
-                                   for part in parts])
-            return Int8Linear(q, scales, bias, zeros)
+        int4 = [gguf.int4_parts(name) for name in names] if exact else [None]
+        if all(part is not None for part in int4):
+            return _int4_layer(int4, bias)
+        int8 = [gguf.int8_parts(name) for name in names] if exact else [None]
+        if all(part is not None for part in int8):
+            if not any(part is not None for part in int4):
+                return _int8_blocks_layer(int8, bias)
+            # 4-bit parts beside others: runs of each kind in a layer of their own, side by side.
+            layers, start = [], 0
+            for is_int4, run in itertools.groupby(range(len(names)), key=lambda i: int4[i] is not None):
+                run = list(run)
+                rows = sum(len(int8[i][0]) for i in run)
+                run_bias = None if bias is None else bias[start : start + rows]
+                layers.append(_int4_layer([int4[i] for i in run], run_bias) if is_int4
+                              else _int8_blocks_layer([int8[i] for i in run], run_bias))
+                start += rows
+            return ConcatLinear(layers)
         if gguf is not None and any(gguf.is_quantized(name) for name in names):
             return quantize_linear(weight, bias, "int8")
         return None

@@ -332,6 +332,33 @@ class Fp8Linear(nn.Module):
 QUANTIZED_LINEARS = {"int8": Int8Linear, "int4": Int4Linear, "fp8": Fp8Linear}
 
 
+class ConcatLinear(nn.Module):
+    """A fused projection whose parts are kept in different layers, their outputs side by side: a
+    GGUF file's q/k in a 4-bit type beside a v in another (a large model's Q4_K_M keeps v in Q6_K in
+    some layers). One int8 layer would hold them all exactly, at 1.5 bytes a weight (blocks of 16
+    with zeros); the 4-bit parts in the int4 kernel take 0.625."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.kind = " + ".join(layer.kind for layer in layers)  # as the startup log names it
+        self.out_features = sum(layer.out_features for layer in layers)
+
+    @property
+    def per_block(self) -> bool:
+        return any(getattr(layer, "per_block", False) for layer in self.layers)
+
+    def per_row(self) -> ConcatLinear:
+        """The same parts with each int8 layer's blocks quantized again per row (see Int8Linear.per_row)."""
+        return ConcatLinear([layer.per_row() if isinstance(layer, Int8Linear) else layer for layer in self.layers])
+
+    def dequantized(self) -> Tensor:
+        return torch.cat([layer.dequantized() for layer in self.layers])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([layer(x) for layer in self.layers], dim=-1)
+
+
 def has_rows(x: Tensor, rows: int) -> bool:
     """Whether x [tokens, in] has `rows` rows or more. Inside torch.compile, only where the graph's
     sizes make it so whatever the step (a compiled prefill's tokens are PREFILL_TOKENS or more; a
