@@ -13,7 +13,7 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from chatd.engine import SamplingParams
-from chatd.engine.models.gguf_quant import BLOCK_BYTES, INT8_TYPES, int4_parts, int8_parts
+from chatd.engine.models.gguf_quant import BLOCK_BYTES, INT8_TYPES, file_blocks, int4_parts, int8_parts
 from chatd.engine.models.loader import Checkpoint, default_model_path, load_model, open_checkpoint
 from chatd.engine.models.matvec import block_products
 from chatd.engine.models.quant import (DEQUANTIZED_CHUNK, DEQUANTIZED_ROWS, FP8, FP8_MAX, GROUP_SIZE, INT4_UNPACKED_ROWS,
@@ -153,14 +153,15 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int = 0) -> np.
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("type_name", INT8_TYPES)
+@pytest.mark.parametrize("type_name", list(BLOCK_BYTES))
 def test_every_gguf_block_type_is_int8_blocks_exactly(type_name):
     """Each type as int8 values with a scale (and a zero) per block: the gguf library's dequantization
     bit for bit, over random bytes. Q5_0 and Q5_1 (most of SmolLM2's Q4_K_M and Q5_K_M files) and
-    Q5_K carry a fifth bit per weight apart from its nibble; Q6_K two more bits, in blocks of 16."""
+    Q5_K carry a fifth bit per weight apart from its nibble; Q6_K two more bits, in blocks of 16.
+    (int8_parts serves INT8_TYPES so; the 4-bit types go on to the int4 kernel from the same form.)"""
     rows, columns = 48, 512
     raw = random_blocks(type_name, rows, columns)
-    q, scales, zeros = int8_parts(raw, columns, type_name)
+    q, scales, zeros = int8_parts(raw, columns, type_name) if type_name in INT8_TYPES else file_blocks(raw, type_name, columns)
     assert q.dtype == np.int8 and scales.shape == (rows, columns // (16 if type_name == "Q6_K" else 32))
     assert (zeros is not None) == (type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"))
     value_bits = {"Q8_0": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5}.get(type_name, 4)

@@ -205,7 +205,7 @@ class GGUFCheckpoint:
         return self._rows_as_hf(tensor, int4_parts(np.asarray(tensor.data), tensor.tensor_type.name, int(tensor.shape[0])))
 
     def int8_parts(self, hf: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
-        """A tensor of any block type gguf_quant reads as (q int8, a scale per block of 32 or 16
+        """A Q8_0, Q6_K, Q5_0, Q5_1 or Q5_K tensor as (q int8, a scale per block of 32 or 16
         weights, a zero per block or None), rows in Hugging Face's order; None for other types."""
         tensor = self._tensor(hf)
         if tensor is None or tensor.tensor_type.name not in INT8_TYPES:

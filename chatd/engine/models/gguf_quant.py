@@ -18,11 +18,10 @@ scale and, for some, a zero per run: w = q * scale + zero. What differs is how t
 llama.cpp computes them: d * sc is exact in float32 (a float16 times a small integer), so is
 dmin * mn, and w = q * scale + zero is then the gguf library's dequantization bit for bit.
 
-`int8_parts` hands those to quant.py's int8 layer with a scale (and a zero) per block: every type
-above, exactly. `int4_parts` hands the 4-bit types to the int4 kernel, whose form is
-(q - 8) * scale + zero over 0..15: the same numbers with the zero moved by 8 scales. The kernel
-keeps scales and zeros in bfloat16: that rounding is the only difference from llama.cpp's
-dequantization, and why the int4 layer is chosen only when every part of a projection is 4-bit.
+`int4_parts` hands the 4-bit types to the int4 kernel, whose form is (q - 8) * scale + zero over
+0..15: the same numbers with the zero moved by 8 scales. The kernel keeps scales and zeros in
+bfloat16: that rounding is the only difference from llama.cpp's dequantization. `int8_parts`
+hands the other types to quant.py's int8 layer with a scale (and a zero) per block, exactly.
 
 Q4_K_M and Q5_K_M files mix types: a small model's rows (SmolLM2's 576 columns) are not a
 multiple of the K types' 256, so llama-quantize writes most of its tensors in Q5_0 (Q4_K_M) or
@@ -34,8 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # GGUF types that map exactly onto the int4 kernel's groups of 32
-# ... and every type this module reads maps exactly onto int8 blocks (of 32, or of 16 for Q6_K)
-INT8_TYPES = ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", *INT4_TYPES)
+INT8_TYPES = ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K")  # ... and onto int8 blocks (of 32, or 16 for Q6_K)
 # Bytes per block: 32 weights, or 256 for the K types.
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176, "Q8_0": 34, "Q6_K": 210}
 
@@ -81,7 +79,7 @@ def int4_parts(data: np.ndarray, type_name: str, columns: int) -> tuple[np.ndarr
 
 
 def int8_parts(data: np.ndarray, columns: int, type_name: str = "Q8_0") -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Any type of INT8_TYPES as int8 blocks: `file_blocks`, with Q8_0's scales kept as the file's float16."""
+    """A type of INT8_TYPES as int8 blocks: `file_blocks`, with Q8_0's scales kept as the file's float16."""
     q, scales, zeros = file_blocks(data, type_name, columns)
     return q, scales.astype(np.float16) if type_name == "Q8_0" else scales, zeros
 

@@ -36,6 +36,7 @@ from chatd.engine.models.matvec import dense
 from chatd.engine.models.quant import ConcatLinear, Int4Linear, Int8Linear, quantize_linear
 from chatd.engine.models.tensor_parallel import HeadLayout, Shard, TPGroup
 
+
 def _int4_layer(parts: list[tuple], bias: Tensor | None) -> Int4Linear:
     """One int4 layer of a fused projection's parts, each (q, scales, zeros) numpy arrays."""
     q, scales, zeros = (torch.cat([torch.from_numpy(part[i]) for part in parts]) for i in range(3))
@@ -69,7 +70,7 @@ class GGUFBlocks(Protocol):
 
     def int8_parts(self, name: str) -> tuple | None:
         """(q, a scale per block of 32 or 16 weights, a zero per block or None) numpy arrays of a tensor
-        in any block type gguf_quant reads, rows as the model wants them; None otherwise."""
+        of a type gguf_quant.INT8_TYPES names, rows as the model wants them; None otherwise."""
 
     def is_quantized(self, name: str) -> bool:
         """Whether the file stores the tensor quantized (in any block format)."""
@@ -429,24 +430,23 @@ class LlamaForCausalLM(nn.Module):
         if kind != "gguf":
             return quantize_linear(weight, bias, kind)
         # The blocks are whole rows and columns of the file's tensors: exact only on one rank.
-        exact = gguf is not None and self.tp.size == 1
-        int4 = [gguf.int4_parts(name) for name in names] if exact else [None]
-        if all(part is not None for part in int4):
-            return _int4_layer(int4, bias)
-        int8 = [gguf.int8_parts(name) for name in names] if exact else [None]
-        if all(part is not None for part in int8):
-            if not any(part is not None for part in int4):
+        if gguf is not None and self.tp.size == 1:
+            int4 = [gguf.int4_parts(name) for name in names]
+            int8 = [gguf.int8_parts(name) if part is None else None for name, part in zip(names, int4)]
+            if all(part is not None for part in int4):
+                return _int4_layer(int4, bias)
+            if all(part is not None for part in int8):
                 return _int8_blocks_layer(int8, bias)
-            # 4-bit parts beside others: runs of each kind in a layer of their own, side by side.
-            layers, start = [], 0
-            for is_int4, run in itertools.groupby(range(len(names)), key=lambda i: int4[i] is not None):
-                run = list(run)
-                rows = sum(len(int8[i][0]) for i in run)
-                run_bias = None if bias is None else bias[start : start + rows]
-                layers.append(_int4_layer([int4[i] for i in run], run_bias) if is_int4
-                              else _int8_blocks_layer([int8[i] for i in run], run_bias))
-                start += rows
-            return ConcatLinear(layers)
+            if all(a is not None or b is not None for a, b in zip(int4, int8)):
+                # 4-bit parts beside others: each run of one kind a layer of its own, side by side.
+                layers, start = [], 0
+                for is_int4, run in itertools.groupby(range(len(names)), key=lambda i: int4[i] is not None):
+                    parts = [int4[i] if is_int4 else int8[i] for i in run]
+                    rows = sum(len(part[0]) for part in parts)
+                    run_bias = None if bias is None else bias[start : start + rows]
+                    layers.append(_int4_layer(parts, run_bias) if is_int4 else _int8_blocks_layer(parts, run_bias))
+                    start += rows
+                return ConcatLinear(layers)
         if gguf is not None and any(gguf.is_quantized(name) for name in names):
             return quantize_linear(weight, bias, "int8")
         return None

@@ -116,8 +116,8 @@ def unavailable_reason(kind: str, device: torch.device) -> str | None:
 class Int8Linear(nn.Module):
     """y = x W^T (+ b) with W stored as int8 and a scale per output row, or per block of a row's
     weights, with or without a zero per block: w = q * scale (+ zero). Blocks hold GGUF files'
-    types as the file has them (gguf_quant.py): Q8_0, Q5_0 and Q4_0 as blocks of 32, Q6_K of 16,
-    and with zeros Q5_1, Q5_K, Q4_1 and Q4_K."""
+    types as the file has them (gguf_quant.py): Q8_0 and Q5_0 as blocks of 32, Q6_K of 16, and
+    with zeros Q5_1 and Q5_K."""
 
     def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None, zeros: Tensor | None = None) -> None:
         """qweight [out, in] int8; scales [out] (per row: kept in bfloat16, the kernel's) or
