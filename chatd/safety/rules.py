@@ -6,8 +6,13 @@ case-insensitively) and patterns (Python regexes), read from a TOML file (the sh
 find personal data: emails, phone numbers, and payment card numbers that pass the Luhn check.
 `scan` returns every match with its character span and the rule that made it, for the audit trail.
 
-No rule may need more than `RuleSet.MAX_MATCH_CHARS` characters of text to match (its match plus
-what its lookarounds inspect): the streaming output check holds back that many characters, so a
+The rules match the text's normal form (normalize.py): look-alike letters, fullwidth and accented
+letters read as plain Latin, invisible characters are gone, so "ѕіеg\u200bhеіl" is "sieg heil".
+Rules are read the same way when they are loaded. A match's span is still in the text as written,
+the invisible characters inside it included, so that redaction masks what was written.
+
+No rule may need more than `RuleSet.MAX_MATCH_CHARS` characters of the normal form to match (its
+match plus what its lookarounds inspect): the streaming output check holds back that many, so a
 match split across deltas is always seen whole before any of it is sent. Loading refuses a rule
 that breaks this, as it refuses unknown categories and regexes that do not compile.
 
@@ -16,8 +21,8 @@ content), so a subcategory's match is reported under its parent as well, wheneve
 one of the categories asked for: an operator who blocks "sexual" blocks "sexual/minors" too, and
 /v1/moderations flags both, as OpenAI's does.
 
-This module is pure Python (the standard library's `re` only) and knows nothing of HTTP, config
-or the model; what a match leads to (block, flag, redact) is the policies' business.
+This module is pure Python (the standard library's `re` and `unicodedata` only) and knows nothing
+of HTTP, config or the model; what a match leads to (block, flag, redact) is the policies' business.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from pathlib import Path
 # `re`'s own parser (private, but the only way to learn how long a regex's longest match is, and
 # which literal text every match contains; it is `re._parser` since Python 3.11).
 from re import _parser as regex_parser
+
+from chatd.safety.normalize import normalize
 
 CATEGORIES: tuple[str, ...] = (  # OpenAI's moderation categories, in OpenAI's order
     "harassment", "harassment/threatening", "hate", "hate/threatening", "illicit", "illicit/violent",
@@ -51,7 +58,7 @@ class Match:
     """One rule's match in a scanned text."""
 
     category: str  # one of ALL_CATEGORIES
-    start: int  # character offsets into the scanned text, end exclusive
+    start: int  # character offsets into the scanned text as written, end exclusive
     end: int
     rule: str  # what matched: "word:<the word>", "pattern:<the regex>", "pii:email|phone|card"
 
@@ -61,7 +68,7 @@ class CategoryRules:
     """One category's rules as written: words and regex patterns."""
 
     words: tuple[str, ...] = ()  # whole words or phrases, case-insensitive; a phrase's spaces match any run of 1-4 whitespace
-    patterns: tuple[str, ...] = ()  # Python regexes, compiled case-insensitive
+    patterns: tuple[str, ...] = ()  # Python regexes, compiled case-insensitive (both in normal form, as texts are)
 
 
 def luhn_valid(digits: str) -> bool:
@@ -242,7 +249,7 @@ class CompiledRules:
     patterns: tuple[tuple[PrefilteredRegex, str], ...]  # (compiled, rule name)
 
     def matches(self, text: str, folded: str) -> Iterable[tuple[int, int, str]]:
-        """(start, end, rule name) of every match in `text` (`folded`: `fold(text)`)."""
+        """(start, end, rule name) of every match in `text`, a normal form (`folded`: `fold(text)`)."""
         if self.words is not None:
             for found in self.words.finditer(text, folded):
                 word = self.word_names.get(normal_form(found.group()), found.group())
@@ -256,7 +263,7 @@ class CompiledRules:
 class RuleSet:
     """Compiled rules for every category."""
 
-    MAX_MATCH_CHARS = 64  # no rule may need more characters than this (what the streaming check holds back)
+    MAX_MATCH_CHARS = 64  # no rule may need more characters of normal form (what the streaming check holds back)
 
     def __init__(self, rules: Mapping[str, CategoryRules]) -> None:
         """Compile `rules` (category -> its rules); ValueError naming the category and the rule
@@ -288,37 +295,43 @@ class RuleSet:
         unknown = wanted - set(ALL_CATEGORIES)
         if unknown:
             raise ValueError(f"unknown categories {sorted(unknown)}; the categories are: {', '.join(ALL_CATEGORIES)}")
-        folded = fold(text)
+        normal = normalize(text)
+        folded = fold(normal.text)
         matches: list[Match] = []
         for category, compiled in self.compiled.items():
             reported_as = [c for c in (category, PARENT_CATEGORY.get(category)) if c in wanted]
             if reported_as:
-                for start, end, rule in compiled.matches(text, folded):
+                for start, end, rule in compiled.matches(normal.text, folded):
+                    start, end = normal.original_span(start, end)
                     matches += [Match(c, start, end, rule) for c in reported_as]
         for category in PII_CATEGORIES:
             if category in wanted:
-                matches += find_personal_data(text, category)
+                matches += [Match(m.category, *normal.original_span(m.start, m.end), m.rule)
+                            for m in find_personal_data(normal.text, category)]
         # A rule written in both a subcategory and its parent finds one span twice: report it once.
         return sorted(set(matches), key=lambda m: (m.start, m.category, m.end, m.rule))
 
     def _compile(self, category: str, rules: CategoryRules) -> CompiledRules:
-        """One category's rules compiled, each checked: ValueError naming the category and the rule."""
+        """One category's rules compiled, each checked: ValueError naming the category and the rule.
+        Each is compiled in normal form, as texts are matched ("café" matches "cafe" and "café");
+        a character a pattern writes as an escape ("\\u00e9") is not normalised, and never matches."""
         for word in rules.words:
-            if not isinstance(word, str) or not word.strip():
+            if not isinstance(word, str) or not normalize(word).text.strip():
                 raise ValueError(f"rules for {category!r}: word {word!r} is empty")
-            self._parse(category, f"word {word!r}", words_regex([word]))
+            self._parse(category, f"word {word!r}", words_regex([normalize(word).text]))
         words = None
         if rules.words:
-            regex = words_regex(rules.words)
+            regex = words_regex(normalize(w).text for w in rules.words)
             words = PrefilteredRegex.compile(regex, regex_parser.parse(regex, re.IGNORECASE))
         patterns = []
         for pattern in rules.patterns:
-            parsed = self._parse(category, f"pattern {pattern!r}", pattern)
-            compiled = PrefilteredRegex.compile(pattern, parsed)
+            normal_pattern = normalize(pattern).text if isinstance(pattern, str) else pattern  # _parse refuses a non-str
+            parsed = self._parse(category, f"pattern {pattern!r}", normal_pattern)
+            compiled = PrefilteredRegex.compile(normal_pattern, parsed)
             if compiled.regex.fullmatch(""):
                 raise ValueError(f"rules for {category!r}: pattern {pattern!r} matches the empty string")
             patterns.append((compiled, f"pattern:{pattern}"))
-        return CompiledRules(words, {normal_form(w): w for w in rules.words}, tuple(patterns))
+        return CompiledRules(words, {normal_form(normalize(w).text): w for w in rules.words}, tuple(patterns))
 
     def _parse(self, category: str, rule: str, regex: str):
         """A rule's regex parsed, once checked that it compiles and is bounded."""

@@ -3,8 +3,11 @@
 A reply arrives in deltas of a few characters. A match can span deltas ("kill your" + "self"),
 so each choice's text goes through an `OutputWindow` that releases all but its last
 `RuleSet.MAX_MATCH_CHARS` characters: no rule matches more than that, so every match is seen
-whole, and judged, before any of it is sent. A match that ends where the text so far ends may
-still grow ("kill" + "ing"), so it is judged only once a character follows it or the reply ends.
+whole, and judged, before any of it is sent. The characters are counted as the rules read them
+(normalize.py): a reply that pads a word with invisible characters is held back further, so that
+padding cannot push the word's start out of the window. A match that ends where the text so far
+ends may still grow ("kill" + "ing"), so it is judged only once a character follows it or the
+reply ends.
 
 What the policies say then: a `block` match ends the reply at the match (what came before it is
 sent, nothing after), a `redact` match is sent masked, a `flag` is recorded and sent as is.
@@ -16,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from chatd.config import CategoryPolicy
+from chatd.safety.normalize import start_of_last
 from chatd.safety.policy import REDACTIONS, Finding, findings_from_matches
 from chatd.safety.rules import RuleSet
 
@@ -26,7 +30,7 @@ class OutputWindow:
     def __init__(self, rules: RuleSet, policies: Mapping[str, CategoryPolicy], hold: int | None = None) -> None:
         self.rules = rules
         self.policies = dict(policies)
-        self.hold = rules.MAX_MATCH_CHARS if hold is None else hold
+        self.hold = rules.MAX_MATCH_CHARS if hold is None else hold  # in characters of normal form
         self.text = ""  # the whole reply so far, as the model wrote it
         self.released = 0  # characters of `text` sent (as themselves, or masked)
         self.violation: Finding | None = None  # the block that ended it
@@ -47,12 +51,12 @@ class OutputWindow:
         self._judge(final)
         if self.violation is not None:
             return self._release(max(self.violation.start, self.released))
-        return self._release(len(self.text) if final else len(self.text) - self.hold)
+        return self._release(len(self.text) if final else start_of_last(self.text, self.hold))
 
     def _judge(self, final: bool) -> None:
         # Rescan from a little before what was sent (a match may begin there), starting at a word's
         # start so that a word cut in two cannot match as a shorter word.
-        start = max(0, self.released - self.hold)
+        start = start_of_last(self.text, self.hold, self.released)
         while start > 0 and not self.text[start - 1].isspace():
             start -= 1
         segment = self.text[start:]

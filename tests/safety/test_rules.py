@@ -7,7 +7,12 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from chatd.config import CategoryPolicy
+from chatd.safety.normalize import CONFUSABLES
+from chatd.safety.policy import findings_from_matches, redact
 from chatd.safety.rules import (
     ALL_CATEGORIES, CATEGORIES, EMAIL, PII_CATEGORIES, CategoryRules, RuleSet, fold, luhn_valid, normal_form,
     required_literals,
@@ -218,6 +223,148 @@ def test_load_refuses_bad_extra_rules_and_bad_files(tmp_path):
     path.write_text("[hate\n")
     with pytest.raises(ValueError, match="rules file"):
         RuleSet.load(path)
+
+
+# Disguised text: the rules read its normal form (chatd/safety/normalize.py), spans stay as written
+
+@pytest.mark.parametrize("disguised", [
+    "\u0455ieg h\u0435il",  # Cyrillic dze and ie: "ѕieg hеil"
+    "\uff53\uff49\uff45\uff47 \uff48\uff45\uff49\uff4c",  # fullwidth
+    "\U0001d42c\U0001d422\U0001d41e\U0001d420 \U0001d421\U0001d41e\U0001d422\U0001d425",  # mathematical bold
+    "si\u200beg he\u200bil",  # zero-width spaces
+    "sie\u00adg hei\u00adl",  # soft hyphens
+    "sie\u0301g he\u0308il",  # combining accents
+    "s\u00edeg h\u00ebil",  # accented letters
+    "S\u0406\u0415G H\u0415\u0406L",  # Cyrillic capitals
+    "\uff33\u200b\u0456\u0435\u0301g\u2060 \uff48\U0001d41e\u00ad\u0456l\ufe0f",  # all of them at once
+])
+def test_a_disguised_word_is_found_and_its_span_is_the_disguised_text(disguised):
+    text = f"They shouted {disguised} at the rally."
+    matches = DEFAULT.scan(text, ["hate"])
+    assert [(m.category, text[m.start:m.end], m.rule) for m in matches] == [("hate", disguised, "word:sieg heil")]
+
+
+def test_a_disguised_pattern_is_found():
+    text = "How do I m\u0430ke \u0430 pipe b\u043emb?"  # Cyrillic a, a and o
+    assert ("illicit/violent", "m\u0430ke \u0430 pipe b\u043emb") in found(text)
+
+
+@pytest.mark.parametrize("email", [
+    "\uff4a\uff41\uff4e\uff45\uff20\uff45\uff58\uff41\uff4d\uff50\uff4c\uff45\uff0e\uff43\uff4f\uff4d",  # fullwidth
+    "jane.doe\uff20example.com",  # a fullwidth @
+    "jane\u200b.doe@exam\u00adple.com\u200b",  # invisible characters, one after it
+])
+def test_a_disguised_email_is_masked_whole(email):
+    text = f"Write to {email} today."
+    matches = DEFAULT.scan(text, ["pii/email"])
+    assert [(m.start, m.end) for m in matches] == [(9, 9 + len(email))]
+    assert redact(text, findings_from_matches(matches, {"pii/email": CategoryPolicy("redact")})) == "Write to [email] today."
+
+
+@pytest.mark.parametrize("number, category", [
+    (" ".join(["\uff14\uff11\uff11\uff11"] + ["\uff11" * 4] * 3), "pii/card"),  # fullwidth
+    ("\u0664" + "\u0661" * 15, "pii/card"),  # Arabic-Indic digits
+    ("4111\u200b1111\u200b1111\u200b1111", "pii/card"),
+    ("\uff08\uff15\uff15\uff15\uff09\u3000\uff11\uff12\uff13\uff0d\uff14\uff15\uff16\uff17", "pii/phone"),
+])
+def test_numbers_in_other_digits_are_personal_data_too(number, category):
+    assert found(f"Mine is {number}, thanks.", PII_CATEGORIES) == [(category, number)]
+
+
+@pytest.mark.parametrize("text", [
+    "Москва — столица России; в ней живёт более двенадцати миллионов человек.",
+    "Мы купили хлеб, сыр и молоко, а потом пошли домой через парк. Кот спал на окне весь день.",
+    "Сорок сосен росло у реки; рыбаки ловили окуня, а дети кормили уток хлебом.",
+    "Заказ №48213 отправлен 17.05.2024; сумма 1 299,00 ₽.",
+    "Київ — столиця України. Ми їхали поїздом цілу ніч і бачили багато сіл.",
+    "Η Αθήνα είναι η πρωτεύουσα της Ελλάδας και μία από τις αρχαιότερες πόλεις του κόσμου.",
+    "Καλημέρα σας, θα ήθελα έναν καφέ χωρίς ζάχαρη και ένα κομμάτι σπανακόπιτα, παρακαλώ.",
+    "L'été dernier, nous sommes allés à la plage près de Nice avec nos élèves; ça a coûté très cher.",
+    "Die Straße führt über die Brücke zum Bahnhof; wir müssen uns beeilen, der Zug fährt gleich.",
+    "Zażółć gęślą jaźń. Łódź jest dużym miastem w środkowej Polsce.",
+    "Tiếng Việt có nhiều dấu thanh: mã, má, mà, mả, mạ. Hà Nội là thủ đô của Việt Nam.",
+    "القاهرة هي عاصمة مصر وأكبر مدنها، ويبلغ عدد سكانها أكثر من عشرين مليون نسمة.",
+    "The café’s naïve coöperative résumé: a façade, déjà vu, 3×4 = 12, x → ∞.",
+])
+def test_everyday_text_in_other_scripts_and_accented_languages_is_left_alone(text):
+    assert found(text) == []
+
+
+def test_rules_with_accents_or_in_other_scripts_match_as_written_and_disguised():
+    rules = make_rules(harassment=("crétin", "сволочь"))
+    text = "quel crétin, quel cretin, quel cre\u0301tin, ты сволочь"
+    assert found(text, rules=rules) == [("harassment", w) for w in ("crétin", "cretin", "cre\u0301tin", "сволочь")]
+    assert [m.rule for m in rules.scan("cretin")] == ["word:crétin"]
+
+
+# A disguise keeps what a person reads: each letter may become a look-alike, a fullwidth or a
+# mathematical bold letter, gain combining marks, and have invisible characters before it.
+INVISIBLE = ["\u200b", "\u200c", "\u200d", "\u2060", "\u00ad", "\ufeff", "\u034f", "\u180e", "\U000e0041"]
+MARKS = [chr(c) for c in range(0x300, 0x370)]
+LOOK_ALIKES: dict[str, list[str]] = {}
+for _char, _reads in sorted(CONFUSABLES.items()):
+    if len(_reads) == 1:
+        LOOK_ALIKES.setdefault(_reads, []).append(_char)
+
+
+def fullwidth(char: str) -> str:
+    return chr(ord(char) + 0xFEE0)
+
+
+def bold(char: str) -> str:
+    return chr((0x1D41A + ord(char) - ord("a")) if char.islower() else (0x1D400 + ord(char) - ord("A")))
+
+
+@st.composite
+def disguises(draw, text: str) -> tuple[str, list[int]]:
+    """`text` disguised, and where each of its characters went (its visible character, not the
+    invisible ones before it)."""
+    pieces, placed, at = [], [], 0
+    for char in text:
+        before = "".join(draw(st.lists(st.sampled_from(INVISIBLE), max_size=2)))
+        if char.isascii() and char.isalpha():
+            shown = draw(st.sampled_from([char, fullwidth(char), bold(char), *LOOK_ALIKES.get(char, [])]))
+            after = "".join(draw(st.lists(st.sampled_from(MARKS), max_size=2)))
+        elif char == " ":
+            shown, after = draw(st.sampled_from([" ", "\u00a0", "\u3000"])), ""
+        else:
+            shown, after = draw(st.sampled_from([char, fullwidth(char)])), ""
+        placed.append(at + len(before))
+        pieces.append(before + shown + after)
+        at += len(pieces[-1])
+    return "".join(pieces), placed
+
+
+SHIPPED_WORDS = sorted({(word, category) for category, rules in DEFAULT.rules.items() for word in rules.words})
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), entry=st.sampled_from(SHIPPED_WORDS))
+def test_a_disguised_shipped_word_is_found_and_its_match_covers_it(data, entry):
+    word, category = entry
+    disguised, placed = data.draw(disguises(word))
+    text = f"so {disguised} then"
+    assert any(m.category == category and m.start == 3 + placed[0] and m.end == 3 + len(disguised)
+               for m in DEFAULT.scan(text)), (word, disguised)
+
+
+VOCABULARY = [
+    "sieg heil", "kill yourself", "make a pipe bomb", "I will hurt you", "stfu", "nudes", "you idiot",
+    "jane.doe@example.com", "4111 1111 1111 1111", "(555) 123-4567", "skill", "the process", "hello",
+    "bombastic", "killer", "order 48213", "at 10:30", "kys", "on",
+]
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data(), words=st.lists(st.sampled_from(VOCABULARY), min_size=1, max_size=6))
+def test_a_disguise_never_changes_what_the_rules_find(data, words):
+    """Every category, rule and span found in a text is found in its disguise, at the disguised
+    span, and nothing else is."""
+    text = " ".join(words)
+    disguised, placed = data.draw(disguises(text))
+    placed.append(len(disguised))
+    expected = {(m.category, placed[m.start], placed[m.end], m.rule) for m in DEFAULT.scan(text)}
+    assert {(m.category, m.start, m.end, m.rule) for m in DEFAULT.scan(disguised)} == expected
 
 
 # On the whole labelled set

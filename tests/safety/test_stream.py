@@ -101,3 +101,47 @@ def test_a_rescan_never_starts_inside_a_word(cuts, hold):
     pieces = [SKILL[a:b] for a, b in zip([0, *points], [*points, len(SKILL)])]
     sent = "".join(window.feed(piece, final=i == len(pieces) - 1) for i, piece in enumerate(pieces))
     assert sent == SKILL and not window.stopped
+
+
+# Disguised replies: the window counts characters as the rules read them (chatd/safety/normalize.py)
+
+PADDING = "\u200b" * 5
+PADDED = "Sure, here is my answer. You should " + PADDING.join("kill yourself") + ", said nobody ever."
+
+
+def test_a_blocked_phrase_padded_with_invisible_characters_is_never_sent_a_character_at_a_time():
+    # 73 characters as written, 13 as read: a window that counted the written ones would send "k".
+    window, released = stream(PADDED, list(range(len(PADDED))))
+    assert "".join(released) == "Sure, here is my answer. You should "
+    assert PADDED[window.violation.start : window.violation.end] == PADDING.join("kill yourself")
+
+
+def test_invisible_characters_do_not_count_towards_what_is_held_back():
+    window = OutputWindow(RULES, POLICIES, hold=10)
+    assert window.feed("a" * 20 + "\u200b" * 30) == "a" * 10
+
+
+DISGUISED = ("Sure, here is my answer. You should \uff4b\u0456ll\u00ad   y\u043eur\u0455elf, said nobody ever, "
+             "and then more text follows.")  # fullwidth k, Cyrillic i, o and s, a soft hyphen
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(0, len(DISGUISED)), max_size=40))
+def test_a_disguised_blocked_match_is_never_sent_however_the_reply_is_cut(cuts):
+    window, released = stream(DISGUISED, cuts)
+    assert "".join(released) == "Sure, here is my answer. You should "
+    assert DISGUISED[window.violation.start : window.violation.end] == "\uff4b\u0456ll\u00ad   y\u043eur\u0455elf"
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(0, 60), max_size=20))
+def test_a_disguised_email_split_over_chunks_is_sent_masked(cuts):
+    text = "Write to \uff4aane.doe\uff20example.org today, or to bob\u200b@example.com."
+    window, released = stream(text, cuts)
+    assert "".join(released) == "Write to [email] today, or to [email]."
+
+
+def test_an_invisible_character_after_a_word_does_not_end_it():
+    window = OutputWindow(RULES, POLICIES)
+    sent = window.feed("a bomb\u200b") + window.feed("astic talk", final=True)  # reads "a bombastic talk"
+    assert sent == "a bomb\u200bastic talk" and window.findings == []
