@@ -7,6 +7,12 @@ row order llama.cpp's converter gives `llama` models, and derives a transformers
 the file's metadata. The tokenizer and chat template come from the same metadata through
 transformers' own GGUF converter; they are written once to a cache folder beside the config,
 so later starts read plain tokenizer files instead of re-parsing 50k tokens.
+
+A bad file is refused before anything is built, by a ValueError that names it and says what is
+wrong: gguf_layout.py first checks its structure against its size (the gguf library trusts every
+length, count and offset a file states); this module then checks what the metadata says (each
+config value, the tokenizer's arrays and ids) and each tensor's name and shape against the config.
+It knows nothing of the file's byte layout (gguf_layout.py) nor of block formats (gguf_quant.py).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -24,6 +31,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
+from chatd.engine.models.gguf_layout import ARRAY, NUMBER_TYPES, STRING, WHOLE_TYPES, check_layout, shown
 from chatd.engine.models.gguf_quant import INT4_TYPES, INT8_TYPES, int4_parts, int8_parts
 
 log = logging.getLogger("chatd.engine")
@@ -76,6 +84,11 @@ def find_gguf(folder: Path) -> Path | None:
     return files[0] if files else None
 
 
+def one_line(exc: Exception) -> str:
+    """A library's exception as one line of a message: its type and its words."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
 class GGUFCheckpoint:
     """One GGUF file, read once: its metadata, a transformers config, and its weights under Hugging Face names."""
 
@@ -84,13 +97,17 @@ class GGUFCheckpoint:
 
         self.path = path
         try:
+            check_layout(path)
+        except OSError as exc:  # absent, a folder, not ours to read
+            raise ValueError(f"{path} is not a readable GGUF file: {exc.strerror or exc}") from exc
+        try:
             self.reader = GGUFReader(path)
-        except (ValueError, OSError) as exc:
-            raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+        except Exception as exc:  # past check_layout, what the library still trips on is in the file's bytes
+            raise ValueError(f"{path} is not a readable GGUF file: {one_line(exc)}") from exc
         self.architecture = str(self.field("general.architecture", ""))
         if self.architecture not in ARCHITECTURES:
             supported = ", ".join(sorted(ARCHITECTURES))
-            raise ValueError(f"GGUF architecture {self.architecture!r} ({path.name}) is not supported; "
+            raise ValueError(f"GGUF architecture {self.architecture[:60]!r} ({path.name}) is not supported; "
                              f"supported GGUF architectures: {supported}")
         self.tensor_names = {t.name for t in self.reader.tensors}
         if "rope_freqs.weight" in self.tensor_names:
@@ -103,38 +120,92 @@ class GGUFCheckpoint:
         field = self.reader.fields.get(key)
         return default if field is None else field.contents()
 
+    def _invalid(self, problem: str) -> ValueError:
+        return ValueError(f"GGUF file {self.path.name}: {problem}")
+
+    def _count(self, key: str, default: int | None = None) -> int:
+        """A metadata value that counts something: a whole number of at least 1."""
+        value = self.field(key, default)
+        if value is None:
+            raise ValueError(f"GGUF file {self.path.name} lacks the metadata {key}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self._invalid(f"metadata {key} must be a whole number of at least 1, got {value!r}")
+        return value
+
+    def _positive_number(self, key: str, default: float | None = None) -> float:
+        """A metadata value that must be a positive number (an epsilon, a rope base or factor)."""
+        value = self.field(key, default)
+        if value is None:
+            raise ValueError(f"GGUF file {self.path.name} lacks the metadata {key}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise self._invalid(f"metadata {key} must be a positive number, got {value!r}")
+        return float(value)
+
+    def _array(self, key: str, item_types: tuple[int, ...], items: str) -> list | None:
+        """A metadata array whose items are of one of `item_types`, or None when absent."""
+        field = self.reader.fields.get(key)
+        if field is None:
+            return None
+        # field.types: [ARRAY] for an empty array, [ARRAY, item type] for a flat one, longer for an array of arrays.
+        if field.types[0] != ARRAY or len(field.types) > 2 or (len(field.types) == 2 and field.types[1] not in item_types):
+            kind = " of ".join(t.name.lower() for t in field.types)
+            raise self._invalid(f"metadata {key} must be an array of {items}, got {kind}")
+        return field.contents()
+
+    def _num_tokens(self) -> int | None:
+        """How many tokens tokenizer.ggml.tokens holds (counted without decoding them), or None."""
+        field = self.reader.fields.get("tokenizer.ggml.tokens")
+        if field is None:
+            return None
+        if field.types != [ARRAY, STRING]:
+            kind = " of ".join(t.name.lower() for t in field.types)
+            raise self._invalid(f"metadata tokenizer.ggml.tokens must be a non-empty array of strings, got {kind}")
+        return len(field.data)
+
     def config(self) -> PretrainedConfig:
-        """A transformers config for the model, from the file's `<architecture>.*` metadata."""
+        """A transformers config for the model, from the file's `<architecture>.*` metadata (each
+        value checked: a ValueError names the key and what it holds)."""
         arch = self.architecture
         config_class, architecture = ARCHITECTURES[arch]
-
-        def get(key: str, default=None):
-            value = self.field(f"{arch}.{key}", default)
-            if value is None:
-                raise ValueError(f"GGUF file {self.path.name} lacks the metadata {arch}.{key}")
-            return value
-
-        heads = int(get("attention.head_count"))
-        hidden = int(get("embedding_length"))
-        tokens = self.field("tokenizer.ggml.tokens")
-        vocab = self.field(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
-        if vocab is None:
+        heads = self._count(f"{arch}.attention.head_count")
+        hidden = self._count(f"{arch}.embedding_length")
+        kv_heads = self._count(f"{arch}.attention.head_count_kv", heads)
+        if heads % kv_heads:
+            raise self._invalid(f"metadata {arch}.attention.head_count ({heads}) must be a multiple of "
+                            f"{arch}.attention.head_count_kv ({kv_heads})")
+        if f"{arch}.attention.key_length" in self.reader.fields:
+            head_dim = self._count(f"{arch}.attention.key_length")
+        elif hidden % heads:
+            raise self._invalid(f"metadata {arch}.embedding_length ({hidden}) must be a multiple of "
+                            f"{arch}.attention.head_count ({heads}) when {arch}.attention.key_length is not given")
+        else:
+            head_dim = hidden // heads
+        if head_dim % 2:  # rope turns pairs of a head's dimensions
+            raise self._invalid(f"a head's size ({arch}.attention.key_length, or embedding_length / head_count) "
+                            f"must be even, got {head_dim}")
+        num_tokens = self._num_tokens()
+        if f"{arch}.vocab_size" in self.reader.fields:
+            vocab = self._count(f"{arch}.vocab_size")
+        elif num_tokens is not None:
+            vocab = num_tokens
+        elif "token_embd.weight" in self.tensor_names:
             vocab = self._tensor_rows("token_embd.weight")
+        else:
+            raise self._invalid(f"it gives no vocabulary size ({arch}.vocab_size, tokenizer.ggml.tokens or a token_embd.weight tensor)")
         fields = dict(
             architectures=[architecture],
-            vocab_size=int(vocab),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_hidden_layers=int(get("block_count")),
+            intermediate_size=self._count(f"{arch}.feed_forward_length"),
+            num_hidden_layers=self._count(f"{arch}.block_count"),
             num_attention_heads=heads,
-            num_key_value_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(get("attention.key_length", hidden // heads)),
-            max_position_embeddings=int(get("context_length")),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_parameters=self._rope_parameters(float(get("rope.freq_base", 10000.0))),
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=self._count(f"{arch}.context_length"),
+            rms_norm_eps=self._positive_number(f"{arch}.attention.layer_norm_rms_epsilon"),
+            rope_parameters=self._rope_parameters(self._positive_number(f"{arch}.rope.freq_base", 10000.0)),
             tie_word_embeddings="output.weight" not in self.tensor_names,
-            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
-            eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
+            **self._special_token_ids(num_tokens or vocab),
         )
         if arch == "llama":
             fields["attention_bias"] = "blk.0.attn_q.bias" in self.tensor_names
@@ -142,22 +213,53 @@ class GGUFCheckpoint:
             fields["sliding_window"] = None  # llama.cpp files carry none; attention is over the whole context
         return config_class(**fields)
 
+    def _special_token_ids(self, num_tokens: int) -> dict[str, int | None]:
+        """bos_token_id and eos_token_id for the config; every special token id is checked to name a token."""
+        for name in ("bos", "eos", "unknown", "padding"):
+            key = f"tokenizer.ggml.{name}_token_id"
+            value = self.field(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < num_tokens):
+                raise self._invalid(f"metadata {key} must be a token id from 0 to {num_tokens - 1}, got {value!r}")
+        return {"bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+                "eos_token_id": self.field("tokenizer.ggml.eos_token_id")}
+
     def _rope_parameters(self, theta: float) -> dict:
         kind = self.field(f"{self.architecture}.rope.scaling.type", "none")
         if kind in ("none", None):
             return {"rope_type": "default", "rope_theta": theta}
-        factor = float(self.field(f"{self.architecture}.rope.scaling.factor", 1.0))
-        original = self.field(f"{self.architecture}.rope.scaling.original_context_length")
+        factor = self._positive_number(f"{self.architecture}.rope.scaling.factor", 1.0)
         if kind == "linear":
             return {"rope_type": "linear", "rope_theta": theta, "factor": factor}
-        if kind == "yarn" and original:
+        if kind == "yarn" and f"{self.architecture}.rope.scaling.original_context_length" in self.reader.fields:
             return {"rope_type": "yarn", "rope_theta": theta, "factor": factor,
-                    "original_max_position_embeddings": int(original)}
-        raise ValueError(f"GGUF file {self.path.name}: rope scaling {kind!r} is not supported")
+                    "original_max_position_embeddings": self._count(f"{self.architecture}.rope.scaling.original_context_length")}
+        raise self._invalid(f"rope scaling {kind!r} is not supported")
 
     def _tensor_rows(self, name: str) -> int:
         tensor = next(t for t in self.reader.tensors if t.name == name)
         return int(tensor.shape[-1])
+
+    def check_tensors(self) -> None:
+        """Check every tensor's name against a Llama-family model's and its shape against the one
+        config() gives it, before any weight is read; a ValueError names the tensor and both shapes."""
+        config = self.config()
+        shapes = hf_shapes(config)
+        for tensor in self.reader.tensors:
+            try:
+                name = hf_name(tensor.name)
+            except ValueError as exc:
+                raise self._invalid(str(exc)) from exc
+            layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+            if layer and int(layer.group(1)) >= config.num_hidden_layers:
+                raise self._invalid(f"tensor {shown(tensor.name)} is in layer {layer.group(1)}, but metadata "
+                                f"{self.architecture}.block_count is {config.num_hidden_layers}")
+            want = shapes.get(layer.group(2) if layer else name)  # [rows, columns], as Hugging Face stores it
+            if want is None:  # a known name with an unknown ending (`blk.0.attn_q.weigXt`, `ffn_up.bias`)
+                raise self._invalid(f"GGUF tensor {shown(repr(tensor.name))} is not part of a Llama-family model")
+            got = tuple(int(n) for n in reversed(tensor.shape))
+            if got != want:
+                raise self._invalid(f"tensor {shown(tensor.name)} has shape {list(reversed(got))}, but the file's metadata "
+                                f"make it {list(reversed(want))} (GGUF order, columns first)")
 
     @property
     def num_tensors(self) -> int:
@@ -174,7 +276,7 @@ class GGUFCheckpoint:
             try:
                 values = dequantize(tensor.data, tensor.tensor_type)  # [rows, cols] as Hugging Face stores it
             except NotImplementedError:
-                raise ValueError(f"GGUF tensor {tensor.name} ({self.path.name}) is stored as {tensor.tensor_type.name}, "
+                raise ValueError(f"GGUF tensor {tensor.name} is stored as {tensor.tensor_type.name}, "
                                  "which the gguf library cannot dequantize") from None
             values = np.asarray(values, dtype=np.float32).reshape([int(n) for n in reversed(tensor.shape)])
             if self.architecture == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
@@ -234,27 +336,60 @@ class GGUFCheckpoint:
         folder = cache_root / f"{self.path.stem}-{key}"
         if (folder / "config.json").exists():
             return folder
+        config = self.config().to_dict()
+        config.pop("dtype", None)
+        has_tokenizer = self.field("tokenizer.ggml.model") is not None
+        if has_tokenizer:
+            self._check_tokenizer()
         partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        config = self.config().to_dict()
-        config.pop("dtype", None)
-        (partial / "config.json").write_text(json.dumps(config, indent=2))
-        sampling = {name: self.field(f"general.sampling.{key}") for key, name in SAMPLING_KEYS.items()}
-        # Stored as float32: 0.7 reads back as 0.699999988; 7 significant digits give back what was written.
-        sampling = {name: float(f"{value:.7g}") if isinstance(value, float) else value
-                    for name, value in sampling.items() if value is not None}
-        if sampling:
-            (partial / "generation_config.json").write_text(json.dumps(sampling, indent=2))
-        if self.field("tokenizer.ggml.model") is not None:
-            log.info("converting the tokenizer of %s (once; cached in %s)", self.path.name, folder)
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
-            tokenizer.save_pretrained(partial)
+        try:
+            (partial / "config.json").write_text(json.dumps(config, indent=2))
+            sampling = {name: self.field(f"general.sampling.{key}") for key, name in SAMPLING_KEYS.items()}
+            # Stored as float32: 0.7 reads back as 0.699999988; 7 significant digits give back what was written.
+            sampling = {name: float(f"{value:.7g}") if isinstance(value, float) else value
+                        for name, value in sampling.items() if value is not None}
+            if sampling:
+                (partial / "generation_config.json").write_text(json.dumps(sampling, indent=2))
+            if has_tokenizer:
+                log.info("converting the tokenizer of %s (once; cached in %s)", self.path.name, folder)
+                self._convert_tokenizer().save_pretrained(partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
         return folder
+
+    def _check_tokenizer(self) -> None:
+        """Check what transformers' converter reads, so that garbage is refused by its key."""
+        model = self.field("tokenizer.ggml.model")
+        if not isinstance(model, str):
+            raise self._invalid(f"metadata tokenizer.ggml.model must be a string, got {model!r}")
+        num_tokens = self._num_tokens()
+        if num_tokens is None:
+            raise self._invalid("it has tokenizer.ggml.model but no tokenizer.ggml.tokens")
+        for key, item_types, items in (("tokenizer.ggml.scores", NUMBER_TYPES, "numbers"),
+                                       ("tokenizer.ggml.token_type", WHOLE_TYPES, "whole numbers")):
+            values = self._array(key, item_types, items)
+            if values is not None and len(values) != num_tokens:
+                raise self._invalid(f"metadata {key} holds {len(values)} values for {num_tokens} tokens")
+        for index, merge in enumerate(self._array("tokenizer.ggml.merges", (STRING,), "strings") or ()):
+            if len(merge.split(" ")) != 2:
+                raise self._invalid(f"metadata tokenizer.ggml.merges[{index}] must be two tokens and a space, got {merge!r}")
+        template = self.field("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise self._invalid(f"metadata tokenizer.chat_template must be a string, got {template!r}")
+
+    def _convert_tokenizer(self):
+        """The tokenizer transformers' GGUF converter builds from this file's metadata."""
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+        except Exception as exc:  # it reads nothing but this file's metadata: what it trips on is in there
+            raise self._invalid(f"transformers cannot build a tokenizer from its tokenizer.* metadata ({one_line(exc)})") from exc
 
 
 def hf_name(gguf_name: str) -> str:
@@ -266,6 +401,22 @@ def hf_name(gguf_name: str) -> str:
     if stem in MODEL_NAMES:
         return f"{MODEL_NAMES[stem]}.{kind}"
     raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a Llama-family model")
+
+
+def hf_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor a model of this config reads, by Hugging Face name ([rows, columns]);
+    a layer's tensors by their name after `model.layers.N.`."""
+    hidden, inner, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return {
+        "model.embed_tokens.weight": (config.vocab_size, hidden), "lm_head.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,), "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
+        "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.bias": (hidden,), "self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,),
+        "mlp.gate_proj.weight": (inner, hidden), "mlp.up_proj.weight": (inner, hidden), "mlp.down_proj.weight": (hidden, inner),
+    }
 
 
 def unpermute_rope_rows(values: np.ndarray, num_heads: int) -> np.ndarray:

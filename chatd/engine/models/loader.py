@@ -187,6 +187,7 @@ def open_checkpoint(path: Path, cache_root: Path) -> Checkpoint:
     if gguf_file is None:
         return Checkpoint(path)
     checkpoint = GGUFCheckpoint(gguf_file)
+    checkpoint.check_tensors()  # each start: a file changed in place since its config was cached is caught too
     return Checkpoint(checkpoint.prepare_config_dir(cache_root), checkpoint)
 
 
@@ -231,7 +232,11 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
         weights, total = iter_weights(files, shards), count_tensors(files)
     weights = tqdm(weights, total=total, desc="Loading weights", unit="tensor",
                    disable=None)  # None: a bar on a terminal only, never in a log file
-    model.load_weights(weights)
+    try:
+        model.load_weights(weights)
+    except ValueError as exc:  # a tensor missing, extra or misshapen: say which checkpoint
+        source = checkpoint.gguf.path if checkpoint.gguf is not None else checkpoint.config_dir
+        raise ValueError(f"{source}: {exc}") from exc
     if quantization != "none":
         model.quantize(quantization, checkpoint.gguf)
         if device.type == "cuda":  # the float weights' memory goes back to the GPU, for the KV pool
