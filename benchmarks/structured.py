@@ -24,8 +24,9 @@ default, the demo model's 1000 with `--model demo`):
    so every timed step is B one-token decodes. The cases take turns, `--rounds` times, and the
    table shows each case's median step time, its ratio to the unconstrained case, and the part of
    the step spent in grammar work, and of that the masks alone (timed by wrapping the sampler's
-   `apply_grammars` and `fill_masks` and the matchers' `accept`: the only place this script
-   reaches inside chatd).
+   `apply_grammars`, the engine's wait for masks computed off its thread (`MaskWorkers.wait`) and
+   the matchers' `accept`: the only place this script reaches inside chatd). Masks are computed
+   while the previous step's tokens are detokenized, so the step waits only for what is left.
 
 Otherwise this script uses chatd's offline API, and llguidance/xgrammar directly for part 1.
 
@@ -248,9 +249,10 @@ def compare_libraries(hf_tokenizer, vocab_size: int, eos_token_ids: list[int], a
 
 class GrammarStopwatch:
     """Adds up the time the engine spends in grammar work while entered, by wrapping three functions:
-    the sampler's `apply_grammars` (`masking`: the masks, then the logits masked), within it
-    `fill_masks` (`masks`: llguidance's part alone), and the matchers' `accept` (`accept`: the
-    scheduler feeding each sampled token to its matcher). The one place this script reaches inside chatd.
+    the sampler's `apply_grammars` (`masking`: the masks gathered, then the logits masked), the
+    engine's wait for the masks computed off its thread (`masks`: what is left of llguidance's part
+    when the step needs them), and the matchers' `accept` (`accept`: the scheduler feeding each
+    sampled token to its matcher). The one place this script reaches inside chatd.
     """
 
     def __init__(self) -> None:
@@ -261,7 +263,7 @@ class GrammarStopwatch:
         from chatd.engine.worker import sampler
 
         self._originals = [(sampler, "apply_grammars", "masking", sampler.apply_grammars),
-                           (sampler, "fill_masks", "masks", sampler.fill_masks),
+                           (grammar.MaskWorkers, "wait", "masks", grammar.MaskWorkers.wait),
                            (grammar.GrammarMatcher, "accept", "accept", grammar.GrammarMatcher.accept)]
         for owner, name, bucket, function in self._originals:
             setattr(owner, name, self._timed(function, bucket))
@@ -315,7 +317,7 @@ def time_steps(engine, num_constrained: int, args, round_index: int) -> dict:
                 start = time.perf_counter()
                 outs = step()
                 step_seconds.append(time.perf_counter() - start)
-            grammar_seconds.append(grammar.seconds["masking"] + grammar.seconds["accept"])
+            grammar_seconds.append(grammar.seconds["masking"] + grammar.seconds["masks"] + grammar.seconds["accept"])
             mask_seconds.append(grammar.seconds["masks"])
             shapes = sorted((len(o.outputs[0].token_ids), o.finished) for o in outs)
             if shapes != [(1, False)] * args.batch:
@@ -433,7 +435,8 @@ def report(result: dict) -> None:
               f"{case['added_seconds'] * 1e3:>9.2f} {case['grammar_seconds'] * 1e3:>11.2f} "
               f"{case['mask_seconds'] * 1e3:>9.2f}  {case['first_row_text'][:48]!r}")
     print("added = step - the unconstrained step (medians, so noise shows too); grammar = time in the sampler's "
-          "apply_grammars and the matchers' accept in the same steps; masks = of that, llguidance's fill_masks")
+          "apply_grammars, its wait for masks and the matchers' accept in the same steps; masks = of that, the wait "
+          "for masks computed off the engine thread")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,9 +64,9 @@ class EngineClient(Protocol):
     def abort(self, request_id: str) -> None:
         """End another reader's request; its reader gets a finished output."""
 
-    def check_structured(self, spec: StructuredOutput) -> None:
-        """Compile a structured-output spec ahead of `generate` (from a worker thread: it may be slow);
-        ParamError naming spec.param if it cannot be compiled."""
+    def check_structured(self, spec: StructuredOutput, tenant: str | None = None) -> None:
+        """Compile a structured-output spec for a tenant's request ahead of `generate` (from a worker
+        thread: it may be slow); ParamError naming spec.param if it cannot be compiled."""
 
     def stats(self) -> EngineStats:
         """The engine's counters now."""
@@ -198,12 +198,13 @@ class AsyncEngine:
         assert self._stats is not None, "start() first"
         return dataclasses.replace(self._stats, num_request_streams=len(self._streams))
 
-    def check_structured(self, spec: StructuredOutput) -> None:
-        """Compile a structured-output spec ahead of `generate`; call it from a worker thread (a
-        big schema may take a while). ParamError naming spec.param if it cannot be compiled."""
+    def check_structured(self, spec: StructuredOutput, tenant: str | None = None) -> None:
+        """Compile a structured-output spec for a tenant's request ahead of `generate`; call it
+        from a worker thread (a big schema may take a while). ParamError naming spec.param if it
+        cannot be compiled."""
         if self.engine is None:
             raise RuntimeError("the engine is not running")
-        self.engine.check_structured(spec)
+        self.engine.check_structured(spec, tenant)
 
     def generate(
         self,

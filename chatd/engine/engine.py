@@ -28,6 +28,18 @@ from chatd.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("chatd.engine")
 
+# How long an engine with nothing to run but sequences waiting for grammar masks sleeps before
+# looking again (a mask that is ready wakes it sooner).
+IDLE_MASK_WAIT_SECONDS = 0.01
+
+
+class GrammarFailed(Exception):
+    """A sequence's grammar failed mid-reply (it reached a parser limit): the request's fault."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param, self.message = param, message
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -257,18 +269,18 @@ class LLMEngine:
         ]
         if params.structured is not None:
             compiler = self._grammar_compiler(params.structured)
-            for seq in seqs:  # each choice walks its own copy of the compiled grammar
-                seq.grammar = compiler.matcher(params.structured)
+            for seq in seqs:  # each choice walks its own copy of its tenant's compiled grammar
+                seq.grammar = compiler.matcher(params.structured, scope=tenant)
         seqs[0].forks = seqs[1:]
         detokenizers = [self._detokenizer(prompt_token_ids, params) for _ in seqs]
         return Request(request_id, prompt_token_ids, params, seqs, detokenizers)
 
-    def check_structured(self, spec: StructuredOutput) -> None:
-        """Compile a structured-output spec now; ParamError (naming spec.param) if it cannot be.
-        Cached, and safe from any thread: a server calls it off its event loop (a big schema
-        can take a while), and the request's own compile is then a copy."""
+    def check_structured(self, spec: StructuredOutput, tenant: str | None = None) -> None:
+        """Compile a structured-output spec for a tenant's request now; ParamError (naming
+        spec.param) if it cannot be. Cached per tenant, and safe from any thread: a server calls it
+        off its event loop (a big schema can take a while), and the request's own compile is then a copy."""
         spec.validate()
-        self._grammar_compiler(spec).check(spec)
+        self._grammar_compiler(spec).check(spec, scope=tenant)
 
     def _grammar_compiler(self, spec: StructuredOutput) -> GrammarCompiler:
         if self.grammars is None:
@@ -287,6 +299,8 @@ class LLMEngine:
         request.queued_at = self.clock()
         self.requests[request.request_id] = request
         self.scheduler.add(request.seqs[0])
+        if self.grammars is not None and request.params.structured is not None:
+            self.grammars.masks.compute(seq.grammar for seq in request.seqs)  # their first masks
 
     def add_request(
         self,
@@ -322,10 +336,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch and return what each touched request produced in it."""
+        if self.grammars is not None:
+            self.grammars.masks.wait()  # a few milliseconds at most: a slow grammar's rows sit this step out
         plan = self.scheduler.schedule()
         if plan.kv_copies:
             self.runner.copy_kv(plan.kv_copies)
         if plan.is_empty:
+            if self.grammars is not None and self.scheduler.waiting_for_masks():
+                self.grammars.masks.wait_any(IDLE_MASK_WAIT_SECONDS)  # nothing else to run: do not spin
             return []
         self._note_queue_times(plan)
         started, queued, num_prefill = self.clock(), self.scheduler.num_waiting > 0, plan.num_prefill_tokens
@@ -338,6 +356,8 @@ class LLMEngine:
         if queued:  # requests are left waiting: this step ran at the pace the queue drains
             self.drain_rate.note(num_prefill, self.clock() - started)
         seqs = self.scheduler.postprocess(plan, sampled.token_ids)
+        if self.grammars is not None:  # the next masks, computed while this step's tokens are detokenized
+            self.grammars.masks.compute(s.grammar for s in seqs if s.grammar is not None and not s.is_finished)
         return self._detokenize(seqs, sampled.token_ids, sampled.logprobs)
 
     def _note_queue_times(self, plan: SchedulerOutput) -> None:
@@ -356,6 +376,10 @@ class LLMEngine:
                 continue
             try:
                 delta = self._delta(request, seq, token_id, logprob)
+            except GrammarFailed as exc:  # the client's grammar, not a bug: the client hears which field
+                log.warning("request %s: %s", seq.request_id, exc.message)
+                deltas[seq.request_id] = self._fail(request, exc.message, exc.param)
+                continue
             except Exception as exc:  # a bug in output handling fails this request only
                 log.exception("request %s failed while handling its output", seq.request_id)
                 deltas[seq.request_id] = self._fail(request, f"output processing failed: {exc}")
@@ -382,7 +406,7 @@ class LLMEngine:
             request.num_cached_tokens = seq.num_cached_tokens
         if seq.finish_reason == FinishReason.ERROR:  # only a failed grammar ends a sequence so: fail the request
             self.runner.release(seq)
-            raise RuntimeError(f"structured output could not be followed: {seq.grammar.error}")
+            raise GrammarFailed(seq.params.structured.param, seq.grammar.error or "structured output could not be followed")
         delta = CompletionOutput(seq.index, token_ids=[token_id], logprobs=None if logprob is None else [logprob])
         detokenizer = request.detokenizers[seq.index]
         # A stop token's own text is not part of the answer (a grammar's last token is).
@@ -405,11 +429,12 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self.runner.release(seq)
 
-    def _fail(self, request: Request, message: str) -> RequestOutput:
-        """End every choice of a request with an error output."""
+    def _fail(self, request: Request, message: str, param: str | None = None) -> RequestOutput:
+        """End every choice of a request with an error output (`param`: the field at fault, if the request's)."""
         self.abort(request.request_id)
         outputs = [CompletionOutput(s.index, finish_reason=FinishReason.ERROR) for s in request.seqs]
-        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished=True, error=message)
+        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished=True, error=message,
+                             error_param=param)
 
     def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
@@ -424,10 +449,12 @@ class LLMEngine:
         return health() if health is not None else None
 
     def close(self) -> None:
-        """Stop what the runner started (tensor-parallel workers); the engine serves no more."""
+        """Stop what the runner started (tensor-parallel workers) and the grammar threads; the engine serves no more."""
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        if self.grammars is not None:
+            self.grammars.close()
 
     def stats(self) -> EngineStats:
         """A snapshot of the counters metrics are made of."""

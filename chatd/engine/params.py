@@ -183,6 +183,9 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when the engine failed this request
+    # The request field the error is about, when the request itself caused it (a grammar that
+    # could not be followed within the server's limits): the client's error (400), not the server's.
+    error_param: str | None = None
     queue_time: float | None = None  # seconds from being added until first scheduled
 
     def merge(self, later: RequestOutput) -> None:
@@ -198,5 +201,6 @@ class RequestOutput:
         self.finished = later.finished
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
         self.error = later.error or self.error
+        self.error_param = later.error_param or self.error_param
         if self.queue_time is None:
             self.queue_time = later.queue_time

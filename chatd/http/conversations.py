@@ -251,7 +251,7 @@ async def _stream(request: web.Request, state: ServerState, reply: ReplyStream, 
 def _whole_reply(state: ServerState, reply: ReplyStream, omitted: int, headers: dict) -> web.Response:
     message = reply.message
     if message.status == "error":
-        raise APIError(500, "generation failed; the message is saved with status 'error'")
+        raise reply.failure()
     if message.status != "complete":
         raise reply.interruption()
     body = {

@@ -329,7 +329,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             turns.cancel_reply(reply.message_id)
     message = reply.message
     if message.status == "error":
-        raise APIError(500, f"generation failed: {reply.error}")
+        raise reply.failure()
     if message.status == "partial" and reply.stopped_by is None:
         raise reply.interruption()  # the server is stopping
     return json_response(response_object(state, job.record, message, stopped_by=reply.stopped_by))

@@ -55,6 +55,7 @@ class ReplyStream:
         self.named = named  # each event carries `event: <its type>` (Responses' streams)
         self.stopped_by: str | None = None  # "delete" (of its conversation) or "cancel": a client stopped it
         self.error: str | None = None  # why generation failed, when it did
+        self.error_param: str | None = None  # the request field at fault, when the request caused it
         self.events: list[bytes] = []
         self.message: Message | None = None  # the reply as saved, once it has ended
         self._changed = asyncio.Event()
@@ -92,6 +93,13 @@ class ReplyStream:
                 # A lone comment line: with a blank line after it, a client that keeps the last `id:`
                 # (the openai SDK) reads an empty event and fails to parse it.
                 yield b": keep-alive\n"
+
+    def failure(self) -> APIError:
+        """Why this reply failed: the request's own fault (400, naming the field: its grammar could
+        not be followed) or the server's (500)."""
+        if self.error_param is not None:
+            return APIError(400, self.error or "generation failed", self.error_param)
+        return APIError(500, f"generation failed: {self.error}" if self.error else "generation failed")
 
     def interruption(self) -> APIError:
         """Why this reply was cut short: a client's delete or cancel (409) or the server stopping (503)."""
@@ -208,7 +216,7 @@ class Turns:
                 job.use_input_texts(await state.safety.check_input(tenant, job.endpoint, job.input_texts(), request_id,
                                                                   job.busy_key))
                 prompt, omitted = await job.prepare()
-                await state.check_structured(job.gen.params.structured)
+                await state.check_structured(job.gen.params.structured, tenant)
                 lease, placement = state.admit(tenant, job.gen, [prompt])
                 results = state.engine.generate(prompt, job.gen.params, **placement, **state.cache_scope(tenant, prompt))
             except BaseException as exc:
@@ -249,7 +257,7 @@ class Turns:
                 if out.outputs and out.outputs[0].token_ids:
                     lease.first_token(out.queue_time)
                 if out.error:
-                    error = out.error
+                    error, reply.error_param = out.error, out.error_param
                     break
                 for payload in events.delta(out):
                     reply.publish(payload)
@@ -356,7 +364,7 @@ class ChatEvents:
 
     def closing(self, message: Message, merged: RequestOutput | None, reply: ReplyStream) -> list[dict | bytes]:
         if message.status == "error":
-            return [error_body(500, f"generation failed: {reply.error}")]
+            return [reply.failure().body()]
         if message.status == "partial":
             return [reply.interruption().body()]
         usage = [self.format.usage_chunk(merged)] if self.gen.include_usage else []

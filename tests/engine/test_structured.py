@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -190,3 +193,131 @@ def test_a_failed_grammar_fails_its_request_and_frees_everything(llm, monkeypatc
     assert failed[1].error is None and failed[1].outputs[0].token_ids == free.outputs[0].token_ids
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
     assert not engine.runner.generators
+
+
+# -- hostile grammars: bounded cost, failures never served as valid, kept per tenant ------------
+
+# An integer, then a string whose pattern is a huge counted repetition: the grammar compiles and
+# its probe passes, and its lexer reaches its state limit only once a reply gets to "y".
+FAILS_MID_REPLY = json_spec({"type": "object", "properties": {"x": {"type": "integer"},
+                                                              "y": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+                             "required": ["x", "y"], "additionalProperties": False})
+
+
+def _run(engine, *requests, until: str | None = None) -> dict:
+    """Add (request_id, prompt, params) requests, step until all end (or request `until` has);
+    each request's merged output."""
+    outputs = {}
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished_requests() and not (until in outputs and outputs[until].finished):
+        for out in engine.step():
+            if out.request_id in outputs:
+                outputs[out.request_id].merge(out)
+            else:
+                outputs[out.request_id] = out
+    return outputs
+
+
+def test_a_row_whose_mask_is_late_sits_out_and_the_batch_goes_on(model_dirs, monkeypatch):
+    """A grammar whose mask never comes holds only its own row: the free request beside it runs
+    to its end, then the late row finishes as its grammar says once its masks come."""
+    import threading
+
+    from chatd.engine.grammar import GrammarMatcher
+
+    release = threading.Event()
+    compute = GrammarMatcher.compute_mask
+
+    def late(self, words):
+        if self.grammar.param == "late":
+            release.wait()
+        compute(self, words)
+
+    monkeypatch.setattr(GrammarMatcher, "compute_mask", late)
+    engine = make_llm(model_dirs["llama"]).engine
+    late_spec = StructuredOutput(regex=r"[a-c]{3}", param="late")
+    engine.add_request("late", "q", SamplingParams(temperature=0.0, max_tokens=10, structured=late_spec))
+    free = _run(engine, ("free", "a free prompt", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
+                until="free")
+    assert len(free["free"].outputs[0].token_ids) == 12 and free["free"].finished
+    assert engine.requests["late"].seqs[0].num_output_tokens == 0  # never sampled without its mask
+    release.set()
+    late_out = _run(engine)["late"]
+    assert re.fullmatch(r"[a-c]{3}", late_out.outputs[0].text) and late_out.outputs[0].finish_reason == FinishReason.STOP
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_a_grammar_that_fails_mid_reply_is_the_clients_error_and_never_served_again(model_dirs):
+    engine = make_llm(model_dirs["llama"]).engine
+    params = SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=40, structured=FAILS_MID_REPLY)
+    free = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    out = _run(engine, ("bad", "hello", params), ("free", "free", free))
+    assert out["bad"].error_param == "structured_outputs" and "too complex" in out["bad"].error
+    assert all(o.finish_reason == FinishReason.ERROR for o in out["bad"].outputs)
+    assert len(out["free"].outputs[0].token_ids) == 20 and out["free"].error is None
+    with pytest.raises(ParamError, match="too complex") as refused:  # not a clean empty reply, as it once was
+        engine.check_structured(FAILS_MID_REPLY)
+    assert refused.value.param == "structured_outputs"
+    engine.check_structured(FAILS_MID_REPLY, tenant="someone else")  # their copy is their own
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_grammars_that_fail_their_probe_are_refused_before_any_request_runs(llm):
+    engine = llm.engine
+    spec = StructuredOutput(regex="(a{1000}){1000}", param="guided_regex")
+    for _ in range(2):  # the second time from what the first one learned
+        with pytest.raises(ParamError, match="guided_regex is too complex") as refused:
+            engine.check_structured(spec)
+        assert refused.value.param == "guided_regex"
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("spec, words", [
+    (StructuredOutput(regex="a{100000}", param="guided_regex"), "the regex repeats something 100000 times"),
+    (StructuredOutput(regex="(ab){2,20000}", param="guided_regex"), "20000 times"),
+    (json_spec({"type": "object", "properties": {"k": {"type": "string", "pattern": "^a{1000000}$"}}}), "a pattern"),
+    (StructuredOutput(grammar='start: "a" ~ 50000', param="guided_grammar"), "the grammar repeats"),
+])
+def test_counted_repetitions_past_the_limit_are_refused_by_name(llm, spec, words):
+    with pytest.raises(ParamError, match="the limit is 10000") as refused:
+        llm.engine.check_structured(spec)
+    assert refused.value.param == spec.param and words in str(refused.value)
+
+
+def test_grammars_are_cached_per_tenant(llm):
+    engine = llm.engine
+    spec = json_spec({"type": "object", "properties": {"per_tenant": {"type": "boolean"}}, "required": ["per_tenant"]})
+    before = len(engine.grammars._cache)
+    engine.check_structured(spec, tenant="alice")
+    engine.check_structured(spec, tenant="bob")
+    engine.check_structured(spec, tenant="alice")
+    assert len(engine.grammars._cache) == before + 2
+
+
+def test_deep_chains_of_rules_compile_without_crashing_the_process(tmp_path):
+    """llguidance's compiler recurses once per chained rule: 3,000 of them overflowed an ordinary
+    thread's stack and killed the server. Run apart, so a regression cannot take the suite down."""
+    script = tmp_path / "chains.py"
+    script.write_text(f"""
+import json, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+from pathlib import Path
+from chatd.engine.models.demo import build_model_dir
+from chatd.engine import ParamError
+from chatd.engine.params import StructuredOutput
+from tests.engine.conftest import make_llm
+engine = make_llm(build_model_dir(Path({str(tmp_path)!r}) / "m", "llama", seed=1)).engine
+lark = "start: r0\\n" + "\\n".join(f'r{{i}}: "x" r{{i + 1}} | "y"' for i in range(3000)) + '\\nr3000: "z"'
+refs = {{"$defs": {{f"d{{i}}": {{"$ref": f"#/$defs/d{{i + 1}}"}} for i in range(3000)}}, "$ref": "#/$defs/d0"}}
+refs["$defs"]["d3000"] = {{"type": "integer"}}
+for spec in (StructuredOutput(grammar=lark, param="g"), StructuredOutput(json_schema=json.dumps(refs), param="j")):
+    try:
+        engine.check_structured(spec)
+        print("compiled", spec.param)
+    except ParamError as exc:
+        print("refused", spec.param, exc)
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "compiled g" in done.stdout and "compiled j" in done.stdout

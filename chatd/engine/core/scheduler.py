@@ -9,7 +9,10 @@ arrival. When the KV pool runs dry, the running sequence ranked last (the worst 
 tenant furthest above its share, the latest arrival) is preempted: its blocks are freed and it
 is recomputed later, which the prefix cache makes cheap. A waiting sequence of a better class
 than some running ones does not wait for them: when the batch or the pool is full, they are
-preempted to make room for it (a paid request never queues behind free ones).
+preempted to make room for it (a paid request never queues behind free ones). A sequence
+with structured output samples only once its grammar's mask for the next token is ready (masks
+are computed off the engine thread, grammar.py); until then it computes all but its last token,
+so a costly grammar slows its own reply and nobody else's.
 
 The scheduler is the only user of the block manager, and it does the bookkeeping after a
 step too (`schedule` / `postprocess`, as nano-vllm pairs them): counters, naming blocks that
@@ -20,7 +23,6 @@ detokenizes. Plain Python, no torch: tested without a model.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from chatd.config import SchedulerConfig
@@ -28,9 +30,6 @@ from chatd.engine.core.block_manager import BlockManager, KVCopy
 from chatd.engine.core.fairness import FairShare, WaitQueue
 from chatd.engine.core.sequence import Sequence, SequenceStatus
 from chatd.engine.params import FinishReason
-
-log = logging.getLogger("chatd.engine")
-
 
 @dataclass
 class ScheduledSequence:
@@ -93,6 +92,14 @@ class EngineStats:
     host_cache_hits: int = 0  # prompt tokens copied back from the host instead of recomputed
     num_blocks_to_host: int = 0  # blocks copied out to the host
     num_blocks_from_host: int = 0  # blocks copied back to the device
+
+
+def _ready_tokens(seq: Sequence) -> int:
+    """How many of a sequence's uncomputed tokens may run now: all but the last while its grammar's
+    mask for the next token is not ready (the last one would sample), so a costly grammar slows its
+    own sequence, never the step."""
+    held = seq.grammar is not None and not seq.grammar.ready
+    return seq.num_uncomputed_tokens - 1 if held else seq.num_uncomputed_tokens
 
 
 class Scheduler:
@@ -191,7 +198,9 @@ class Scheduler:
                 continue
             if budget == 0:
                 break
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(_ready_tokens(seq), budget)
+            if num_new == 0:  # waiting for its grammar's mask
+                continue
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = max(unscheduled, key=rank)
                 self._preempt(victim)
@@ -217,19 +226,20 @@ class Scheduler:
                 budget += freed
             if not seq.block_table:
                 self.block_manager.allocate(seq)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(_ready_tokens(seq), budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 freed = self._make_room(seq, out)
                 if freed is None:
                     break
                 budget += freed
-                num_new = min(seq.num_uncomputed_tokens, budget)
+                num_new = min(_ready_tokens(seq), budget)
             else:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                out.scheduled.append(ScheduledSequence(seq, num_new))
-                budget -= num_new
+                if num_new:  # else it runs once its grammar's mask is ready, without holding up the queue
+                    out.scheduled.append(ScheduledSequence(seq, num_new))
+                    budget -= num_new
                 continue
             self.block_manager.free(seq)  # give back prefix-cache hits; looked up again next time
             break
@@ -238,6 +248,10 @@ class Scheduler:
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         out.kv_copies = self.block_manager.take_copies()
         return out
+
+    def waiting_for_masks(self) -> bool:
+        """Some sequence could run but for its grammar's mask (being computed off the engine thread)."""
+        return any(s.grammar is not None and not s.grammar.ready for s in self.running)
 
     def postprocess(self, plan: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
         """Fold a step's results back: `token_ids` has one sampled token per sequence whose chunk
@@ -267,8 +281,7 @@ class Scheduler:
         enough = seq.num_output_tokens >= params.min_tokens
         # Every token goes to the grammar first (EOS too): the mask allows only what it accepts, so a
         # refusal means its matcher failed (a parser limit reached) and the output is not complete.
-        if seq.grammar is not None and not seq.grammar.accept(token_id):
-            log.error("sequence %s: its grammar refused token %d: %s", seq.request_id, token_id, seq.grammar.error)
+        if seq.grammar is not None and not seq.grammar.accept(token_id):  # the engine says why
             seq.finish_reason = FinishReason.ERROR
         elif enough and token_id in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, token_id

@@ -168,7 +168,7 @@ def apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         return logits
     vocab_size = logits.shape[1]
     device = logits.device
-    # Computed on the host while (on CUDA) the forward may still run: uint32 bits -> [C, V] booleans.
+    # Computed ahead, off the engine thread (grammar.MaskWorkers): uint32 bits -> [C, V] booleans.
     words = fill_masks([rows[i].grammar for i in constrained], vocab_size)  # [C, words] uint32
     words = torch.from_numpy(words.view(np.int32)).to(device)
     bits = torch.arange(32, dtype=torch.int32, device=device)
