@@ -86,7 +86,9 @@ def make_model_info(max_model_len: int = 64, **fields) -> ModelInfo:
 class ScriptedChatEngine:
     """Stands in for AsyncEngine behind a chat server: each reply is the next text of `replies`
     (else `default`), sent a word per delta with `pause` seconds before each; an abort ends it
-    as the real engine does (a last output with finish_reason abort)."""
+    as the real engine does (a last output with finish_reason abort). With a `tokenizer` set, a
+    request that asks for logprobs gets each word's real token ids, with logprobs and, as
+    alternatives, the ids of `alternatives`' texts."""
 
     def __init__(self, pause: float = 0.02, default: str = "Hello from the scripted engine.") -> None:
         self.pause, self.default = pause, default
@@ -96,16 +98,21 @@ class ScriptedChatEngine:
         self.num_requests = 0
         self.error = None
         self.is_running = True
+        self.tokenizer = None  # a chatd Tokenizer: words become their token ids, logprobs come with them
+        self.alternatives: list[str] = []  # texts of one token each, offered as every token's alternatives
 
     def generate(self, prompt, params, priority=0, cache_salt=None, num_shared_prefix_tokens=0, tenant=None,
                  weight=1.0) -> ScriptedReply:
         self.num_requests += 1
         self.prompts.append(list(prompt))
         text = self.replies.pop(0) if self.replies else self.default
-        return ScriptedReply(self, f"scripted-{self.num_requests}", prompt, text)
+        return ScriptedReply(self, f"scripted-{self.num_requests}", prompt, text, params)
 
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
+
+    def check_structured(self, spec, tenant=None) -> None:
+        """Every grammar compiles (the scripted replies follow none)."""
 
     def stats(self) -> EngineStats:
         return EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_blocks=64, num_free_blocks=64,
@@ -119,14 +126,14 @@ class ScriptedChatEngine:
 class ScriptedReply:
     """What ScriptedChatEngine.generate returns: AsyncEngine's RequestStream interface over one text."""
 
-    def __init__(self, engine: ScriptedChatEngine, request_id: str, prompt: list[int], text: str) -> None:
-        self.engine, self.request_id, self.prompt, self.text = engine, request_id, prompt, text
+    def __init__(self, engine: ScriptedChatEngine, request_id: str, prompt: list[int], text: str, params=None) -> None:
+        self.engine, self.request_id, self.prompt, self.text, self.params = engine, request_id, prompt, text, params
 
     async def __aiter__(self):
         import asyncio
         import re
 
-        from chatd.engine import CompletionOutput, FinishReason, RequestOutput
+        from chatd.engine import CompletionOutput, FinishReason, Logprob, RequestOutput
 
         words = re.split(r"(?<=\s)(?=\S)", self.text)  # each word with the spaces after it
         for i, word in enumerate(words):
@@ -137,6 +144,11 @@ class ScriptedReply:
                 return
             last = i == len(words) - 1
             out = CompletionOutput(0, text=word, token_ids=[7], finish_reason=FinishReason.STOP if last else None)
+            if self.engine.tokenizer is not None and self.params is not None and self.params.logprobs is not None:
+                out.token_ids = self.engine.tokenizer.encode(word, add_special_tokens=False)
+                alternatives = {self.engine.tokenizer.encode(alt, add_special_tokens=False)[0]: -3.0
+                                for alt in self.engine.alternatives}
+                out.logprobs = [Logprob(t, -0.5, {t: -0.5, **alternatives}) for t in out.token_ids]
             yield RequestOutput(self.request_id, self.prompt, [out], finished=last)
 
     def abort(self) -> None:

@@ -22,10 +22,11 @@ from aiohttp import web
 
 from chatd.engine import ParamError, RequestHandle, RequestOutput
 from chatd.http.auth import TENANT
-from chatd.http.errors import REQUEST_ID, APIError, error_body
+from chatd.http.errors import REQUEST_ID, APIError
 from chatd.http.limits import Lease
 from chatd.http.openai_format import ChunkFormat, merged_with, output_usage, whole_response
 from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion, shown
+from chatd.http.safety import input_strings
 from chatd.http.state import STATE, ServerState
 from chatd.http.wire import DONE, SlowClient, drop_slow_client, json_response, read_json, send, sse_event
 
@@ -74,17 +75,19 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
     await _check_input(state, request, tenant, endpoint, gen)
     tools = None
     if chat:
-        tools = state.tool_use(gen.tools, gen.messages)
+        # Tools are walked in Python (schemas checked and closed, the grammar written): off the event loop.
+        tools = (await state.off_loop(state.tool_use, gen.tools, gen.messages, gen.params.structured)
+                 if gen.tools is not None else state.tool_use(None, gen.messages))
         prompts = {"messages": await state.encode_chat(tools.messages, tools=tools.shown)}
-        if tools.enforced:
+        if tools.grammar is not None:  # every reply that may call follows it, auto too
+            if gen.params.structured is not None:  # the request's own format, checked alone: its errors name its field
+                await state.check_structured(gen.params.structured, tenant)
             gen.params = replace(gen.params, structured=tools.grammar)
-        else:  # compiled under auto too, so that a tool schema that cannot be is a 400 whatever the choice
-            await state.check_structured(tools.grammar)
         if tools.parser is not None and tools.parser.needs_special_tokens:  # its markers must reach the parser
             gen.params = replace(gen.params, skip_special_tokens=False)
     else:
         prompts = {name: await state.encode_prompt(prompt, name) for name, prompt in gen.prompts.items()}
-    await state.check_structured(gen.params.structured)
+    await state.check_structured(gen.params.structured, tenant)
     parser = tools.parser if tools is not None else None
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
@@ -107,9 +110,9 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
             return writer.response
         async for _ in replies:
             timing.tokens_arrived()
-        error = next((out.error for out in replies.outputs if out.error), None)
-        if error:
-            raise APIError(500, f"generation failed: {error}")
+        failed = next((out for out in replies.outputs if out.error), None)
+        if failed is not None:
+            raise _failure(failed)
         return json_response(whole_response(state, replies.outputs, response_id, created, chat, echoed, parser))
     finally:
         replies.abort()  # a no-op for those finished; otherwise (disconnect, error, timeout) frees them now
@@ -121,15 +124,24 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
 
 
 async def _check_input(state: ServerState, request: web.Request, tenant, endpoint: str, gen: GenerationRequest) -> None:
-    """The safety pipeline's input check ([safety] check_input) on every message's text or every
-    text prompt; a refusal is raised, masked text replaces what the client sent."""
+    """The safety pipeline's input check ([safety] check_input) on every string of a chat request
+    that reaches the model (contents, names, tool calls, the tools themselves) or every text
+    prompt; a refusal is raised, masked text replaces what the client sent."""
     if gen.messages is not None:
-        texts = await state.safety.check_input(tenant, endpoint, [m["content"] for m in gen.messages], request[REQUEST_ID])
-        for message, text in zip(gen.messages, texts):
-            message["content"] = text
+        if not state.safety.config.check_input:
+            return
+        # What cannot fit the context window is refused before it is read (the rules cost ~4 ms a kB).
+        state.check_text_size(sum(len(m["content"]) for m in gen.messages), "messages")
+        if gen.tools is not None:
+            state.check_text_size(gen.tools.offered_chars, "tools")
+        texts, write_back = await state.off_loop(input_strings, gen.messages, gen.tools.offered if gen.tools else None)
+        write_back(await state.safety.check_input(tenant, endpoint, texts, request[REQUEST_ID]))
     elif state.safety.config.check_input:
         # Token-id prompts are judged as the text they spell (else they would pass unread); one
         # that must be masked becomes its masked text.
+        for name, prompt in gen.prompts.items():
+            if isinstance(prompt, str):
+                state.check_text_size(len(prompt), name)
         given = [prompt if isinstance(prompt, str) else await state.off_loop(state.tokenizer.decode, prompt)
                  for prompt in gen.prompts.values()]
         texts = await state.safety.check_input(tenant, endpoint, given, request[REQUEST_ID])
@@ -164,6 +176,14 @@ def _refusal(exc: ParamError, name: str, too_long: bool, gen: GenerationRequest)
     if exc.param == "max_tokens" and gen.max_tokens_field != "max_tokens":
         return APIError(400, message.replace("max_tokens", gen.max_tokens_field), gen.max_tokens_field)
     return APIError(400, message, exc.param)
+
+
+def _failure(out: RequestOutput) -> APIError:
+    """A request that failed: its own fault (400, naming the field: a grammar that could not be
+    followed within the server's limits) or the server's (500)."""
+    if out.error_param is not None:
+        return APIError(400, out.error, out.error_param)
+    return APIError(500, f"generation failed: {out.error}")
 
 
 class _Replies:
@@ -265,7 +285,7 @@ class _ChunkWriter:
             except StopAsyncIteration:
                 break
             if out.error:
-                await send(request, self.response, sse_event(error_body(500, f"generation failed: {out.error}")))
+                await send(request, self.response, sse_event(_failure(out).body()))
                 return
             timing.tokens_arrived()
             chunk = self.format.delta_chunk(out)

@@ -210,7 +210,8 @@ FIELD_SCHEMAS: dict[str, Schema] = {
               "description": "functions the model may call, shown to it through its chat template"},
     "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]},
                               _object({"type": {"const": "function"}, "function": _object({"name": {"type": "string"}})})],
-                    "description": "required or a named function: the reply is a call, enforced by a grammar"},
+                    "description": "required or a named function: the reply is a call; auto: text or calls. Every "
+                                   "call names an offered function with arguments that match its schema (a grammar)"},
     "parallel_tool_calls": {"type": "boolean", "default": True, "description": "false: at most one call"},
     "include": {"type": "array", "maxItems": 0, "description": "not supported: items carry only their text"},
     "reasoning": {"type": "object", "additionalProperties": {"type": "null"},

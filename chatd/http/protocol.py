@@ -62,7 +62,6 @@ MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 51
 # Conversation metadata is stored as JSON by orjson, which writes at most 254 levels; real
 # metadata is a flat map of tags, so the limit is far below that.
 MAX_METADATA_DEPTH = 32
-ORJSON_MAX_DEPTH = 254
 
 
 @dataclass
@@ -110,6 +109,11 @@ def parse_chat(body: Any, max_messages: int, defaults: Mapping[str, float] = Map
     if output_format is not None and tool_request is not None and tool_request.choice in ("required", "function"):
         raise APIError(400, f"tool_choice {tool_request.choice!r} makes the reply a tool call; it cannot also follow "
                             f"{output_format.param.split('.')[0]}", "tool_choice")
+    if (output_format is not None and tool_request is not None and tool_request.choice == "auto"
+            and output_format.json_schema is None and not output_format.json_object):
+        # A reply is then the JSON format or calls; a regex or grammar could spell a call no grammar checked.
+        raise APIError(400, f"{output_format.param} cannot be combined with tools that the model may call; use a JSON "
+                            "schema (response_format), or tool_choice none", output_format.param)
     messages = _get(body, "messages", list, None)
     if not messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
@@ -183,7 +187,7 @@ def _metadata(body: dict, limits: ConversationsConfig) -> dict:
     try:
         size = len(orjson.dumps(metadata))
     except orjson.JSONEncodeError:  # what orjson read it writes back, except nesting past its limit
-        raise APIError(400, f"metadata nests more than {ORJSON_MAX_DEPTH} levels deep; the limit is {MAX_METADATA_DEPTH}",
+        raise APIError(400, f"metadata nests more than {structured.ORJSON_MAX_DEPTH} levels deep; the limit is {MAX_METADATA_DEPTH}",
                        "metadata") from None
     if size > limits.max_metadata_bytes:
         raise APIError(400, f"metadata takes {size} bytes as JSON; the limit is {limits.max_metadata_bytes}", "metadata")

@@ -18,9 +18,10 @@ import dataclasses
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from chatd.config import SafetyConfig
-from chatd.engine import FinishReason, RequestHandle, RequestOutput
+from chatd.engine import CompletionOutput, FinishReason, Logprob, RequestHandle, RequestOutput
 from chatd.http.errors import APIError
 from chatd.http.metrics import ServerMetrics
 from chatd.safety.pipeline import SafetyPipeline
@@ -37,8 +38,10 @@ ACTION_EVENTS = {"block": "blocked", "flag": "flagged", "redact": "redacted"}  #
 class Safety:
     """The safety pipeline as the server applies it: checks, refusals, the audit trail, metrics."""
 
-    def __init__(self, pipeline: SafetyPipeline, store: Store, metrics: ServerMetrics) -> None:
-        self.pipeline, self.store, self.metrics = pipeline, store, metrics
+    def __init__(self, pipeline: SafetyPipeline, store: Store, metrics: ServerMetrics,
+                 token_text: Callable[[int], str] = str) -> None:
+        """token_text: a token id's text (the served tokenizer's), to judge logprobs' alternatives."""
+        self.pipeline, self.store, self.metrics, self.token_text = pipeline, store, metrics, token_text
         self.config: SafetyConfig = pipeline.config
         metrics.declare_safety(ALL_CATEGORIES)
 
@@ -104,21 +107,26 @@ class Safety:
                     await record(ACTION_EVENTS[action], found)
 
         return WatchedReply(handle, lambda: self.pipeline.output_window(tenant.tier), num_choices,
-                            self.config.output_notice, on_end)
+                            self.config.output_notice, on_end, self.token_text)
 
 
 class WatchedReply:
     """An engine request (a RequestHandle) whose choices' text passes through OutputWindows.
 
-    Text is held back a few dozen characters; a choice cut by a blocked match ends with
-    `content_filter` and the notice, later deltas of it are dropped (their tokens still count),
-    and once every choice has ended the engine request is aborted so it computes no more."""
+    Text is held back a few dozen characters, and each token's logprobs with it, until all the
+    text the token wrote has been judged and sent: a blocked phrase leaves in no field. A choice
+    cut by a blocked match ends with `content_filter` and the notice, later deltas of it are
+    dropped (their tokens still count), and once every choice has ended the engine request is
+    aborted so it computes no more."""
 
     def __init__(self, handle: RequestHandle, make_window: Callable[[], OutputWindow], num_choices: int,
-                 notice: str, on_end: Callable[[OutputWindow], Awaitable[None]]) -> None:
+                 notice: str, on_end: Callable[[OutputWindow], Awaitable[None]],
+                 token_text: Callable[[int], str] = str) -> None:
         self.handle, self.request_id = handle, handle.request_id
         self.make_window, self.num_choices, self.notice, self.on_end = make_window, num_choices, notice, on_end
+        self.token_text = token_text
         self.windows: dict[int, OutputWindow] = {}
+        self.held: dict[int, HeldLogprobs] = {}
         self.ended: set[int] = set()
         self._iterator = handle.__aiter__()
         self._finished = False
@@ -139,12 +147,14 @@ class WatchedReply:
             if choice.index in self.ended:  # cut earlier: nothing more is sent, its tokens still count
                 outputs.append(dataclasses.replace(choice, text="", finish_reason=None, stop_reason=None, logprobs=None))
                 continue
-            text = window.feed(choice.text, final=choice.finish_reason is not None)
+            final = choice.finish_reason is not None
+            text = window.feed(choice.text, final=final)
+            logprobs = self._logprobs(choice, window, final)
             if window.stopped:
-                choice = dataclasses.replace(choice, text=text + _notice(window, self.notice),
+                choice = dataclasses.replace(choice, text=text + _notice(window, self.notice), logprobs=logprobs,
                                              finish_reason=FinishReason.CONTENT_FILTER, stop_reason=None)
             else:
-                choice = dataclasses.replace(choice, text=text)
+                choice = dataclasses.replace(choice, text=text, logprobs=logprobs)
             if choice.finish_reason is not None:
                 self.ended.add(choice.index)
                 await self.on_end(window)
@@ -154,6 +164,102 @@ class WatchedReply:
             self.handle.abort()  # every choice was cut: stop computing the rest now
         self._finished = finished
         return dataclasses.replace(out, outputs=outputs, finished=finished)
+
+
+    def _logprobs(self, choice: CompletionOutput, window: OutputWindow, final: bool) -> list[Logprob] | None:
+        """The choice's logprobs that may leave now (None when none may)."""
+        held = self.held.setdefault(choice.index, HeldLogprobs())
+        if choice.logprobs is not None:
+            held.add(choice.logprobs)
+        if choice.text or final:  # the text of every token so far has reached the window
+            held.text_ends_at(len(window.text))
+        released = held.release(window, self.token_text)
+        return released or None
+
+
+class HeldLogprobs:
+    """One choice's logprobs, held back with its text. A token's entry leaves once the window has
+    sent all of the text up to the end of the delta that brought it (a token whose bytes the
+    detokenizer held back waits for the next text); entries over text a block cut off never leave,
+    those over masked text leave without it, and alternatives that would complete a blocked or
+    masked match are left out."""
+
+    def __init__(self) -> None:
+        self._entries: list[list] = []  # [Logprob, where its text ends in window.text (None: not known yet)]
+        self._sent_upto = 0  # where the text of the entries released so far ends
+
+    def add(self, logprobs: list[Logprob]) -> None:
+        self._entries += [[logprob, None] for logprob in logprobs]
+
+    def text_ends_at(self, end: int) -> None:
+        for entry in self._entries:
+            if entry[1] is None:
+                entry[1] = end
+
+    def release(self, window: OutputWindow, token_text: Callable[[int], str]) -> list[Logprob]:
+        out = []
+        while self._entries and self._entries[0][1] is not None and self._entries[0][1] <= window.released:
+            logprob, end = self._entries.pop(0)
+            start, self._sent_upto = self._sent_upto, end
+            if window.masks(start, end):
+                continue  # its token spelled (part of) masked text
+            out.append(self._judged_alternatives(logprob, window, start, token_text))
+        if window.stopped:
+            self._entries.clear()  # they spell what the block cut off
+        return out
+
+    @staticmethod
+    def _judged_alternatives(logprob: Logprob, window: OutputWindow, start: int,
+                             token_text: Callable[[int], str]) -> Logprob:
+        if not logprob.top:
+            return logprob
+        context = window.text[max(0, start - window.hold):start]
+        top = {token_id: value for token_id, value in logprob.top.items()
+               if token_id == logprob.token_id or not window.refuses(context, token_text(token_id))}
+        return logprob if len(top) == len(logprob.top) else dataclasses.replace(logprob, top=top)
+
+
+def input_strings(messages: list[dict], tools: list[dict] | None) -> tuple[list[str], Callable[[list[str]], None]]:
+    """Every string of a chat request that reaches the model, for the input check: each message's
+    content first (in order, so a guard reads the conversation as written), then the messages'
+    other strings (names, tool call ids, call arguments) and the tools' names, descriptions and
+    parameter schemas, keys included. Returns the texts, and a function that puts checked texts
+    (masked where a policy redacts) back where they came from; a masked key is refused by name."""
+    texts = [message["content"] for message in messages]
+    slots: list[tuple[Any, Any, str]] = []  # (container, key, where) of each string after the contents
+    stack: list[tuple[Any, str]] = [(tool, f"tools[{i}]") for i, tool in reversed(list(enumerate(tools or [])))]
+    stack += [(message, f"messages[{i}]") for i, message in reversed(list(enumerate(messages)))]
+    keys: list[tuple[str, str]] = []  # (key, where) of schema keys, checked but not masked
+    while stack:
+        node, where = stack.pop()
+        items = list(node.items()) if isinstance(node, dict) else list(enumerate(node)) if isinstance(node, list) else []
+        if where.startswith("messages") and "." not in where:  # a message: its role is a name, its content is above
+            items = [(key, value) for key, value in items if key not in ("role", "content")]
+        children = []
+        for key, value in items:
+            at = f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]"
+            if isinstance(key, str) and ".parameters" in where:
+                keys.append((key, at))
+            if isinstance(value, str):
+                slots.append((node, key, at))
+            elif isinstance(value, (dict, list)):
+                children.append((value, at))
+        stack += reversed(children)
+    texts += [container[key] for container, key, _ in slots] + [key for key, _ in keys]
+    originals = list(texts)
+
+    def write_back(checked: list[str]) -> None:
+        for message, text in zip(messages, checked):
+            message["content"] = text
+        rest = checked[len(messages):]
+        for (container, key, _), text in zip(slots, rest):
+            container[key] = text
+        for (key, where), text, before in zip(keys, rest[len(slots):], originals[len(messages) + len(slots):]):
+            if text != before:
+                raise APIError(400, f"{where} names a property with text the content policy masks", where,
+                               "content_policy_violation")
+
+    return texts, write_back
 
 
 def _notice(window: OutputWindow, notice: str) -> str:

@@ -67,7 +67,7 @@ class ServerState:
         self.metrics.declare_tiers(self.config.tiers)
         self.limits = Limits(self.config.tiers, self.config.auth.enabled, self.metrics)
         pipeline = SafetyPipeline.build(self.config.safety, self.config.policies, self.guard)
-        self.safety = Safety(pipeline, self.store, self.metrics)
+        self.safety = Safety(pipeline, self.store, self.metrics, self.token_text)
 
     @property
     def max_model_len(self) -> int:
@@ -114,16 +114,22 @@ class ServerState:
         """How the served model's tool calls are read ([model] tool_parser, or its template's family)."""
         return tool_parser(self.config.model.tool_parser, self.tokenizer.chat_template)
 
-    def tool_use(self, request: ToolRequest | None, messages: list[dict]) -> ToolUse:
-        """How a chat request's messages and tools are rendered for the served model, and its calls read."""
+    def tool_use(self, request: ToolRequest | None, messages: list[dict],
+                 reply_format: StructuredOutput | None = None) -> ToolUse:
+        """How a chat request's messages and tools are rendered for the served model, the grammar its
+        reply follows and how its calls are read. The tools must fit the context window (their JSON
+        length, measured when parsed) before they are walked in Python: run it off the event loop."""
+        if request is not None:
+            self.check_text_size(request.offered_chars, "tools")
         tokenizer = self.tokenizer
-        return tool_use(request, messages, self.tool_parser, tokenizer.template_takes_tools, tokenizer.added_token_ids)
+        return tool_use(request, messages, self.tool_parser, tokenizer.template_takes_tools, tokenizer.added_token_ids,
+                        reply_format)
 
-    async def check_structured(self, spec: StructuredOutput | None) -> None:
-        """Compile a request's structured output before it is queued, off the event loop (a big
-        schema takes a while); ParamError naming the field if it cannot be compiled."""
+    async def check_structured(self, spec: StructuredOutput | None, tenant: Tenant) -> None:
+        """Compile a tenant's structured output before its request is queued, off the event loop (a
+        big schema takes a while); ParamError naming the field if it cannot be compiled."""
         if spec is not None:
-            await self.off_loop(self.engine.check_structured, spec)
+            await self.off_loop(self.engine.check_structured, spec, tenant.id)
 
     async def off_loop(self, function: Callable[..., T], *args) -> T:
         """Run CPU work on text (templates, tokenizing) in the tokenizing threads."""

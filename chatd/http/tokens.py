@@ -44,7 +44,7 @@ async def tokenize(request: web.Request) -> web.Response:
     else:
         chat = {name: body[name] for name in ("messages", "tools") if name in body}
         gen = parse_chat(chat, state.config.server.max_messages)
-        tools = state.tool_use(gen.tools, gen.messages)
+        tools = await state.off_loop(state.tool_use, gen.tools, gen.messages)
         tokens = await state.encode_chat(tools.messages, add_generation_prompt=add_generation_prompt is not False,
                                          tools=tools.shown)
     return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len})

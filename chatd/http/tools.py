@@ -5,8 +5,14 @@ The tools reach the model through its own chat template (`apply_chat_template(to
 template that takes no tools (SmolLM2's, the demo model's) gets them described in a system
 message in the Hermes format instead, and its calls are read in that format. What the model
 writes is parsed back into OpenAI's `tool_calls` by the parser of its template's family
-(tool_calls.py). `required` and a named function are enforced with a grammar: the reply is then
-a call, its arguments valid against the function's JSON schema.
+(tool_calls.py). Every reply that may call is constrained by a grammar: under `required` and a
+named function it is a call; under `auto` it is text in which no call marker appears, or text and
+then calls. Either way a call names an offered function and its arguments are valid against that
+function's JSON schema (the parser, bound to the offered names, reads no other call).
+
+Tools are measured before they are walked: each tool's JSON length by orjson when it is parsed
+(C speed, on the event loop), and against the context window before the walks in Python (`tool_use`:
+depth checks, closing schemas, the grammar, the system message), which callers run off the loop.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import orjson
 
 from chatd.engine import StructuredOutput
 from chatd.http.errors import APIError, shown
-from chatd.http.structured import check_name, closed
-from chatd.http.tool_calls import PARSERS, ToolParser, parser_for_template
+from chatd.http.structured import (MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, ORJSON_MAX_DEPTH, check_name,
+                                   check_schema_depth, closed, schema_length)
+from chatd.http.tool_calls import PARSERS, ToolParser, json_rule, parser_for_template
 
 MAX_TOOLS = 128  # OpenAI's limit on functions per request
 TOOL_CHOICES = ("none", "auto", "required")
@@ -33,6 +40,7 @@ class ToolRequest:
     choice: str  # none | auto | required | function
     function: str | None  # the function `choice == "function"` names
     parallel: bool
+    json_chars: dict[str, int]  # each function's tool: its length as JSON (about what a template renders of it)
 
     @property
     def offered(self) -> list[dict]:
@@ -42,6 +50,11 @@ class ToolRequest:
         if self.choice == "function":
             return [t for t in self.tools if t["function"]["name"] == self.function]
         return self.tools
+
+    @property
+    def offered_chars(self) -> int:
+        """The offered tools' length as JSON."""
+        return sum(self.json_chars[tool["function"]["name"]] for tool in self.offered)
 
 
 def parse_tools(body: dict) -> ToolRequest | None:
@@ -59,7 +72,8 @@ def parse_tools(body: dict) -> ToolRequest | None:
         raise APIError(400, "tools must be a list of function tools", "tools")
     if len(tools) > MAX_TOOLS:
         raise APIError(400, f"tools has {len(tools)} entries; the limit is {MAX_TOOLS}", "tools")
-    names = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    measured = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    names = [name for name, _ in measured]
     seen = set()
     for i, name in enumerate(names):
         if name in seen:
@@ -78,11 +92,11 @@ def parse_tools(body: dict) -> ToolRequest | None:
         choice = "function"
     elif choice not in TOOL_CHOICES:
         raise APIError(400, f"tool_choice must be none, auto, required or a function; got {shown(choice)}", "tool_choice")
-    return ToolRequest(tools, choice, function, True if parallel is None else parallel)
+    return ToolRequest(tools, choice, function, True if parallel is None else parallel, dict(measured))
 
 
-def _tool(tool: Any, where: str) -> str:
-    """Check one function tool; return its name."""
+def _tool(tool: Any, where: str) -> tuple[str, int]:
+    """Check one function tool; return its name and its length as JSON."""
     if not isinstance(tool, dict) or tool.get("type") != "function":
         raise APIError(400, f"{where} must be {{'type': 'function', 'function': {{...}}}}; chatd runs no built-in tools",
                        f"{where}.type")
@@ -99,7 +113,22 @@ def _tool(tool: Any, where: str) -> str:
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise APIError(400, f"{where}.function.strict must be a boolean", f"{where}.function.strict")
-    return name
+    return name, _json_length(tool, parameters, where)
+
+
+def _json_length(tool: dict, parameters: dict | None, where: str) -> int:
+    """A tool's length as JSON, measured by orjson (no walk in Python yet): its parameters within
+    MAX_SCHEMA_BYTES, and nothing nested past what orjson writes (400s naming the field)."""
+    try:
+        length = len(orjson.dumps(tool))
+    except orjson.JSONEncodeError:  # nested past orjson's limit: in its parameters, or somewhere else
+        length = None
+    if parameters is not None and (length is None or length > MAX_SCHEMA_BYTES):
+        schema_length(parameters, f"{where}.function.parameters")
+    if length is None:
+        raise APIError(400, f"{where} nests more than {ORJSON_MAX_DEPTH} levels deep; the limit is {ORJSON_MAX_DEPTH}",
+                       where)
+    return length
 
 
 # -- messages ------------------------------------------------------------------------------------
@@ -124,12 +153,28 @@ def assistant_tool_calls(calls: Any, where: str) -> list[dict]:
             parsed = orjson.loads(arguments)
         except orjson.JSONDecodeError:
             parsed = arguments  # passed on as written: the model sees what it (or the client) wrote
+        if _nests_deeper_than(parsed, MAX_SCHEMA_DEPTH):
+            raise APIError(400, f"{at}.function.arguments nests more than {MAX_SCHEMA_DEPTH} levels of objects and "
+                                f"lists; the limit is {MAX_SCHEMA_DEPTH}", f"{at}.function.arguments")
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise APIError(400, f"{at}.id must be a string", f"{at}.id")
         shaped.append({"id": call_id or f"call_{j}", "type": "function",
                        "function": {"name": function["name"], "arguments": parsed}})
     return shaped
+
+
+def _nests_deeper_than(value: Any, limit: int) -> bool:
+    """Whether a JSON value nests more than `limit` levels, found by orjson at C speed (a walk in Python
+    over a 4 MB body would hold the event loop): orjson writes at most ORJSON_MAX_DEPTH levels, so the
+    value inside ORJSON_MAX_DEPTH - limit lists fails to write exactly when it nests deeper."""
+    for _ in range(ORJSON_MAX_DEPTH - limit):
+        value = [value]
+    try:
+        orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return True
+    return False
 
 
 def described_in_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
@@ -167,27 +212,41 @@ class ToolUse:
 
     messages: list[dict]  # to render (tools described in them when the template takes none)
     shown: list[dict] | None  # the tools handed to the chat template
-    parser: ToolParser | None  # reads calls out of the reply; None when the model may call none
-    grammar: StructuredOutput | None  # the call format and the functions' schemas, checked for every request
-    enforced: bool  # the reply must follow `grammar` (required, or a named function)
+    parser: ToolParser | None  # reads calls to the offered functions out of the reply; None when it may call none
+    grammar: StructuredOutput | None  # what the reply must follow when it may call
 
 
 def tool_use(request: ToolRequest | None, messages: list[dict], parser: ToolParser, template_takes_tools: bool,
-             special_token_ids: dict[str, int]) -> ToolUse:
-    """Render tools through the template where it takes them, else into the messages; make the call grammar."""
+             special_token_ids: dict[str, int], reply_format: StructuredOutput | None = None) -> ToolUse:
+    """Render tools through the template where it takes them, else into the messages; make the grammar
+    of the reply: calls (required, a named function), or text or calls (auto; `reply_format`, the
+    request's own format, in place of the text). Walks the tools in Python: run it off the event loop."""
     if request is None:
-        return ToolUse(messages, None, None, None, False)
+        return ToolUse(messages, None, None, None)
     offered = request.offered
+    names = {tool["function"]["name"] for tool in offered}
+    for i, tool in enumerate(request.tools):  # before anything recursive walks a schema
+        if tool["function"]["name"] in names and tool["function"].get("parameters") is not None:
+            check_schema_depth(tool["function"]["parameters"], f"tools[{i}].function.parameters")
     if offered and template_takes_tools:
         shown_tools, rendered = offered, messages
     else:
         shown_tools, rendered = None, described_in_messages(messages, offered)
-    grammar = None
-    if offered:  # compiled for every request, so a schema that cannot be is a 400 under auto too
-        parallel = request.parallel and request.choice != "function"  # a named function is one call, as on OpenAI
-        held = [_closed_tool(tool) for tool in offered]
-        grammar = StructuredOutput(grammar=parser.call_grammar(held, parallel, special_token_ids), param="tools")
-    return ToolUse(rendered, shown_tools, parser if offered else None, grammar, request.choice in ("required", "function"))
+    if not offered:
+        return ToolUse(rendered, shown_tools, None, None)
+    held = [_closed_tool(tool) for tool in offered]
+    if request.choice == "auto":
+        fmt = None if reply_format is None else _as_lark(reply_format)
+        grammar = parser.auto_grammar(held, request.parallel, special_token_ids, fmt)
+    else:  # a named function is one call, as on OpenAI
+        grammar = parser.call_grammar(held, request.parallel and request.choice != "function", special_token_ids)
+    return ToolUse(rendered, shown_tools, parser.for_tools(names), StructuredOutput(grammar=grammar, param="tools"))
+
+
+def _as_lark(spec: StructuredOutput) -> str:
+    """A request's JSON format (the only kind parse_chat lets beside tools the model may call) as a
+    Lark expression, to stand beside the calls in the auto grammar."""
+    return json_rule(orjson.loads(spec.json_schema) if spec.json_schema is not None else {"type": "object"})
 
 
 def _closed_tool(tool: dict) -> dict:

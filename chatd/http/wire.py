@@ -23,6 +23,8 @@ from aiohttp import web
 from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, BodyTimeout
 from chatd.http.state import STATE
 
+JSON_MAX_DEPTH = 1024  # how deep orjson reads
+
 log = logging.getLogger("chatd.http")
 
 
@@ -45,6 +47,9 @@ async def read_json(request: web.Request):
     try:
         return orjson.loads(_decoded(request, raw))
     except orjson.JSONDecodeError as exc:
+        if "depth" in str(exc):  # orjson reads at most 1,024 levels: no field of any route may nest that deep
+            raise APIError(400, f"the request body nests more than {JSON_MAX_DEPTH} levels of objects and lists; "
+                                f"the limit is {JSON_MAX_DEPTH}") from exc
         raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
 
 

@@ -53,6 +53,18 @@ class OutputWindow:
             return self._release(max(self.violation.start, self.released))
         return self._release(len(self.text) if final else start_of_last(self.text, self.hold))
 
+    def masks(self, start: int, end: int) -> bool:
+        """Whether text[start:end] overlaps a match that was sent masked."""
+        return any(f.action == "redact" and f.start < end and start < f.end for f in self.findings)
+
+    def refuses(self, context: str, candidate: str) -> bool:
+        """Whether `candidate`, written after `context` (text already sent), would complete a match
+        this window blocks or masks: how a token the model did not write (a logprobs alternative) is
+        judged before it is shown."""
+        text = context + candidate
+        return any(f.action in ("block", "redact") and f.end > len(context)
+                   for f in findings_from_matches(self.rules.scan(text, self.policies), self.policies))
+
     def _judge(self, final: bool) -> None:
         # Rescan from a little before what was sent (a match may begin there), starting at a word's
         # start so that a word cut in two cannot match as a shorter word.

@@ -174,3 +174,86 @@ def test_fuzzed_requests_get_a_4xx_in_openai_shape_and_leave_nothing_behind(serv
     # refused did not flood the log with tracebacks (they are logged at DEBUG).
     log = server["log"].read_text()[log_start:]
     assert " ERROR " not in log and "Traceback" not in log
+
+
+# -- hostile grammars (issue 36): any schema, regex, grammar or tool list is served or a 400 ----------
+
+
+def _nested(kind: str, depth: int, leaf: str) -> str:
+    """JSON text of a schema nested `depth` levels around `leaf` (JSON text): arrays of arrays,
+    objects in properties, or a chain of $refs. Text, not objects: nothing recursive writes or prints it."""
+    if kind == "refs":
+        defs = ", ".join(f'"d{i}": {{"$ref": "#/$defs/d{i + 1}"}}' for i in range(depth))
+        return f'{{"$defs": {{{defs}, "d{depth}": {leaf}}}, "$ref": "#/$defs/d0"}}'
+    if kind == "array":
+        return '{"type": "array", "items": ' * depth + leaf + "}" * depth
+    return '{"type": "object", "required": ["k"], "properties": {"k": ' * depth + leaf + "}}" * depth
+
+
+def _repeats(counts: list[int]) -> str:
+    """A regex of nested counted repetitions: (((a){n1}){n2})..."""
+    regex = "a"
+    for count in counts:
+        regex = f"({regex}){{{count}}}"
+    return regex
+
+
+def _tools(depth: int, count: int) -> str:
+    """JSON text of a tool list: one function whose parameter is nested `depth` levels, and `count` more."""
+    parameter = _nested("array", depth, '{"type": "integer"}')
+    deep = ('{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": '
+            + parameter + "}}}}")
+    more = [f'{{"type": "function", "function": {{"name": "g{i}", "parameters": {{"type": "object"}}}}}}' for i in range(count)]
+    return "[" + ", ".join([deep, *more]) + "]"
+
+
+hostile_fields = st.one_of(  # (the fields' JSON text, a short name hypothesis can print)
+    st.builds(lambda kind, depth, count: (f'"guided_json": {_nested(kind, depth, json.dumps({"type": "string", "pattern": f"^a{{{count}}}$"}))}',
+                                          f"guided_json {kind} x{depth}, a{{{count}}}"),
+              st.sampled_from(["array", "object", "refs"]), st.sampled_from([1, 5, 40, 64, 65, 300, 2000]),
+              st.sampled_from([3, 1000, 10_000, 100_000])),
+    st.builds(lambda counts: (f'"guided_regex": {json.dumps(_repeats(counts))}', _repeats(counts)),
+              st.lists(st.sampled_from([2, 10, 100, 1000, 10_000, 100_000]), min_size=1, max_size=3)),
+    st.builds(lambda rules: (f'"guided_grammar": ' + json.dumps("start: r0\n" + "\n".join(
+        f'r{i}: "x" r{i + 1} | "y"' for i in range(rules)) + f'\nr{rules}: "z"'), f"lark chain of {rules}"),
+        st.sampled_from([1, 100, 2800])),
+    st.builds(lambda depth, count, n: (f'"tools": {_tools(depth, count)}, "tool_choice": "auto", "n": {n}',
+                                       f"tools x{count + 1}, parameters {depth} deep, n={n}"),
+              st.sampled_from([1, 62, 63, 300]), st.sampled_from([0, 127, 200]), st.sampled_from([1, 4])),
+    st.builds(lambda text: ('"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": '
+                            '{"type": "object", "properties": {"k": {"enum": ' + json.dumps([text, text + "x"]) + "}}}}}",
+                            "enum"), st.text(max_size=40)),
+)
+
+
+def test_hostile_grammars_are_served_or_refused_by_name_and_leave_nothing_behind(server):
+    """Schemas nested up to 2,000 levels (arrays, objects, $ref chains), patterns and regexes of
+    counted repetitions up to 10^15, Lark chains of 2,800 rules, tool lists of 200 functions with
+    deep parameters: each answer is a 200 or a 400 that names what it refused, in bounded time; the
+    server stays up and holds nothing afterwards."""
+    seen = []
+
+    async def send(fields: str) -> tuple[int, dict, float]:
+        body = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 1.0, ' + fields + "}"
+        started = asyncio.get_running_loop().time()
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {server['targets'].key}"}) as session:
+            async with session.post(f"{server['url']}/v1/chat/completions", data=body.encode(),
+                                    headers={"Content-Type": "application/json"}) as r:
+                return r.status, await r.json(), asyncio.get_running_loop().time() - started
+
+    @settings(max_examples=30, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(case=hostile_fields)
+    def fuzz(case):
+        fields, name = case
+        status, answer, seconds = asyncio.run(send(fields))
+        assert status in (200, 400), (name, status, answer)
+        if status == 400:  # the field, or (a body nested past 1,024 levels) the limit
+            assert answer["error"]["param"] or "the limit is 1024" in answer["error"]["message"], (name, answer)
+        assert seconds < 60, (name, seconds)
+        seen.append(status)
+
+    fuzz()
+    assert {200, 400} <= set(seen), seen
+    assert asyncio.run(engine_is_empty(server["url"])) == (0, 0, 0, 0)
+    assert "Traceback" not in server["log"].read_text()

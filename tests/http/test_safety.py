@@ -203,3 +203,104 @@ async def test_a_response_cut_by_the_policy_is_incomplete_for_content_filter(ser
     response = await client(url, keys["alice"]).responses.create(model="scripted", input="Go on.")
     assert response.status == "incomplete" and response.incomplete_details.reason == "content_filter"
     assert "kill" not in response.output_text and response.output_text.endswith(state.config.safety.output_notice)
+
+
+def _logprob_tokens(logprobs) -> str:
+    """Every token a chat logprobs object shows (chosen and alternatives), joined."""
+    return "".join(t.token + "".join(top.token for top in t.top_logprobs) for t in logprobs.content or [])
+
+
+async def test_a_cut_reply_sends_no_token_of_the_match_in_its_logprobs(serve):
+    """The blocked phrase's tokens are held back with its text: not in logprobs, top_logprobs or
+    /v1/completions' tokens, streamed or whole, nor in a conversation turn's chunks."""
+    state, url, keys = await serve()
+    state.engine.tokenizer = state.tokenizer
+    words = "Fine, here is what I think about that. " * 3 + THREAT + " And then many more words follow here."
+    api = client(url, keys["alice"])
+    state.engine.replies.append(words)
+    stream = await chat(url, keys["alice"], "Tell me a story.", stream=True, logprobs=True, top_logprobs=1)
+    chunks = [chunk async for chunk in stream]
+    shown = "".join(_logprob_tokens(c.choices[0].logprobs) for c in chunks if c.choices and c.choices[0].logprobs)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "content_filter" and "kill" not in text
+    assert "Fine" in shown and "kill" not in shown and "tomorrow" not in shown.replace(" ", "")
+    state.engine.replies.append(words)
+    whole = await chat(url, keys["alice"], "Tell me a story.", logprobs=True, top_logprobs=1)
+    assert whole.choices[0].finish_reason == "content_filter"
+    assert "Fine" in _logprob_tokens(whole.choices[0].logprobs) and "kill" not in _logprob_tokens(whole.choices[0].logprobs)
+    state.engine.replies.append(words)
+    completion = await api.completions.create(model="scripted", prompt="Once upon a time", logprobs=1, max_tokens=50)
+    tokens = "".join(completion.choices[0].logprobs.tokens) + "".join(
+        "".join(top) for top in completion.choices[0].logprobs.top_logprobs)
+    assert completion.choices[0].finish_reason == "content_filter" and "Fine" in tokens and "kill" not in tokens
+    state.engine.replies.append(words)
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {keys['alice']}"}) as http:
+        conversation = (await http.post("/v1/conversations", json={})).json()
+        reply = (await http.post(f"/v1/conversations/{conversation['id']}/messages",
+                                 json={"content": "Go on.", "logprobs": True, "stream": True})).text
+    assert "content_filter" in reply and "Fine" in reply and "kill" not in reply
+
+
+async def test_logprob_alternatives_that_would_complete_a_blocked_phrase_are_left_out():
+    from chatd.engine import CompletionOutput, Logprob, RequestOutput
+    from chatd.http.safety import WatchedReply
+    from chatd.safety.pipeline import SafetyPipeline
+
+    settings = build_config({"safety": {"check_output": True}})
+    pipeline = SafetyPipeline.build(settings.safety, settings.policies)
+    texts = {1: "People at the rally shouted sieg ", 2: "nothing", 3: "heil", 4: " at all, then went home " * 4}
+
+    class Handle:
+        request_id = "r"
+
+        async def __aiter__(self):
+            for token_id in (1, 2, 4):
+                yield RequestOutput("r", [5], [CompletionOutput(0, text=texts[token_id], token_ids=[token_id],
+                                                                logprobs=[Logprob(token_id, -0.1, {token_id: -0.1, 3: -2.0})],
+                                                                finish_reason="stop" if token_id == 4 else None)],
+                                    finished=token_id == 4)
+
+        def abort(self):
+            pass
+
+    async def on_end(window):
+        pass
+
+    watched = WatchedReply(Handle(), lambda: pipeline.output_window(None), 1, "", on_end, texts.get)
+    shown = [lp for out in [out async for out in watched] for lp in (out.outputs[0].logprobs or [])]
+    assert [lp.token_id for lp in shown] == [1, 2, 4]  # every token leaves once its text has
+    assert shown[0].top == {1: -0.1, 3: -2.0}  # "heil" in place of the first token completes nothing
+    assert shown[1].top == {2: -0.1}  # after "... sieg ", "heil" would be blocked: not shown
+    assert shown[2].top == {4: -0.1, 3: -2.0}
+
+
+async def test_every_string_of_a_chat_request_that_reaches_the_model_is_checked(serve):
+    """Tool descriptions, parameter schemas (an enum value, a property name), and an assistant
+    message's tool call arguments are input too: a blocked phrase in any is refused, personal data
+    in any is masked before the model sees it."""
+    state, url, keys = await serve()
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+    def tool(description="Get the weather.", parameters=weather):
+        return {"type": "function", "function": {"name": "get_weather", "description": description, "parameters": parameters}}
+
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "x"}'}}]}
+    refused_bodies = [
+        dict(tools=[tool(description=THREAT)]),
+        dict(tools=[tool(parameters={"type": "object", "properties": {"city": {"enum": ["Paris", THREAT]}}})]),
+        dict(tools=[tool()], messages=[{"role": "user", "content": "Weather?"},
+                                       {**call, "tool_calls": [{**call["tool_calls"][0], "function": {
+                                           "name": "get_weather", "arguments": '{"city": "' + THREAT + '"}'}}]},
+                                       {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]),
+    ]
+    for body in refused_bodies:
+        messages = body.pop("messages", [{"role": "user", "content": "Weather in Paris?"}])
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client(url, keys["alice"]).chat.completions.create(model="scripted", messages=messages, **body)
+        assert refused.value.code == "content_policy_violation", body
+    masked = tool(description="Ask jo.ng@example.com for the forecast.")
+    await client(url, keys["alice"]).chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[masked], max_tokens=5)
+    seen = state.tokenizer.decode(state.engine.prompts[-1])
+    assert "[email]" in seen and "example.com" not in seen

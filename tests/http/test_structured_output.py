@@ -170,3 +170,24 @@ def test_objects_that_list_properties_get_no_others(client):
         value = json.loads(text)
         jsonschema.validate(value, schema)
         assert set(value) <= {"ok", "inner"} and set(value.get("inner", {})) <= {"n"}
+
+
+def test_depth_is_measured_without_recursion_and_checked_before_any_walk():
+    from chatd.http.errors import APIError
+    from chatd.http.structured import MAX_SCHEMA_DEPTH, extras, json_depth
+
+    deep: dict = {"type": "string"}
+    for _ in range(100_000):  # far past Python's recursion limit
+        deep = {"type": "array", "items": deep}
+    assert json_depth(deep, 10**6) == 100_001
+    assert json_depth(deep, MAX_SCHEMA_DEPTH) == MAX_SCHEMA_DEPTH + 1  # the walk stops there
+    assert json_depth([[1], [[2]], {"a": [3]}], 10) == 3 and json_depth("x", 10) == 0
+    at_limit, past_limit = {"type": "string"}, None
+    for _ in range(MAX_SCHEMA_DEPTH - 1):
+        at_limit = {"type": "array", "items": at_limit}
+    past_limit = {"type": "array", "items": at_limit}
+    assert extras({"guided_json": at_limit}).json_schema
+    for schema in (past_limit, deep):
+        with pytest.raises(APIError) as err:
+            extras({"guided_json": schema})
+        assert err.value.param == "guided_json" and f"the limit is {MAX_SCHEMA_DEPTH}" in str(err.value)

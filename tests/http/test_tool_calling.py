@@ -234,3 +234,14 @@ def test_the_real_default_model_calls_the_weather_tool(real_model):
     answer = client.chat.completions.create(model=client.models.list().data[0].id, messages=history, tools=[WEATHER],
                                             temperature=0, max_tokens=40)
     assert answer.choices[0].message.content
+
+
+def test_the_real_default_model_answers_plain_questions_under_auto(real_model):
+    """Tools offered under auto put the call grammar on the reply; it leaves text alone (only a call
+    marker is kept out of it), so a question that needs no tool gets the answer it gets without it."""
+    client = openai.OpenAI(base_url=f"{real_model}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    for question in ("Write a haiku about the sea.", "What is 2 + 2?"):
+        message = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                                 tools=[WEATHER], temperature=0, max_tokens=40).choices[0].message
+        assert message.tool_calls is None and message.content and "<tool_call>" not in message.content, message

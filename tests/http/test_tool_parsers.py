@@ -1,6 +1,6 @@
-"""Tool-call parsers (chatd/http/tool_calls.py): each family's recorded replies read back as OpenAI
-tool calls, streamed in any split exactly as read whole, and the call grammars checked by llguidance
-itself with a real tokenizer."""
+"""Tool-call formats (chatd/http/tool_calls.py, read by tool_stream.py): each family's recorded replies
+read back as OpenAI tool calls, streamed in any split exactly as read whole, and the call grammars
+checked by llguidance itself with a real tokenizer."""
 
 import json
 
@@ -277,3 +277,73 @@ def test_the_grammar_wants_natural_json_spacing(tokenizers):
     tok = tokenizers[0]
     grammar = PARSERS["hermes"].call_grammar([WEATHER_TOOL], False, {})
     assert not accepts(tok, grammar, '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>')
+
+
+@settings(max_examples=200, deadline=None)
+@given(family=st.sampled_from(sorted(PARSERS)), pieces=st.lists(st.sampled_from(FRAGMENTS), max_size=25), data=st.data())
+def test_a_parser_bound_to_other_functions_reads_any_text_as_content(family, pieces, data):
+    text = "".join(pieces)  # every call in FRAGMENTS names f
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=8)))
+    parser = PARSERS[family].for_tools({"g"})
+    assert parser.parse(text) == ((text or None), [])
+    streamed_content, deltas, _ = stream_all(parser, [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+    assert (streamed_content, deltas) == (text, [])
+
+
+def test_a_bound_parser_reads_calls_only_to_the_offered_functions():
+    """A call to a function nobody offered stays content, whole or streamed in any split; the
+    offered calls beside it are read as before."""
+    text = "Sure. " + hermes("transfer_money", {"to": "mallory", "amount": 10 ** 6})
+    parser = PARSERS["hermes"].for_tools({"get_weather"})
+    assert parser.parse(text) == (text, [])
+    assert PARSERS["hermes"].parse(text)[1][0].name == "transfer_money"  # unbound: any name, as before
+    for cut in range(1, len(text)):
+        content, deltas, _ = stream_all(parser, [text[:cut], text[cut:]])
+        assert (content, deltas) == (text, [])
+    llama_two = llama("get_weather", WEATHER) + "; " + llama("transfer_money", {"to": "mallory"})
+    content, calls = PARSERS["llama3_json"].for_tools({"get_weather"}).parse(llama_two)
+    assert [c.name for c in calls] == ["get_weather"] and "transfer_money" in content
+    content, calls = PARSERS["mistral"].for_tools({"get_weather"}).parse(mistral(("transfer_money", {}), ("get_weather", WEATHER)))
+    assert calls == [] and "transfer_money" in content
+
+
+def test_only_json_whitespace_separates_a_call_from_what_comes_before():
+    # The grammars can exclude these exactly; str.isspace() knows dozens more.
+    assert PARSERS["llama3_json"].parse(" \n\t" + llama("f", {}))[1]
+    assert not PARSERS["llama3_json"].parse("\xa0" + llama("f", {}))[1]
+
+
+@pytest.mark.parametrize("family", sorted(PARSERS))
+@pytest.mark.parametrize("special", [False, True], ids=["text markers", "special-token markers"])
+def test_the_auto_grammar_allows_text_or_valid_calls_and_no_stray_marker(tokenizers, family, special):
+    plain_tok, special_tok, ids = tokenizers
+    tok, token_ids = (special_tok, ids) if special else (plain_tok, {})
+    parser = PARSERS[family]
+    args_format = family == "mistral" and special
+    before = "" if family == "llama3_json" else "Let me check that. "  # llama3's calls open the reply
+    single, parallel = parser.auto_grammar(TOOLS, False, token_ids), parser.auto_grammar(TOOLS, True, token_ids)
+    for grammar in (single, parallel):
+        assert llguidance.LLMatcher.validate_grammar(grammar, tok) == ""
+        for text in ("The weather is fine.", "", "Tags look like <b> or [INST]; braces {like} this.", "a < b", "x {"):
+            assert accepts(tok, grammar, text), text
+        assert accepts(tok, grammar, before + render(family, GOOD, args_format))
+        for case, calls in REFUSED.items():
+            assert not accepts(tok, grammar, before + render(family, calls, args_format)), case
+        for marker in parser.markers:  # a marker in text is the start of a real call, or is not written
+            assert not accepts(tok, grammar, f"Wrap calls in {marker} tags.")
+    assert accepts(tok, parallel, before + render(family, TWO, args_format))
+    assert not accepts(tok, single, before + render(family, TWO, args_format))
+    content, calls = parser.parse(before + render(family, TWO, args_format))
+    assert (content or "") == before.strip() and [(c.name, json.loads(c.arguments)) for c in calls] == TWO
+    if family == "llama3_json":  # a reply that starts with a JSON object is a call
+        for text in ('{"answer": 42}', ' \n {"answer": 42}'):
+            assert not accepts(tok, single, text)
+
+
+def test_beside_a_json_format_the_auto_grammar_allows_that_format_or_calls(tokenizers):
+    tok = tokenizers[0]
+    reply_format = '%json {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    grammar = PARSERS["hermes"].auto_grammar(TOOLS, False, {}, reply_format)
+    assert accepts(tok, grammar, '{"a": 1}') and accepts(tok, grammar, render("hermes", GOOD))
+    assert not accepts(tok, grammar, "Free text.") and not accepts(tok, grammar, '{"b": 1}')
+    assert not accepts(tok, grammar, render("hermes", REFUSED["unknown function"]))
