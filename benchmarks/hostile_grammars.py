@@ -5,13 +5,16 @@ model) and measures a normal client's streamed reply, its inter-token latency (I
 while `/health` is polled every 50 ms, in two modes, one after the other:
 
 1. `alone`: the normal client by itself;
-2. `hostile`: the same request while one hostile request runs beside it: by default the worst
+2. `plain`: the same request beside a request of the hostile one's shape without its grammar
+   (`n: 16`, free text): what sharing the batch with 16 more rows costs, grammar or not;
+3. `hostile`: the same request while one hostile request runs beside it: by default the worst
    grammar chatd allows, `{"guided_regex": "a{10000}", "n": 16}` (counted repetitions are capped
    at 10,000; each of its masks takes ~3 ms on the 2-core machine, 16 rows share one lexer), and
    every --refused grammar is sent too, whose answers (a 400 naming the limit) are timed.
 
 It prints each mode's ITL p50 / mean / max, the worst /health latency, the hostile request's status
-and time, then the ratios hostile / alone (issue 36's goal: ITL within 1.5x, /health under 100 ms).
+and time, then the ratios hostile / alone (issue 36's goal: ITL within 1.5x, /health under 100 ms)
+and hostile / plain (what the grammar itself costs the other client).
 With --repeats N the modes run N times in turn and each figure is the median of its N values.
 
     python benchmarks/hostile_grammars.py --repeats 3          # the default model, ~3 minutes on 2 cores
@@ -84,6 +87,9 @@ async def one_mode(url: str, mode: str, args) -> dict:
         stop = asyncio.Event()
         health = asyncio.ensure_future(poll_health(session, url, stop))
         attacks = []
+        if mode == "plain":
+            attacks = [asyncio.ensure_future(hostile(session, url, {"n": WORST_ALLOWED["n"], "ignore_eos": True}, args.tokens))]
+            await asyncio.sleep(0.5)
         if mode == "hostile":
             attacks = [asyncio.ensure_future(hostile(session, url, WORST_ALLOWED, args.tokens))]
             attacks += [asyncio.ensure_future(hostile(session, url, json.loads(body), args.tokens)) for body in args.refused]
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         command += ["--model", args.model]
     server = Server("chatd", command, work / "chatd.log", env={"CHATD_HOME": str(work / "home")})
-    runs: dict[str, list[dict]] = {"alone": [], "hostile": []}
+    runs: dict[str, list[dict]] = {"alone": [], "plain": [], "hostile": []}
     try:
         server.wait_until(lambda: "ready:" in server.log_path.read_text(errors="replace"), 600)
         url = f"http://{HOST}:{port}"
@@ -135,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     for mode, figures in summary.items():
         print(f"{mode:8s} ITL p50 {figures['itl_p50'] * 1000:7.1f} ms  mean {figures['itl_mean'] * 1000:7.1f} ms  "
               f"max {figures['itl_max'] * 1000:7.1f} ms  /health max {figures['health_max'] * 1000:6.1f} ms")
-    ratios = {key: summary["hostile"][key] / summary["alone"][key] for key in ("itl_p50", "itl_mean", "itl_max")}
-    print("hostile / alone: " + "  ".join(f"{key} {value:.2f}x" for key, value in ratios.items()))
+    ratios = {f"{key} vs {base}": summary["hostile"][key] / summary[base][key]
+              for base in ("alone", "plain") for key in ("itl_p50", "itl_mean", "itl_max")}
+    print("hostile / alone, plain: " + "  ".join(f"{key} {value:.2f}x" for key, value in ratios.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "summary": summary, "ratios": ratios}, indent=2))
     return 0
