@@ -59,7 +59,7 @@ async def stream_itl(session: aiohttp.ClientSession, url: str, tokens: int) -> l
             if last is not None:
                 gaps.append(now - last)
             last = now
-    return gaps[1:]  # from the second token on: the first gap includes the role chunk
+    return gaps[1:] or [0.0]  # from the second token on (the first gap includes the role chunk)
 
 
 async def poll_health(session: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> list[float]:
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode, figures in summary.items():
         print(f"{mode:8s} ITL p50 {figures['itl_p50'] * 1000:7.1f} ms  mean {figures['itl_mean'] * 1000:7.1f} ms  "
               f"max {figures['itl_max'] * 1000:7.1f} ms  /health max {figures['health_max'] * 1000:6.1f} ms")
-    ratios = {f"{key} vs {base}": summary["hostile"][key] / summary[base][key]
+    ratios = {f"{key} vs {base}": summary["hostile"][key] / max(summary[base][key], 1e-9)
               for base in ("alone", "plain") for key in ("itl_p50", "itl_mean", "itl_max")}
     print("hostile / alone, plain: " + "  ".join(f"{key} {value:.2f}x" for key, value in ratios.items()))
     if args.json:
