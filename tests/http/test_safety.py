@@ -304,3 +304,21 @@ async def test_every_string_of_a_chat_request_that_reaches_the_model_is_checked(
         model="scripted", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[masked], max_tokens=5)
     seen = state.tokenizer.decode(state.engine.prompts[-1])
     assert "[email]" in seen and "example.com" not in seen
+
+
+async def test_a_disguised_threat_is_refused_as_written_plainly_would_be(serve):
+    """Issue 36: Cyrillic look-alikes, fullwidth letters, a zero-width space or a soft hyphen inside a
+    word, or a combining accent, passed the rules (which only lower-cased)."""
+    state, url, keys = await serve()
+    disguises = [
+        THREAT.replace("o", "\u043e").replace("i", "\u0456"),  # Cyrillic о and і
+        THREAT.replace("kill", "\uff4b\uff49\uff4c\uff4c"),  # fullwidth
+        THREAT.replace("kill", "ki\u200bll"),  # a zero-width space
+        THREAT.replace("kill", "ki\u00adll"),  # a soft hyphen
+        THREAT.replace("kill", "ki\u0301ll"),  # a combining accent
+    ]
+    for text in disguises:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await chat(url, keys["alice"], text)
+        assert refused.value.code == "content_policy_violation", text
+        assert refused.value.body["categories"] == ["harassment/threatening"], text

@@ -191,3 +191,53 @@ def test_depth_is_measured_without_recursion_and_checked_before_any_walk():
         with pytest.raises(APIError) as err:
             extras({"guided_json": schema})
         assert err.value.param == "guided_json" and f"the limit is {MAX_SCHEMA_DEPTH}" in str(err.value)
+
+
+def test_grammars_that_fail_are_400s_naming_the_field_and_are_refused_again(server):
+    """Issue 36: a grammar whose lexer gave up was a 500, and the same one sent again was a 200
+    with empty content and finish_reason stop (its broken compile was served from the cache)."""
+    import time
+
+    import httpx
+
+    mid_reply = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+                 "required": ["x", "y"], "additionalProperties": False}
+    cases = [({"guided_regex": "(a{1000}){1000}"}, "guided_regex"),  # its probe fails
+             ({"guided_json": mid_reply, "n": 4, "temperature": 1.0, "seed": 1, "max_tokens": 60}, "guided_json")]  # mid-reply
+    with httpx.Client(base_url=server, timeout=120) as http:
+        for fields, param in cases:
+            for attempt in range(2):
+                started = time.monotonic()
+                reply = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 20, **fields})
+                assert reply.status_code == 400, (fields, attempt, reply.text)
+                error = reply.json()["error"]
+                assert error["param"] == param and "is too complex to follow" in error["message"], error
+            assert time.monotonic() - started < 5  # the second time from what the first taught
+    assert asyncio.run(engine_is_empty(server)) == (0, 0, 0, 0)
+
+
+async def test_a_costly_grammar_is_refused_by_its_limit_while_another_stream_runs_on(server):
+    """Issue 36: `a{100000}` with n=16 ran 25-60 s and paused another client's stream 3.3-3.6 s a token."""
+    import time
+
+    import httpx
+
+    async with httpx.AsyncClient(base_url=server, timeout=120) as http:
+        async def other() -> list[float]:
+            arrivals = []
+            async with http.stream("POST", "/v1/chat/completions", json={
+                    "messages": ASK, "max_tokens": 40, "ignore_eos": True, "stream": True}) as stream:
+                async for line in stream.aiter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.monotonic())
+            return [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+        streaming = asyncio.ensure_future(other())
+        refused = await http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 64, "n": 16,
+                                                                "guided_regex": "a{100000}"})
+        gaps = await streaming
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "guided_regex"
+    assert "repeats something 100000 times" in refused.json()["error"]["message"]
+    assert "the limit is 10000" in refused.json()["error"]["message"]
+    assert max(gaps) < 2.0, max(gaps)
+    assert await engine_is_empty(server) == (0, 0, 0, 0)
