@@ -110,18 +110,24 @@ class GrammarMatcher:
         self._matcher = grammar.compiled.deep_copy()  # an llguidance.LLMatcher
         self._on_error = on_error
         self.mask: np.ndarray | None = None  # the next token's mask, once computed (uint32 words)
+        # Why this copy failed ("" while it has not). Kept here, not asked of llguidance: the engine
+        # thread reads it while a worker may hold the matcher, which llguidance does not allow.
+        self._reason = ""
 
     @property
     def ready(self) -> bool:
         """The next token's mask is computed, and nothing else holds the grammar's lexer, so the
-        engine thread may sample and advance it without waiting."""
-        return self.mask is not None and not self.grammar.busy
+        engine thread may sample and advance it without waiting. A failed matcher is ready at once:
+        no mask will be computed for it, and `accept` ends its sequence with the error."""
+        return self.failed or (self.mask is not None and not self.grammar.busy)
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar refused it or failed (it stays failed)."""
         self.mask = None
-        if self.failed or not self._matcher.consume_token(token_id) or self._matcher.is_error():
-            self._on_error(self.grammar, self._reason() or f"token {token_id} is not allowed here")
+        if self.failed:
+            return False
+        if not self._matcher.consume_token(token_id) or self._matcher.is_error():
+            self._fail(f"token {token_id} is not allowed here")
             return False
         return True
 
@@ -132,24 +138,31 @@ class GrammarMatcher:
 
     @property
     def failed(self) -> bool:
-        return bool(self.grammar.error) or self._matcher.is_error()
+        return bool(self._reason or self.grammar.error)
 
     @property
     def error(self) -> str:
         """Why it failed, in words a client can act on ("" while it has not)."""
-        reason = self.grammar.error or self._reason()
+        reason = self._reason or self.grammar.error
         return failure_message(self.grammar.param, reason) if reason else ""
 
     def compute_mask(self, words: int) -> None:
-        """Compute the next token's mask (llguidance drops the GIL meanwhile). Off the engine thread."""
+        """Compute the next token's mask (llguidance drops the GIL meanwhile). Off the engine thread.
+        A failed matcher's mask allows every token: `accept` refuses whichever is sampled."""
         mask = np.zeros(words, dtype=np.uint32)
+        if self.failed:
+            mask[:] = np.uint32(0xFFFFFFFF)
+            self.mask = mask
+            return
         self._matcher.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
         if self._matcher.is_error():
-            self._on_error(self.grammar, self._reason())
+            self._fail("its parser reached a limit")
         self.mask = mask
 
-    def _reason(self) -> str:
-        return _first_lines(self._matcher.get_error(), 1) if self._matcher.is_error() else ""
+    def _fail(self, fallback: str) -> None:
+        """This copy failed (called by whoever holds it): say why, and fail its grammar for every copy."""
+        self._reason = _first_lines(self._matcher.get_error(), 1) if self._matcher.is_error() else fallback
+        self._on_error(self.grammar, self._reason)
 
 
 def failure_message(param: str, reason: str) -> str:

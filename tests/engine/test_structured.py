@@ -321,3 +321,25 @@ for spec in (StructuredOutput(grammar=lark, param="g"), StructuredOutput(json_sc
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "compiled g" in done.stdout and "compiled j" in done.stdout
+
+
+def test_a_row_whose_grammar_failed_elsewhere_ends_with_the_error_instead_of_waiting(model_dirs):
+    """Copies of one compiled grammar share its lexer: when another request's reply breaks it, a row
+    that was waiting for its next mask ends with the error; it is not left waiting for a mask
+    that is never computed."""
+    engine = make_llm(model_dirs["llama"]).engine
+    spec = StructuredOutput(regex=r"[a-c]{10,20}", param="guided_regex")
+    engine.add_request("r", "hello", SamplingParams(temperature=0.0, max_tokens=30, structured=spec))
+    steps, out = 0, None
+    while out is None or not out.outputs[0].token_ids:
+        out = next((o for o in engine.step() if o.request_id == "r"), None)
+    matcher = engine.requests["r"].seqs[0].grammar
+    engine.grammars.masks.wait(1.0)
+    matcher.mask = None  # between its token and its next mask...
+    engine.grammars._forget(matcher.grammar, "lexer error: too many states")  # ...another copy broke the lexer
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 200, "the row is stuck waiting for a mask"
+        out = next((o for o in engine.step() if o.request_id == "r"), out)
+    assert out.error_param == "guided_regex" and "too many states" in out.error
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
