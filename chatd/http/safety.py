@@ -211,12 +211,14 @@ class HeldLogprobs:
     @staticmethod
     def _judged_alternatives(logprob: Logprob, window: OutputWindow, start: int,
                              token_text: Callable[[int], str]) -> Logprob:
-        if not logprob.top:
+        others = [token_id for token_id in logprob.top if token_id != logprob.token_id]
+        if not others:
             return logprob
-        context = window.text[max(0, start - window.hold):start]
-        top = {token_id: value for token_id, value in logprob.top.items()
-               if token_id == logprob.token_id or not window.refuses(context, token_text(token_id))}
-        return logprob if len(top) == len(logprob.top) else dataclasses.replace(logprob, top=top)
+        refused = window.refused(start, [token_text(token_id) for token_id in others])
+        if not refused:
+            return logprob
+        dropped = {others[i] for i in refused}
+        return dataclasses.replace(logprob, top={t: v for t, v in logprob.top.items() if t not in dropped})
 
 
 def input_strings(messages: list[dict], tools: list[dict] | None) -> tuple[list[str], Callable[[list[str]], None]]:

@@ -57,13 +57,23 @@ class OutputWindow:
         """Whether text[start:end] overlaps a match that was sent masked."""
         return any(f.action == "redact" and f.start < end and start < f.end for f in self.findings)
 
-    def refuses(self, context: str, candidate: str) -> bool:
-        """Whether `candidate`, written after `context` (text already sent), would complete a match
-        this window blocks or masks: how a token the model did not write (a logprobs alternative) is
-        judged before it is shown."""
-        text = context + candidate
-        return any(f.action in ("block", "redact") and f.end > len(context)
-                   for f in findings_from_matches(self.rules.scan(text, self.policies), self.policies))
+    def refused(self, upto: int, candidates: list[str]) -> set[int]:
+        """Which candidates, each written after text[:upto] (text already sent), would complete a
+        match this window blocks or masks: how the tokens the model did not write (a logprobs
+        position's alternatives) are judged before they are shown. One scan for them all, each after
+        its own copy of the text a match could reach back into, copies kept apart by more blank lines
+        than any match can span."""
+        context = self.text[start_of_last(self.text, self.hold, upto):upto]
+        separator = "\n" * (self.hold + 1)
+        spans, text = [], ""
+        for candidate in candidates:
+            start = len(text) + len(context)
+            text += context + candidate
+            spans.append((start, len(text)))
+            text += separator
+        found = [f for f in findings_from_matches(self.rules.scan(text, self.policies), self.policies)
+                 if f.action in ("block", "redact")]
+        return {i for i, (start, end) in enumerate(spans) if any(start < f.end <= end for f in found)}
 
     def _judge(self, final: bool) -> None:
         # Rescan from a little before what was sent (a match may begin there), starting at a word's
