@@ -298,6 +298,15 @@ def chatd_process(*args: str, home: Path) -> subprocess.CompletedProcess:
                           env={**os.environ, "CHATD_HOME": str(home)})
 
 
+def generate_prints_one_line(path: Path, home: Path) -> str:
+    """`chatd generate` on a model file: it must exit 2 with one line on stderr and nothing on stdout; that line."""
+    done = chatd_process("generate", "--model", str(path), "--device", "cpu", "--max-tokens", "1", "hi", home=home)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.splitlines()
+    assert done.stdout == ""
+    return line
+
+
 def broken_copy(case: str, folder: Path, model_dirs) -> tuple[Path, str]:
     """The corpus file of a BROKEN_METADATA case, and what its message must say."""
     metadata, says = BROKEN_METADATA[case]
@@ -324,11 +333,8 @@ def test_a_corrupt_gguf_file_ends_chatd_generate_with_one_line_naming_it(case, m
 
 def test_chatd_generate_on_a_corrupt_file_prints_only_that_line(model_dirs, tmp_path):
     path, says = broken_copy("block_count_a_string", tmp_path, model_dirs)
-    done = chatd_process("generate", "--model", str(path), "--device", "cpu", "--max-tokens", "1", "hi", home=tmp_path / "home")
-    assert done.returncode == 2, done.stderr
-    [line] = done.stderr.splitlines()
+    line = generate_prints_one_line(path, tmp_path / "home")
     assert line.startswith(f"chatd: GGUF file {path.name}: ") and says in line
-    assert done.stdout == ""
 
 
 # -- the real default model ----------------------------------------------------------------------

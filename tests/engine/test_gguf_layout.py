@@ -16,7 +16,8 @@ import pytest
 
 from chatd.engine.models.gguf_layout import check_layout
 from tests.engine.conftest import make_llm
-from tests.engine.test_gguf import LOG_LINE, chatd_generate, chatd_home, chatd_process, sound_gguf  # noqa: F401 (fixtures)
+from tests.engine.test_gguf import (LOG_LINE, chatd_generate, chatd_home, chatd_process,  # noqa: F401 (fixtures)
+                                    generate_prints_one_line, sound_gguf)
 
 
 def offsets(path: Path) -> dict[str, int]:
@@ -100,11 +101,8 @@ def test_a_corrupt_file_is_refused_by_one_line_that_chatd_generate_prints(case, 
 
 def test_chatd_generate_on_a_cut_file_prints_only_that_line(sound_gguf, tmp_path):
     path, says = broken_copy("cut_to_24_bytes", sound_gguf, tmp_path)
-    done = chatd_process("generate", "--model", str(path), "--device", "cpu", "--max-tokens", "1", "hi", home=tmp_path / "home")
-    assert done.returncode == 2, done.stderr
-    [line] = done.stderr.splitlines()
+    line = generate_prints_one_line(path, tmp_path / "home")
     assert line.startswith(f"chatd: {path} is not a readable GGUF file: ") and says in line
-    assert done.stdout == ""
 
 
 def test_chatd_serve_on_a_file_claiming_2_to_the_40_tensors_exits_2_with_one_line(sound_gguf, tmp_path):
