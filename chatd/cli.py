@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from chatd.bench import add_parser as add_bench_parser
-from chatd.config import DTYPES, KV_CACHE_DTYPES, LOG_LEVELS, QUANTIZATIONS, TOOL_PARSERS, Config, load_config, store_path
+from chatd.config import ASYNC_SCHEDULING, DTYPES, KV_CACHE_DTYPES, LOG_LEVELS, QUANTIZATIONS, TOOL_PARSERS, Config, load_config, store_path
 from chatd.logs import setup_logging
 from chatd.store.db import Store
 from chatd.store.moderation import EVENT_STATUSES
@@ -99,7 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def serve_config(args: argparse.Namespace) -> Config:
     """The server's config: the config file, with `chatd serve`'s flags (and CHATD_API_KEY) over it."""
-    overrides: dict[str, dict] = {"model": {}, "server": {}, "auth": {}, "cache": {}}
+    overrides: dict[str, dict] = {"model": {}, "server": {}, "auth": {}, "cache": {}, "scheduler": {}}
     if args.model:
         overrides["model"]["path"] = args.model
     if args.device:
@@ -134,6 +134,8 @@ def serve_config(args: argparse.Namespace) -> Config:
         overrides["cache"]["host_kv_cache_gb"] = args.host_kv_cache_gb
     if args.tool_call_parser:
         overrides["model"]["tool_parser"] = args.tool_call_parser
+    if args.async_scheduling:
+        overrides["scheduler"]["async_scheduling"] = args.async_scheduling
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     if api_key:
         overrides["auth"]["api_key"] = api_key
@@ -269,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graphs)")
     serve.add_argument("--no-compile", action="store_true",
                        help="on CPU, run every step eagerly (no torch.compile at start)")
+    serve.add_argument("--async-scheduling", choices=ASYNC_SCHEDULING,
+                       help="plan each step while the device runs the one before (default auto: on a GPU)")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="the model ids requests may name; the first is the one replies show (default: the model "
                             "folder's name)")

@@ -103,12 +103,23 @@ class CacheConfig:
             raise ValueError(f"setting cache.host_kv_cache_gb must be 0 (off) or more, got {self.host_kv_cache_gb}")
 
 
+ASYNC_SCHEDULING = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits."""
 
     max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
     max_num_seqs: int = 256  # sequences running at once
+    # Plan and launch each step before waiting for the one the device is running (engine.py):
+    # "auto" does on a GPU, where the device then never waits for the host's Python; "on", "off".
+    async_scheduling: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.async_scheduling not in ASYNC_SCHEDULING:
+            raise ValueError(f"setting scheduler.async_scheduling must be one of {', '.join(ASYNC_SCHEDULING)}, "
+                             f"got {self.async_scheduling!r}")
 
 
 # An origin as browsers send it in `Origin`: scheme://host[:port], nothing after.

@@ -40,21 +40,45 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, 
 
 
 class FakeRunner:
-    """Stands in for ModelRunner: each sequence that samples gets `next_token(seq)` (by default its
-    last token + 1, wrapping at `vocab_size`); no tensors, no model. Counts steps and releases."""
+    """Stands in for ModelRunner: each sequence that samples gets `next_token(seq, last)`, where
+    `last` is the token it was fed (by default `last + 1`, wrapping at `vocab_size`); no tensors, no
+    model. Counts steps and releases. Its steps may be launched ahead (async scheduling): a token
+    the step in flight drew is fed from that step's draws, as ModelRunner does."""
 
-    def __init__(self, vocab_size: int = 100, next_token: Callable[[Sequence], int] | None = None) -> None:
-        self.next_token = next_token or (lambda seq: (seq.token_ids[-1] + 1) % vocab_size)
+    supports_async_scheduling = True
+
+    def __init__(self, vocab_size: int = 100, next_token: Callable[[Sequence, int], int] | None = None) -> None:
+        self.next_token = next_token or (lambda seq, last: (last + 1) % vocab_size)
         self.num_steps = 0
         self.released: list[Sequence] = []
 
     def execute(self, scheduled: list[ScheduledSequence]) -> SamplerOutput:
+        return self.launch(scheduled).result()
+
+    def launch(self, scheduled: list[ScheduledSequence], previous: FakeStep | None = None) -> FakeStep:
         self.num_steps += 1
-        token_ids = [self.next_token(s.seq) for s in scheduled if s.samples]
-        return SamplerOutput(token_ids, [None] * len(token_ids))
+        draws, rows = [], {}
+        for s in scheduled:
+            if not s.samples:
+                continue
+            end = s.start + s.num_new_tokens
+            last = s.seq.token_ids[end - 1] if end <= len(s.seq.token_ids) else previous.draws[previous.rows[s.seq.seq_id]]
+            rows[s.seq.seq_id] = len(draws)
+            draws.append(self.next_token(s.seq, last))
+        return FakeStep(draws, rows)
 
     def release(self, seq: Sequence) -> None:
         self.released.append(seq)
+
+
+class FakeStep:
+    """A FakeRunner step: its draws, and each sampling sequence's row in them."""
+
+    def __init__(self, draws: list[int], rows: dict[int, int]) -> None:
+        self.draws, self.rows = draws, rows
+
+    def result(self) -> SamplerOutput:
+        return SamplerOutput(self.draws, [None] * len(self.draws))
 
 
 def make_engine(runner: FakeRunner | None = None, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 128,
@@ -113,6 +137,10 @@ class ScriptedChatEngine:
 
     def check_structured(self, spec, tenant=None) -> None:
         """Every grammar compiles (the scripted replies follow none)."""
+
+    def stage_times(self) -> dict[str, float]:
+        """No engine thread, no steps."""
+        return {}
 
     def stats(self) -> EngineStats:
         return EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_blocks=64, num_free_blocks=64,

@@ -22,7 +22,7 @@ Reading order, following one request in:
                        (chat_tokens.py: control tokens typed inside messages stay text)
     grammar.py         structured output: a request's grammar and each step's token mask
     async_engine.py    AsyncEngine.generate queues it; the engine thread steps
-    engine.py          LLMEngine.step: schedule -> execute -> postprocess -> detokenize
+    engine.py          LLMEngine.step: schedule -> launch -> postprocess -> detokenize
     core/              no torch: sequence.py (one choice), block_manager.py (the paged KV pool
                        and prefix cache), scheduler.py (the step's batch, preemption, postprocess)
     worker/            torch: runner.py (one forward over a flat batch), sampler.py,
@@ -40,6 +40,7 @@ Importing this package loads no torch: the worker is loaded when an engine is bu
 
 from chatd.engine.async_engine import AsyncEngine, EngineClient, EngineUnavailable, RequestHandle, RequestStream
 from chatd.engine.core.scheduler import EngineStats
+from chatd.engine.core.stage_times import STAGES
 from chatd.engine.engine import LLMEngine, ModelInfo
 from chatd.engine.llm import LLM
 from chatd.engine.params import (
@@ -59,6 +60,7 @@ __all__ = [
     "LLM",
     "MAX_LOGPROBS",
     "MAX_N",
+    "STAGES",
     "AsyncEngine",
     "CompletionOutput",
     "EngineClient",

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -73,6 +74,10 @@ class EngineClient(Protocol):
 
     def health(self) -> str | None:
         """None while the engine serves; otherwise why it cannot."""
+
+    def stage_times(self) -> dict[str, float]:
+        """Seconds of host work per step stage since the start (core/stage_times.py), `steps`, and
+        `engine_thread_cpu`; empty where there is no engine thread."""
 
 
 class RequestStream:
@@ -147,6 +152,8 @@ class AsyncEngine:
         self._stopping = False
         self._stats: EngineStats | None = None
         self.error: BaseException | None = None  # set if the engine thread died
+        self._dispatch_seconds = 0.0  # on the event loop: handing each step's outputs to their streams
+        self._thread_cpu_seconds = 0.0  # the engine thread's CPU time while it stepped
 
     @property
     def is_running(self) -> bool:
@@ -197,6 +204,16 @@ class AsyncEngine:
         """The counters as of the engine thread's last step (or applied command), and the open streams now."""
         assert self._stats is not None, "start() first"
         return dataclasses.replace(self._stats, num_request_streams=len(self._streams))
+
+    def stage_times(self) -> dict[str, float]:
+        """Seconds of host work per step stage since the start (core/stage_times.py), `steps`, and
+        `engine_thread_cpu` (CPU seconds of the engine thread)."""
+        if self.engine is None:
+            return {}
+        times = self.engine.stage_times()  # floats in dicts: read safely while the engine thread adds to them
+        times["dispatch"] += self._dispatch_seconds
+        times["engine_thread_cpu"] = self._thread_cpu_seconds
+        return times
 
     def check_structured(self, spec: StructuredOutput, tenant: str | None = None) -> None:
         """Compile a structured-output spec for a tenant's request ahead of `generate`; call it
@@ -280,6 +297,7 @@ class AsyncEngine:
                 log.exception("closing the engine failed")
 
     def _step_until_stopped(self) -> None:
+        cpu_start = time.thread_time() - self._thread_cpu_seconds
         while not self._stopping:
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
@@ -288,8 +306,9 @@ class AsyncEngine:
                 continue
             outputs = self.engine.step()
             self._stats = self.engine.stats()
-            if outputs:
+            if outputs:  # one wake-up of the event loop a step, for all of its outputs
                 self._loop.call_soon_threadsafe(self._dispatch, outputs)
+            self._thread_cpu_seconds = time.thread_time() - cpu_start
 
     def _apply_commands(self) -> None:
         synced, applied = [], False
@@ -331,11 +350,13 @@ class AsyncEngine:
                 pass
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        started = time.perf_counter()
         for out in outputs:
             # The last output leaves the table; its reader still holds the stream.
             stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             if stream is not None:
                 stream.put(out)
+        self._dispatch_seconds += time.perf_counter() - started
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

@@ -1,10 +1,20 @@
 """LLMEngine: add requests, abort them, and step. Synchronous; it knows nothing of asyncio.
 
-A step reads as four stages: the scheduler plans the batch (`schedule`), the runner executes
-it on the model and samples (`execute`), the scheduler folds the sampled tokens back into the
-sequences (`postprocess`: counters, cached blocks, forks, stop tokens and lengths), and the
-engine detokenizes them (text, stop strings) into each request's delta. The engine talks to
-the scheduler, never to the block manager. The offline `LLM` wrapper is in llm.py.
+A step reads as four stages: the scheduler plans the batch (`schedule`), the runner launches
+it on the model and samples (`launch`, then `result()` waits for the draws), the scheduler folds
+the sampled tokens back into the sequences (`postprocess`: cached blocks, forks, stop tokens and
+lengths), and the engine detokenizes them (text, stop strings) into each request's delta. The
+engine talks to the scheduler, never to the block manager. The offline `LLM` wrapper is in llm.py.
+
+Async scheduling (SGLang's overlap scheduler, vLLM's `--async-scheduling`): on a GPU the host
+plans and launches step N+1 before it waits for step N, and folds step N's tokens in while the
+device runs N+1, so the device never waits for the host's Python between steps. The scheduler
+counts a step's tokens when it plans it: a token step N samples is *pending* until N's results
+are back, and step N+1 feeds it to the model straight from the device (runner.py). What needs
+the token's value on the host to go on sits out step N+1 (core/scheduler.py `_ready_tokens`: a
+grammar's next mask, penalties, a length limit the token reaches); what ends a sequence that the
+host learns late (EOS, a stop string) costs one discarded token of the step already launched.
+Greedy output is the same token for token either way.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from pathlib import Path
 from chatd.config import CacheConfig, Config, SchedulerConfig
 from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.core.scheduler import EngineStats, Scheduler, SchedulerOutput
+from chatd.engine.core.stage_times import StageTimes
 from chatd.engine.core.sequence import Sequence, SequenceStatus
 from chatd.engine.grammar import GrammarCompiler
 from chatd.engine.params import CompletionOutput, FinishReason, Logprob, ParamError, RequestOutput, SamplingParams, StructuredOutput
@@ -96,6 +107,13 @@ class ModelInfo:
         }
 
 
+def _async_scheduling(setting: str, runner) -> bool:
+    """Whether steps are launched ahead: "on" where the runner can, "auto" where it can on a GPU."""
+    if setting == "off" or not getattr(runner, "supports_async_scheduling", False):
+        return False
+    return setting == "on" or str(getattr(runner, "device", "cpu")).startswith("cuda")
+
+
 def kv_bytes_per_token(kv_caches: list) -> int:
     """Bytes one token's keys and values take across all layers of a pool (0 for none)."""
     if not kv_caches:
@@ -125,6 +143,16 @@ class DrainRate:
     @property
     def per_second(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+@dataclass
+class InFlight:
+    """A launched step: its plan, the runner's handle, and what the drain rate needs of it."""
+
+    plan: SchedulerOutput
+    handle: object  # the runner's StepHandle: `.result()` waits for its draws
+    started: float  # engine clock at launch
+    queued: bool  # requests were left waiting when it was planned
 
 
 @dataclass(eq=False)
@@ -179,6 +207,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.drain_rate = DrainRate()
+        self.async_scheduling = _async_scheduling(scheduler_config.async_scheduling, runner)
+        self.in_flight: InFlight | None = None  # async scheduling: the step launched and not yet waited for
+        self.times = StageTimes()  # schedule, wait, postprocess, detokenize (the runner times its own)
 
     @classmethod
     def from_config(cls, config: Config) -> LLMEngine:
@@ -330,35 +361,80 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests are running, or a step's results are still to be folded in."""
+        return bool(self.requests) or self.in_flight is not None
 
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch and return what each touched request produced in it."""
+        """Plan and launch one batch and return what each touched request produced: in this step,
+        or with async scheduling, in the step launched before it (which this one overlaps)."""
         if self.grammars is not None:
             self.grammars.masks.wait()  # a few milliseconds at most: a slow grammar's rows sit this step out
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
+        self.times.since("schedule", started)
+        self.times.steps += 1
         if plan.kv_copies:
             self.runner.copy_kv(plan.kv_copies)
-        if plan.is_empty:
+        previous, self.in_flight = self.in_flight, None
+        outputs: list[RequestOutput] = []
+        launched = None
+        if not plan.is_empty:
+            launched, failed = self._launch(plan, previous)
+            outputs += failed
+        elif previous is None:
             if self.grammars is not None and self.scheduler.waiting_for_masks():
                 self.grammars.masks.wait_any(IDLE_MASK_WAIT_SECONDS)  # nothing else to run: do not spin
             return []
+        if self.async_scheduling:  # the device runs the new step while the last one's tokens are handled
+            launched, previous = previous, launched
+            self.in_flight = previous
+        if launched is not None:
+            outputs = self._complete(launched) + outputs
+        return outputs
+
+    def _launch(self, plan: SchedulerOutput, previous: InFlight | None) -> tuple[InFlight | None, list[RequestOutput]]:
+        """Start a planned step (after `previous`, whose draws it may feed on); or fail its requests."""
         self._note_queue_times(plan)
-        started, queued, num_prefill = self.clock(), self.scheduler.num_waiting > 0, plan.num_prefill_tokens
+        started, queued = self.clock(), self.scheduler.num_waiting > 0
         try:
-            sampled = self.runner.execute(plan.scheduled)
+            handle = self.runner.launch(plan.scheduled, previous.handle if previous is not None else None)
         except Exception as exc:  # the model failed: fail this batch's requests, keep serving the rest
-            log.exception("step failed; failing %d sequences", len(plan.scheduled))
-            failed = {s.seq.request_id for s in plan.scheduled}
-            return [self._fail(self.requests[rid], f"engine step failed: {exc}") for rid in failed if rid in self.requests]
-        if queued:  # requests are left waiting: this step ran at the pace the queue drains
-            self.drain_rate.note(num_prefill, self.clock() - started)
-        seqs = self.scheduler.postprocess(plan, sampled.token_ids)
+            return None, self._fail_step(plan, exc)
+        return InFlight(plan, handle, started, queued), []
+
+    def _complete(self, step: InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's draws, fold them in, and detokenize them."""
+        started = time.perf_counter()
+        try:
+            sampled = step.handle.result()
+        except Exception as exc:
+            return self._fail_step(step.plan, exc)
+        started = self.times.since("wait", started)
+        if step.queued:  # requests were left waiting: this step ran at the pace the queue drains
+            self.drain_rate.note(step.plan.num_prefill_tokens, self.clock() - step.started)
+        seqs = self.scheduler.postprocess(step.plan, sampled.token_ids)
         if self.grammars is not None:  # the next masks, computed while this step's tokens are detokenized
-            self.grammars.masks.compute(s.grammar for s in seqs if s.grammar is not None and not s.is_finished)
-        return self._detokenize(seqs, sampled.token_ids, sampled.logprobs)
+            self.grammars.masks.compute(s.grammar for s, _ in seqs if s.grammar is not None and not s.is_finished)
+        started = self.times.since("postprocess", started)
+        outputs = self._detokenize(seqs, sampled.token_ids, sampled.logprobs)
+        self.times.since("detokenize", started)
+        return outputs
+
+    def _fail_step(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        log.error("step failed; failing %d sequences", len(plan.scheduled), exc_info=exc)
+        failed = {s.seq.request_id for s in plan.scheduled}
+        return [self._fail(self.requests[rid], f"engine step failed: {exc}") for rid in failed if rid in self.requests]
+
+    def stage_times(self) -> dict[str, float]:
+        """Seconds each stage of the host's work took since the start, and the steps (core/stage_times.py)."""
+        times = self.times.snapshot()
+        runner_times = getattr(self.runner, "times", None)
+        if runner_times is not None:
+            for stage, seconds in runner_times.seconds.items():
+                times[stage] += seconds
+        return times
 
     def _note_queue_times(self, plan: SchedulerOutput) -> None:
         now = self.clock()
@@ -367,10 +443,13 @@ class LLMEngine:
             if request.queue_time is None:
                 request.queue_time = now - request.queued_at
 
-    def _detokenize(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[Logprob | None]) -> list[RequestOutput]:
-        """Each request's delta from its sequences' new tokens; requests that ended leave the engine."""
+    def _detokenize(self, seqs: list[tuple[Sequence, int]], token_ids: list[int],
+                    logprobs: list[Logprob | None]) -> list[RequestOutput]:
+        """Each request's delta from its sequences' new tokens (each sequence with the index of its
+        token); requests that ended leave the engine."""
         deltas: dict[str, RequestOutput] = {}
-        for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
+        for seq, row in seqs:
+            token_id, logprob = token_ids[row], logprobs[row]
             request = self.requests.get(seq.request_id)
             if request is None:  # failed earlier in this loop
                 continue
@@ -392,17 +471,19 @@ class LLMEngine:
             request = self.requests.get(request_id)
             if request is None:  # failed above
                 continue
-            out.outputs.sort(key=lambda o: o.index)
+            if len(out.outputs) > 1:
+                out.outputs.sort(key=lambda o: o.index)
             out.num_cached_tokens = request.num_cached_tokens
             out.queue_time = request.queue_time
-            out.finished = request.finished
+            # A request ends with the step that ends its last choice.
+            out.finished = any(o.finish_reason is not None for o in out.outputs) and request.finished
             if out.finished:
                 del self.requests[request_id]
         return list(deltas.values())
 
     def _delta(self, request: Request, seq: Sequence, token_id: int, logprob: Logprob | None) -> CompletionOutput:
         """A sampled token's delta: its text (held back while a stop string may be starting), and the end."""
-        if seq.index == 0 and seq.num_output_tokens == 1:
+        if seq.index == 0 and len(seq.output_token_ids) == 1:
             request.num_cached_tokens = seq.num_cached_tokens
         if seq.finish_reason == FinishReason.ERROR:  # only a failed grammar ends a sequence so: fail the request
             self.runner.release(seq)

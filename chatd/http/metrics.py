@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
 
-from chatd.engine import FinishReason
+from chatd.engine import STAGES, FinishReason
 
 if TYPE_CHECKING:
     from chatd.engine import EngineStats
@@ -127,9 +127,12 @@ class ServerMetrics:
         if queue_time is not None:
             self._tier_queue_time.labels(model_name=self.model_name, tier=tier).observe(queue_time)
 
-    def update_engine(self, stats: EngineStats) -> None:
-        """Remember the engine's latest counters; they are read at the next scrape."""
+    def update_engine(self, stats: EngineStats, stage_times: dict[str, float] | None = None) -> None:
+        """Remember the engine's latest counters (and where its host time went, core/stage_times.py);
+        they are read at the next scrape."""
         self._engine.stats = stats
+        if stage_times is not None:
+            self._engine.stage_times = stage_times
 
     def observe_request(
         self,
@@ -198,6 +201,7 @@ class _EngineCollector:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.kv_block_bytes = kv_bytes_per_token * block_size
         self.stats: EngineStats | None = None  # None until the first update: everything reads 0
+        self.stage_times: dict[str, float] = {}  # AsyncEngine.stage_times(): seconds per stage, steps, thread CPU
 
     def describe(self) -> Iterable[Metric]:
         """The families `collect` yields, so the registry can refuse clashing names."""
@@ -242,7 +246,19 @@ class _EngineCollector:
             family = GaugeMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        times = self.stage_times
+        counters += [
+            ("chatd:engine_steps", "Engine steps run.", times.get("steps", 0)),
+            ("chatd:engine_thread_cpu_seconds", "CPU seconds the engine thread used (it holds the GIL for most of them).",
+             times.get("engine_thread_cpu", 0.0)),
+        ]
         for name, documentation, value in counters:
             family = CounterMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        stages = CounterMetricFamily("chatd:engine_stage_seconds", "Seconds of the host's work per step stage "
+                                     "(schedule, inputs, forward, sample, wait, postprocess, detokenize, dispatch).",
+                                     labels=["model_name", "stage"])
+        for stage in STAGES:
+            stages.add_metric([self.model_name, stage], times.get(stage, 0.0))
+        yield stages

@@ -19,6 +19,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -39,8 +40,10 @@ GUARD_SEQUENCES = 8  # inputs the guard model judges at once: its KV pool holds 
 LEDGER_FLUSH_SECONDS = 10.0  # at stop, billing writes the store refuses are retried this long
 
 
-async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
-    """Run the server until SIGINT/SIGTERM (or `stop` is set)."""
+async def serve(config: Config, stop: asyncio.Event | None = None,
+                build_engine: Callable[[Config], LLMEngine] = LLMEngine.from_config) -> None:
+    """Run the server until SIGINT/SIGTERM (or `stop` is set). `build_engine` makes the engine from
+    the config, on the engine thread (benchmarks/host.py passes one around a fixed-time model)."""
     SafetyPipeline.build(config.safety, config.policies)  # a bad rules file or policy: said now, not after loading
     sock = reserve_port(config.server.host, config.server.port)
     try:
@@ -55,7 +58,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
         ledger = Ledger(store, retry_seconds=config.store.retry_seconds)
         ledger.start()
         try:
-            await _serve(config, store, ledger, sock, stop)
+            await _serve(config, store, ledger, sock, stop, build_engine)
         finally:
             await ledger.stop(timeout=LEDGER_FLUSH_SECONDS)  # what still cannot be written is logged in full
             await store.close()
@@ -95,11 +98,12 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(config: Config, store: Store, ledger: Ledger, sock: socket.socket, stop: asyncio.Event | None) -> None:
+async def _serve(config: Config, store: Store, ledger: Ledger, sock: socket.socket, stop: asyncio.Event | None,
+                 build_engine: Callable[[Config], LLMEngine]) -> None:
     # The guard model first: on a GPU the main engine then sizes its KV pool from what the guard left.
     guard_engine, guard = await _start_guard(config)
     try:
-        await _serve_with(config, store, ledger, sock, stop, guard)
+        await _serve_with(config, store, ledger, sock, stop, guard, build_engine)
     finally:
         if guard_engine is not None:
             await guard_engine.stop()
@@ -137,9 +141,9 @@ def guard_engine_config(config: Config) -> Config:
 
 
 async def _serve_with(config: Config, store: Store, ledger: Ledger, sock: socket.socket, stop: asyncio.Event | None,
-                      guard: GuardModel | None) -> None:
+                      guard: GuardModel | None, build_engine: Callable[[Config], LLMEngine]) -> None:
     # Loaded on the engine thread, where all of the server's torch work runs (see async_engine.py).
-    async_engine = AsyncEngine(functools.partial(LLMEngine.from_config, config))
+    async_engine = AsyncEngine(functools.partial(build_engine, config))
     model = await async_engine.start()
     tokenizer = async_engine.tokenizer
     if tokenizer is None:

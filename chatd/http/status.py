@@ -135,6 +135,6 @@ def _store_status(state: ServerState) -> dict:
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text: the server's request metrics and the engine's latest stats."""
     state = request.app[STATE]
-    state.metrics.update_engine(state.engine.stats())
+    state.metrics.update_engine(state.engine.stats(), state.engine.stage_times())
     body, content_type = state.metrics.render()
     return web.Response(body=body, headers={"Content-Type": content_type})

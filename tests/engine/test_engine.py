@@ -18,6 +18,12 @@ from tests.factories import FakeRunner, make_engine
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
+@pytest.fixture(params=["off", "on"])
+def scheduling(request) -> str:
+    """Async scheduling off and on (engine.py): the same tokens either way."""
+    return request.param
+
+
 def prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
@@ -28,25 +34,25 @@ def token_ids(outputs) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_equals_transformers_for_each_family(family, model_dirs):
-    llm = make_llm(model_dirs[family])
+def test_greedy_equals_transformers_for_each_family(scheduling, family, model_dirs):
+    llm = make_llm(model_dirs[family], async_scheduling=scheduling)
     batch = prompts(llm.engine.vocab_size, [5, 17, 40])  # 1, 3 and 5 blocks of 8
     got = token_ids(llm.generate(batch, GREEDY))
     want = [hf_greedy(model_dirs[family], p, GREEDY.max_tokens) for p in batch]
     assert got == want
 
 
-def test_small_prefill_chunks_give_the_same_tokens(model_dirs):
+def test_small_prefill_chunks_give_the_same_tokens(scheduling, model_dirs):
     path = model_dirs["llama"]
     batch = prompts(500, [45, 30, 9], seed=1)
-    llm = make_llm(path, max_num_batched_tokens=7)
+    llm = make_llm(path, max_num_batched_tokens=7, async_scheduling=scheduling)
     got = token_ids(llm.generate(batch, GREEDY))
     assert got == [hf_greedy(path, p, GREEDY.max_tokens) for p in batch]
 
 
-def test_prefix_cache_hit_computes_only_the_rest(model_dirs):
+def test_prefix_cache_hit_computes_only_the_rest(scheduling, model_dirs):
     path = model_dirs["qwen3"]
-    llm = make_llm(path)
+    llm = make_llm(path, async_scheduling=scheduling)
     shared = prompts(500, [24], seed=2)[0]  # exactly 3 blocks of 8
     first = shared + [7, 8]
     second = shared + [9, 10, 11]
@@ -60,18 +66,18 @@ def test_prefix_cache_hit_computes_only_the_rest(model_dirs):
     assert out.outputs[0].token_ids == hf_greedy(path, second, GREEDY.max_tokens)
 
 
-def test_forced_preemption_recomputes_to_the_same_tokens(model_dirs):
+def test_forced_preemption_recomputes_to_the_same_tokens(scheduling, model_dirs):
     path = model_dirs["mistral"]
     batch = prompts(500, [30, 26, 33, 20], seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    llm = make_llm(path, num_blocks=14)  # 4 sequences of ~50 tokens need ~28 blocks of 8
+    llm = make_llm(path, num_blocks=14, async_scheduling=scheduling)  # 4 sequences of ~50 tokens need ~28 blocks of 8
     got = token_ids(llm.generate(batch, params))
     assert llm.engine.stats().num_preemptions > 0
     assert got == [hf_greedy(path, p, params.max_tokens) for p in batch]
     assert llm.engine.stats().num_free_blocks == 14
 
 
-def test_batch_of_32_mixed_requests_equals_each_alone(model_dirs):
+def test_batch_of_32_mixed_requests_equals_each_alone(scheduling, model_dirs):
     """Greedy and seeded sampling give the same tokens in a mixed batch as alone."""
     path = model_dirs["qwen2"]
     rng = random.Random(4)
@@ -83,7 +89,7 @@ def test_batch_of_32_mixed_requests_equals_each_alone(model_dirs):
         else SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=i, max_tokens=rng.randint(1, 16), ignore_eos=True, presence_penalty=0.5)
         for i in range(32)
     ]
-    llm = make_llm(path, max_num_batched_tokens=128)
+    llm = make_llm(path, max_num_batched_tokens=128, async_scheduling=scheduling)
     together = token_ids(llm.generate(batch, params))
     alone = [token_ids(make_llm(path).generate(p, sp))[0] for p, sp in zip(batch, params)]
     assert together == alone
@@ -91,9 +97,9 @@ def test_batch_of_32_mixed_requests_equals_each_alone(model_dirs):
         assert together[i] == hf_greedy(path, batch[i], params[i].max_tokens)
 
 
-def test_n_choices_share_the_prompt_blocks(model_dirs):
+def test_n_choices_share_the_prompt_blocks(scheduling, model_dirs):
     path = model_dirs["llama"]
-    llm = make_llm(path)
+    llm = make_llm(path, async_scheduling=scheduling)
     prompt = prompts(500, [35], seed=5)[0]  # 4 full blocks + 3 tokens
     out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True))[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
@@ -105,9 +111,9 @@ def test_n_choices_share_the_prompt_blocks(model_dirs):
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == hf_greedy(path, prompt, 10)
 
 
-def test_stop_token_id_ends_the_choice(model_dirs):
+def test_stop_token_id_ends_the_choice(scheduling, model_dirs):
     path = model_dirs["llama"]
-    llm = make_llm(path)
+    llm = make_llm(path, async_scheduling=scheduling)
     prompt = prompts(500, [12], seed=6)[0]
     full = hf_greedy(path, prompt, 12)
     stop_at = full[5]
@@ -117,9 +123,9 @@ def test_stop_token_id_ends_the_choice(model_dirs):
     assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop_at
 
 
-def test_stop_string_ends_text_before_it(model_dirs):
+def test_stop_string_ends_text_before_it(scheduling, model_dirs):
     path = model_dirs["llama"]
-    llm = make_llm(path)
+    llm = make_llm(path, async_scheduling=scheduling)
     prompt = prompts(500, [12], seed=8)[0]
     full = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0].outputs[0].text
     stop = full.strip()[3:6]
@@ -129,11 +135,11 @@ def test_stop_string_ends_text_before_it(model_dirs):
     assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop
 
 
-def test_logprobs_are_those_of_the_model(model_dirs):
+def test_logprobs_are_those_of_the_model(scheduling, model_dirs):
     from transformers import AutoModelForCausalLM
 
     path = model_dirs["qwen2"]
-    llm = make_llm(path)
+    llm = make_llm(path, async_scheduling=scheduling)
     prompt = prompts(500, [10], seed=9)[0]
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True))[0].outputs[0]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -181,20 +187,22 @@ def test_request_that_can_never_fit_the_pool_is_refused():
         engine.add_request("big", [1] * 20, SamplingParams(max_tokens=20))
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(model_dirs, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(model_dirs, monkeypatch, async_scheduling):
     path = model_dirs["llama"]
-    llm = make_llm(path)
+    llm = make_llm(path, async_scheduling=async_scheduling)
     engine = llm.engine
-    real_execute = engine.runner.execute
+    assert engine.async_scheduling == (async_scheduling == "on")
+    real_launch = engine.runner.launch
     calls = {"n": 0}
 
-    def flaky(scheduled):
+    def flaky(scheduled, previous=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("simulated device error")
-        return real_execute(scheduled)
+        return real_launch(scheduled, previous)
 
-    monkeypatch.setattr(engine.runner, "execute", flaky)
+    monkeypatch.setattr(engine.runner, "launch", flaky)
     engine.add_request("doomed", [5, 6, 7], GREEDY)
     outs = engine.step() + engine.step()
     failed = [o for o in outs if o.error]
@@ -217,12 +225,12 @@ def test_abort_frees_blocks_at_once():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_greedy_equals_transformers_on_cuda(family, model_dirs):
+def test_greedy_equals_transformers_on_cuda(family, model_dirs, scheduling):
     """The same paged path on a GPU (fp32 so ties cannot hide a bug), batched and chunked."""
     from transformers import AutoModelForCausalLM
 
     path = model_dirs[family]
-    llm = make_llm(path, device="cuda", max_num_batched_tokens=32)
+    llm = make_llm(path, device="cuda", max_num_batched_tokens=32, async_scheduling=scheduling)
     batch = prompts(llm.engine.vocab_size, [5, 17, 40, 63], seed=10)
     got = token_ids(llm.generate(batch, GREEDY))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
@@ -269,7 +277,7 @@ def test_a_stop_string_completed_by_the_last_allowed_token_ends_as_stop(model_di
 
     def run(params: SamplingParams):
         script = iter(reply)
-        engine = make_engine(FakeRunner(next_token=lambda seq: next(script)), vocab_size=tokenizer.vocab_size,
+        engine = make_engine(FakeRunner(next_token=lambda seq, last: next(script)), vocab_size=tokenizer.vocab_size,
                              tokenizer=tokenizer)
         engine.add_request("r", [5, 6, 7], params)
         outputs = [out for _ in range(len(reply) + 1) for out in engine.step()]
@@ -298,9 +306,9 @@ def test_the_engine_measures_how_fast_its_queue_drains():
     now = [0.0]
 
     class TimedRunner(FakeRunner):
-        def execute(self, scheduled):
+        def launch(self, scheduled, previous=None):
             now[0] += 0.1  # every step takes 0.1 s
-            return super().execute(scheduled)
+            return super().launch(scheduled, previous)
 
     engine = make_engine(TimedRunner(), max_seqs=1)
     engine.clock = lambda: now[0]

@@ -15,7 +15,7 @@ def complete(sched: Scheduler, plan: SchedulerOutput, next_token: int = 1) -> li
     """Do what the engine does after the model ran: each sequence that reached its end samples
     `next_token`, and the scheduler's postprocess folds it in. Returns the sequences that finished."""
     sampled = sched.postprocess(plan, [next_token] * sum(s.samples for s in plan.scheduled))
-    return [s for s in sampled if s.is_finished]
+    return [seq for seq, _ in sampled if seq.is_finished]
 
 
 def test_decodes_go_first_and_prefill_fills_the_rest_of_the_budget():

@@ -30,6 +30,9 @@ ENGINE_FAMILIES = {
     "chatd:kv_blocks_from_host": "counter",
     "chatd:kv_bytes_to_host": "counter",
     "chatd:kv_bytes_from_host": "counter",
+    "chatd:engine_steps": "counter",
+    "chatd:engine_thread_cpu_seconds": "counter",
+    "chatd:engine_stage_seconds": "counter",
 }
 REQUEST_FAMILIES = {
     "chatd:request_success": "counter",

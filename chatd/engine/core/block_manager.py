@@ -145,6 +145,8 @@ class BlockManager:
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more computed tokens; False (and no change) if the pool is short."""
+        if seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
+            return True  # its last block has room (most decode steps)
         if not self.can_allocate_slots(seq, num_new_tokens):
             return False
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)

@@ -33,15 +33,14 @@ from chatd.engine.params import FinishReason
 
 @dataclass
 class ScheduledSequence:
-    """A sequence and the number of its tokens computed this step."""
+    """A sequence and the number of its tokens computed this step; the counters move by it when
+    the plan is final (`Scheduler._plan`)."""
 
     seq: Sequence
     num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the sequence's last token, so the step yields a new token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    start: int = 0  # its tokens already computed (or planned by a step in flight) before this chunk
+    samples: bool = False  # the chunk reaches its last token, so the step yields a new token
+    prefill: bool = False  # prompt tokens (or recomputed ones after a preemption)
 
 
 @dataclass
@@ -60,8 +59,8 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        """Prompt tokens (or recomputed ones) in the plan; read it before `postprocess` moves the counters."""
-        return sum(s.num_new_tokens for s in self.scheduled if s.seq.is_prefilling)
+        """Prompt tokens (or recomputed ones) in the plan."""
+        return sum(s.num_new_tokens for s in self.scheduled if s.prefill)
 
     @property
     def is_empty(self) -> bool:
@@ -94,12 +93,26 @@ class EngineStats:
     num_blocks_from_host: int = 0  # blocks copied back to the device
 
 
-def _ready_tokens(seq: Sequence) -> int:
-    """How many of a sequence's uncomputed tokens may run now: all but the last while its grammar's
-    mask for the next token is not ready (the last one would sample), so a costly grammar slows its
-    own sequence, never the step."""
-    held = seq.grammar is not None and not seq.grammar.ready
-    return seq.num_uncomputed_tokens - 1 if held else seq.num_uncomputed_tokens
+def _scheduled(seq: Sequence, num_new: int, prefill: bool) -> ScheduledSequence:
+    """A chunk of `num_new` tokens of `seq`, from its first uncomputed one."""
+    start = seq.num_computed_tokens
+    return ScheduledSequence(seq, num_new, start, start + num_new == seq.num_tokens, prefill)
+
+
+def _ready_tokens(seq: Sequence, max_model_len: int | None) -> int:
+    """How many of a sequence's uncomputed tokens may run now: all but the last where sampling
+    after it needs what the host does not know yet. That is where its grammar's mask for the next
+    token is not ready (masks are computed off the engine thread, so a costly grammar slows its own
+    sequence, never the step), and, with async scheduling, where its last token was sampled by the
+    step still in flight: a grammar must accept that token and penalties must count it first, and
+    a sequence that token ends by length runs no further."""
+    last_held = seq.grammar is not None and (seq.num_pending_tokens or not seq.grammar.ready)
+    if seq.num_pending_tokens and not last_held:
+        params = seq.params
+        last_held = (params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
+                     or (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
+                     or (max_model_len is not None and seq.num_tokens >= max_model_len))
+    return seq.num_uncomputed_tokens - 1 if last_held else seq.num_uncomputed_tokens
 
 
 class Scheduler:
@@ -186,19 +199,26 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         rank = self.share.rank
-        decodes = sorted((s for s in self.running if not s.is_prefilling), key=rank)
-        prefills = sorted((s for s in self.running if s.is_prefilling), key=rank)
+        decodes, prefills = [], []
+        for seq in self.running:
+            (prefills if seq.is_prefilling else decodes).append(seq)
+        # Who comes first matters only where some will not fit (the budget, or a new block each);
+        # else ranking hundreds of decodes every step would cost more than all the rest of a plan.
+        if len(decodes) > budget or len(decodes) > self.block_manager.num_free_blocks:
+            decodes.sort(key=rank)
+        prefills.sort(key=rank)
         # A prompt of a worse class never shares a step with a better class's: the better one's
         # first token would wait for both (its decodes, one token each, still run).
         head = self.waiting.peek()
         lead = min([s.priority for s in prefills] + ([head.priority] if head is not None else []), default=None)
         unscheduled = set(self.running)
-        for seq in decodes + [s for s in prefills if s.priority == lead]:
+        num_decodes = len(decodes)
+        for i, seq in enumerate(decodes + [s for s in prefills if s.priority == lead]):
             if seq not in unscheduled:  # preempted earlier in this loop to make room
                 continue
             if budget == 0:
                 break
-            num_new = min(_ready_tokens(seq), budget)
+            num_new = min(_ready_tokens(seq, self.max_model_len), budget)
             if num_new == 0:  # waiting for its grammar's mask
                 continue
             while not self.block_manager.allocate_slots(seq, num_new):
@@ -210,7 +230,7 @@ class Scheduler:
                     break
             else:
                 unscheduled.discard(seq)
-                out.scheduled.append(ScheduledSequence(seq, num_new))
+                out.scheduled.append(_scheduled(seq, num_new, prefill=i >= num_decodes))
                 budget -= num_new
 
         # Admit waiting sequences, best first. After a preemption only a better class than the
@@ -226,19 +246,19 @@ class Scheduler:
                 budget += freed
             if not seq.block_table:
                 self.block_manager.allocate(seq)
-            num_new = min(_ready_tokens(seq), budget)
+            num_new = min(_ready_tokens(seq, self.max_model_len), budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 freed = self._make_room(seq, out)
                 if freed is None:
                     break
                 budget += freed
-                num_new = min(_ready_tokens(seq), budget)
+                num_new = min(_ready_tokens(seq, self.max_model_len), budget)
             else:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 if num_new:  # else it runs once its grammar's mask is ready, without holding up the queue
-                    out.scheduled.append(ScheduledSequence(seq, num_new))
+                    out.scheduled.append(_scheduled(seq, num_new, prefill=True))
                     budget -= num_new
                 continue
             self.block_manager.free(seq)  # give back prefix-cache hits; looked up again next time
@@ -247,38 +267,57 @@ class Scheduler:
         # The runner wants one-token rows (decodes) first: attention batches them in one call.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         out.kv_copies = self.block_manager.take_copies()
+        self._plan(out)
         return out
+
+    def _plan(self, out: SchedulerOutput) -> None:
+        """Move the counters of the final plan's sequences now, so the next step can be planned before
+        this one's results are back: their chunks count as computed, and a chunk that samples adds a
+        pending token, whose value `postprocess` fills in."""
+        charge = self.share.charge
+        for scheduled in out.scheduled:
+            seq, num_new = scheduled.seq, scheduled.num_new_tokens
+            if scheduled.prefill:
+                self.num_prompt_tokens += num_new
+            charge(seq, num_new)
+            seq.num_computed_tokens += num_new
+            if scheduled.samples:
+                seq.num_pending_tokens += 1
 
     def waiting_for_masks(self) -> bool:
         """Some sequence could run but for its grammar's mask (being computed off the engine thread)."""
         return any(s.grammar is not None and not s.grammar.ready for s in self.running)
 
-    def postprocess(self, plan: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
+    def postprocess(self, plan: SchedulerOutput, token_ids: list[int]) -> list[tuple[Sequence, int]]:
         """Fold a step's results back: `token_ids` has one sampled token per sequence whose chunk
-        reached its end, in plan order. Returns those sequences; the ones that ended are finished."""
+        reached its end, in plan order. Returns those sequences that were still live (one aborted
+        or ended while the step ran keeps nothing of it), each with the index of its token; the ones
+        that ended now are finished."""
         sampled = []
-        tokens = iter(token_ids)
+        row = 0
         for scheduled in plan.scheduled:
             seq = scheduled.seq
-            samples = scheduled.samples  # read it before the counters move
-            if seq.is_prefilling:
-                self.num_prompt_tokens += scheduled.num_new_tokens
-            self.share.charge(seq, scheduled.num_new_tokens)
-            seq.num_computed_tokens += scheduled.num_new_tokens
-            self.block_manager.cache_blocks(seq)
-            if samples:
-                self._append(seq, next(tokens))
-                sampled.append(seq)
+            if scheduled.samples:
+                row += 1
+            if seq.is_finished:
+                continue
+            if scheduled.samples:
+                seq.append_token(token_ids[row - 1])
+            self.block_manager.cache_blocks(seq)  # after the token: a block it fills is named with it
+            if scheduled.samples:
+                self._check_end(seq, token_ids[row - 1])
+                sampled.append((seq, row - 1))
         return sampled
 
-    def _append(self, seq: Sequence, token_id: int) -> None:
-        """Add a sampled token; end the sequence on a stop token, EOS, max_tokens or the context window."""
+    def _check_end(self, seq: Sequence, token_id: int) -> None:
+        """A sampled token was added: end the sequence on a stop token, EOS, max_tokens or the context window."""
         self.num_generation_tokens += 1
-        seq.append_token(token_id)
         if seq.forks:  # its first token: the prompt is computed, the siblings can share it
             self._fork(seq)
         params = seq.params
-        enough = seq.num_output_tokens >= params.min_tokens
+        # Counted up to this token: with async scheduling the next one may be pending already.
+        num_output, num_tokens = len(seq.output_token_ids), len(seq.token_ids)
+        enough = num_output >= params.min_tokens
         # Every token goes to the grammar first (EOS too): the mask allows only what it accepts, so a
         # refusal means its matcher failed (a parser limit reached) and the output is not complete.
         if seq.grammar is not None and not seq.grammar.accept(token_id):  # the engine says why
@@ -289,15 +328,18 @@ class Scheduler:
             seq.finish_reason = FinishReason.STOP
         elif seq.grammar is not None and seq.grammar.is_terminated:  # the structured output is complete
             seq.finish_reason = FinishReason.STOP
-        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
-                self.max_model_len is not None and seq.num_tokens >= self.max_model_len):
+        elif (params.max_tokens is not None and num_output >= params.max_tokens) or (
+                self.max_model_len is not None and num_tokens >= self.max_model_len):
             seq.finish_reason = FinishReason.LENGTH
         if seq.finish_reason is not None:
             self.finish(seq)
 
     def _fork(self, parent: Sequence) -> None:
         """Start choices 1..n-1 sharing the full blocks of the first one's prompt; each computes only the tail."""
-        shared_blocks = (parent.num_prompt_tokens - 1) // self.block_manager.block_size
+        block_size = self.block_manager.block_size
+        # Under async scheduling the parent may have been preempted while its first token was in
+        # flight: then the siblings share nothing and compute their prompts themselves.
+        shared_blocks = min((parent.num_prompt_tokens - 1) // block_size, parent.num_computed_tokens // block_size)
         for child in parent.forks:
             self.block_manager.fork(parent, child, shared_blocks)
             self.add(child)

@@ -48,6 +48,10 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_preemptions: int = 0
+    # Tokens sampled by a step that has not handed them back yet: from when that step is planned
+    # until its results are folded in (`Scheduler.postprocess`). With async scheduling the next
+    # step is planned meanwhile, and feeds such a token to the model straight from the device.
+    num_pending_tokens: int = 0
     forks: list[Sequence] = field(default_factory=list)  # choices 1..n-1: forked off this one at its first token
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
@@ -64,11 +68,13 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Every token it has, pending ones included."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        """Tokens generated so far, pending ones included."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -85,6 +91,10 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
+        """Add a sampled token: the value of its oldest pending one (a sampled token is pending from
+        when its step is planned until here), or a new token where none is pending."""
+        if self.num_pending_tokens:
+            self.num_pending_tokens -= 1
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
 

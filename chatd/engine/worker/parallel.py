@@ -43,7 +43,7 @@ from chatd.config import Config
 from chatd.engine.core.block_manager import KVCopy
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.worker.parallel_worker import HEARTBEAT_SECONDS, WorkerSpec, leave_group, worker_main
-from chatd.engine.worker.runner import ForwardInputs, ModelRunner, forward_inputs
+from chatd.engine.worker.runner import ForwardInputs, ModelRunner, StepHandle, forward_inputs
 from chatd.engine.worker.sampler import SamplerOutput
 
 log = logging.getLogger("chatd.engine")
@@ -255,8 +255,16 @@ class ParallelRunner:
     def health(self) -> str | None:
         return None if self.workers.failure is None else f"tensor parallelism failed: {self.workers.failure}"
 
+    # The other ranks take a step's inputs from the host: a token cannot stay on rank 0's device
+    # for the next step, so each step is waited for before the next is planned.
+    supports_async_scheduling = False
+
     def execute(self, scheduled: list[ScheduledSequence]) -> SamplerOutput:
+        return self.launch(scheduled).result()
+
+    def launch(self, scheduled: list[ScheduledSequence], previous: StepHandle | None = None) -> StepHandle:
         """The step on every rank; rank 0 samples."""
+        assert previous is None, "tensor-parallel steps are not launched ahead"
         self.workers.raise_failure()
         inputs: ForwardInputs = forward_inputs(scheduled)
         self.workers.send("forward", inputs)
@@ -265,7 +273,7 @@ class ParallelRunner:
         except Exception as exc:
             self.workers.raise_failure(wait=True)  # a worker's death, said as such
             raise ParallelError(self.workers.fail(f"rank 0's forward failed: {exc}")) from exc
-        return self.local.sample(logits, scheduled, inputs)
+        return StepHandle(scheduled, inputs.sampling, self.local.sample(logits, scheduled, inputs))
 
     def copy_kv(self, copies: list[KVCopy]) -> None:
         if self.workers.failure is None:  # else the step's execute fails, with the reason

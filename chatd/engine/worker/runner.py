@@ -11,7 +11,10 @@ back in one (the step's only wait for the GPU), and decode-only steps replay CUD
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import torch
 
 from chatd.engine.attention import AttentionBackend, KVCache, StepInputs, build_step
 from chatd.engine.core.block_manager import KVCopy
+from chatd.engine.core.stage_times import StageTimes
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.core.sequence import Sequence
 from chatd.engine.params import SamplingParams
@@ -26,7 +30,7 @@ from chatd.engine.worker.compiled import CompiledDecode
 from chatd.engine.worker.compiled_prefill import CompiledPrefill
 from chatd.engine.worker.cuda_graphs import DecodeGraphs
 from chatd.engine.worker.host_kv import HostKVTier
-from chatd.engine.worker.sampler import Sampler, SamplerOutput, SamplingRow
+from chatd.engine.worker.sampler import SampledTokens, Sampler, SamplerOutput, SamplingRow
 
 log = logging.getLogger("chatd.engine")
 
@@ -45,21 +49,60 @@ class ForwardInputs:
     query_lens: list[int]  # per sequence: new tokens this step
     block_tables: list[list[int]]
     sampling: list[int]  # the sequences whose chunk reaches their end: they get logits
+    # Async scheduling: (index in token_ids, row of the previous step's draws) of each input that
+    # step sampled and has not handed back yet; token_ids holds 0 there until it is filled in.
+    pending: tuple[tuple[int, int], ...] = ()
 
 
-def forward_inputs(scheduled: list[ScheduledSequence]) -> ForwardInputs:
-    """The forward's inputs for a scheduled batch."""
+def forward_inputs(scheduled: list[ScheduledSequence], previous: StepHandle | None = None) -> ForwardInputs:
+    """The forward's inputs for a scheduled batch (`previous`: the step in flight, whose draws
+    some of its inputs are)."""
     token_ids: list[int] = []
+    pending = []
     for s in scheduled:
-        start = s.seq.num_computed_tokens
-        token_ids.extend(s.seq.token_ids[start : start + s.num_new_tokens])
+        known = s.seq.token_ids[s.start : s.start + s.num_new_tokens]
+        token_ids.extend(known)
+        if len(known) < s.num_new_tokens:  # a decode whose input the step in flight sampled
+            pending.append((len(token_ids), previous.rows[s.seq.seq_id]))
+            token_ids.append(0)
     return ForwardInputs(
         token_ids,
-        starts=[s.seq.num_computed_tokens for s in scheduled],
+        starts=[s.start for s in scheduled],
         query_lens=[s.num_new_tokens for s in scheduled],
         block_tables=[s.seq.block_table for s in scheduled],
         sampling=[i for i, s in enumerate(scheduled) if s.samples],
+        pending=tuple(pending),
     )
+
+
+def fill_pending(inputs: ForwardInputs, draws: list[int]) -> ForwardInputs:
+    """`inputs` with its pending tokens filled in from the previous step's draws, known on the host."""
+    token_ids = list(inputs.token_ids)
+    for index, row in inputs.pending:
+        token_ids[index] = draws[row]
+    return dataclasses.replace(inputs, token_ids=token_ids, pending=())
+
+
+class StepHandle:
+    """A launched step: which row of its draws each sampling sequence got, the draws as the device
+    has them, and `result()`, which waits for them on the host."""
+
+    def __init__(self, scheduled: list[ScheduledSequence], sampling: list[int], sampled: SampledTokens | None) -> None:
+        self.rows = {scheduled[i].seq.seq_id: row for row, i in enumerate(sampling)}
+        self.sampled = sampled
+        self.wait: Callable[[], None] | None = None  # an extra wait before the draws (benchmarks/host.py's device clock)
+
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        """The draws, [rows], where the device has them (None: no row sampled)."""
+        return self.sampled.token_ids if self.sampled is not None else None
+
+    def result(self) -> SamplerOutput:
+        if self.wait is not None:
+            self.wait()
+        if self.sampled is None:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        return self.sampled.result()
 
 
 def kv_budget_bytes(total: int, used: int, activation_peak: int, utilization: float) -> int:
@@ -100,6 +143,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.compiled: CompiledDecode | None = None  # enable_compiled_steps
         self.compiled_prefill: CompiledPrefill | None = None
+        self.times = StageTimes()  # inputs, forward, sample (the engine times the rest)
         self.allocate_kv(num_blocks)
 
     def allocate_kv(self, num_blocks: int) -> None:
@@ -152,19 +196,52 @@ class ModelRunner:
         self.compiled, self.compiled_prefill = decode, prefill
         return seconds
 
+    # Each step's next one may be launched before it is waited for (engine.py's async scheduling).
+    supports_async_scheduling = True
+
     def execute(self, scheduled: list[ScheduledSequence]) -> SamplerOutput:
-        """Run one step; return the sampled token of each scheduled sequence whose chunk reached its end."""
-        inputs = forward_inputs(scheduled)
-        return self.sample(self.forward(inputs), scheduled, inputs)
+        """Run one step and wait for it: the sampled token of each scheduled sequence whose chunk reached its end."""
+        return self.launch(scheduled).result()
 
     @torch.inference_mode()
-    def forward(self, inputs: ForwardInputs) -> torch.Tensor | None:
+    def launch(self, scheduled: list[ScheduledSequence], previous: StepHandle | None = None) -> StepHandle:
+        """Start one step: on a GPU, queue its work and return without waiting for the device.
+        `previous` is the step still in flight, if any, whose draws some of these inputs are:
+        they go from its draws to this step's inputs on the device."""
+        times, started = self.times, time.perf_counter()
+        inputs = forward_inputs(scheduled, previous)
+        draws = None
+        if inputs.pending:
+            draws = previous.token_ids
+            if draws.device.type == "cpu":  # known already: a CPU step has run by the time it returns
+                inputs, draws = fill_pending(inputs, draws.tolist()), None
+        started = times.since("inputs", started)
+        inputs_before = times.seconds["inputs"]
+        logits = self.forward(inputs, draws)  # it counts the inputs it builds (build_step) as inputs
+        now = time.perf_counter()
+        times.add("forward", now - started - (times.seconds["inputs"] - inputs_before))
+        started = now
+        sampled = self.sample(logits, scheduled, inputs)
+        times.since("sample", started)
+        return StepHandle(scheduled, inputs.sampling, sampled)
+
+    @torch.inference_mode()
+    def forward(self, inputs: ForwardInputs, draws: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's forward, and the logits of the rows that sample ([rows, vocab]; None when no
-        row samples, or on a tensor-parallel rank other than 0, which only takes part)."""
+        row samples, or on a tensor-parallel rank other than 0, which only takes part). `draws`:
+        the previous step's draws on the device, where `inputs.pending` are still to be filled in."""
+        if inputs.pending and draws is None:
+            raise ValueError("a step with pending inputs needs the draws they come from")
         if self.compiled is not None and max(inputs.query_lens) == 1 and len(inputs.sampling) == len(inputs.starts):
+            assert not inputs.pending, "compiled decode steps run on a CPU, where pending inputs are known"
             return self.compiled.logits(inputs.token_ids, inputs.starts, inputs.block_tables)
+        started = time.perf_counter()
         step = build_step(inputs.token_ids, inputs.starts, inputs.query_lens, inputs.block_tables, self.block_size,
                           self.device)
+        if inputs.pending:  # fed on the device from the step before, which may still be running there
+            index, rows = zip(*inputs.pending)
+            step.input_ids[torch.tensor(index, device=self.device)] = draws[torch.tensor(rows, device=self.device)]
+        self.times.since("inputs", started)  # and the forward's own time less this, by launch
         meta = step.meta
         hidden = self.hidden(step)
         if not inputs.sampling:
@@ -185,12 +262,11 @@ class ModelRunner:
         return self.model(step.input_ids, step.positions, self.kv_caches, meta, self.backend)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor | None, scheduled: list[ScheduledSequence], inputs: ForwardInputs) -> SamplerOutput:
-        """The next token of each row of `logits` (the sequences `inputs.sampling` names)."""
+    def sample(self, logits: torch.Tensor | None, scheduled: list[ScheduledSequence], inputs: ForwardInputs) -> SampledTokens | None:
+        """Launch the draws of the rows of `logits` (the sequences `inputs.sampling` names); None without logits."""
         if logits is None:
-            return SamplerOutput(token_ids=[], logprobs=[])
-        rows = [self._sampling_row(scheduled[i].seq) for i in inputs.sampling]
-        return self.sampler(logits, rows)
+            return None
+        return self.sampler.launch(logits, [self._sampling_row(scheduled[i].seq) for i in inputs.sampling])
 
     def profile_kv_blocks(self, num_tokens: int, num_seqs: int, utilization: float, block_bytes: int) -> int:
         """On CUDA: run the largest step (`profile_step`), measure its peak, and say how many KV
@@ -244,8 +320,9 @@ class ModelRunner:
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params
         banned: tuple[int, ...] = ()
-        # A grammar decides where structured output ends: min_tokens does not ban its EOS.
-        if seq.num_output_tokens < params.min_tokens and seq.grammar is None:
+        # A grammar decides where structured output ends: min_tokens does not ban its EOS. The token
+        # drawn now is already counted (pending from when its step was planned).
+        if seq.num_output_tokens <= params.min_tokens and seq.grammar is None:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
         return SamplingRow(
             params=params,

@@ -61,11 +61,41 @@ class SamplerOutput:
     logprobs: list[Logprob | None]
 
 
+class SampledTokens:
+    """A step's draws as the device has them (`token_ids`, [B]: the next step may feed them to the
+    model from there), on their way to the host: on a GPU their copies into pinned memory are
+    queued behind the sampling, and `result()` is the step's one wait for the device."""
+
+    def __init__(self, token_ids: torch.Tensor, logprob_tensors: list[torch.Tensor], wanted: list[int],
+                 rows: list[SamplingRow]) -> None:
+        self.token_ids = token_ids
+        self._wanted, self._rows = wanted, rows
+        self._host = [token_ids, *logprob_tensors]
+        self._done = None
+        if token_ids.device.type == "cuda":
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in self._host]
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def result(self) -> SamplerOutput:
+        if self._done is not None:
+            self._done.synchronize()
+        token_ids, *logprob_tensors = self._host
+        token_list = token_ids.tolist()
+        return SamplerOutput(token_list, _logprobs(token_list, self._wanted, logprob_tensors, self._rows))
+
+
 class Sampler:
     """Picks one token per row of a [B, V] logits tensor, on whatever device the logits are."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Sample a token for each row.
+        """Sample a token for each row, and wait for them."""
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+        """Sample a token for each row, without waiting for the device where it can (top-k and
+        top-p rows on a GPU still wait once, to know whether their candidates decide them).
 
         Logprobs are those of the model's raw distribution: log_softmax of the logits before
         bans, penalties, temperature and truncation (vLLM's default), so they describe the
@@ -74,7 +104,7 @@ class Sampler:
         # logits: [B, V]
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per SamplingRow"
         if all(row.plain_greedy for row in rows):  # the argmax is all there is to do
-            return SamplerOutput(token_ids=_argmax(logits), logprobs=[None] * len(rows))
+            return SampledTokens(_argmax(logits), [], [], rows)
         raw_logits = logits.float()
         logits = apply_penalties(raw_logits, rows)
         logits = apply_grammars(logits, rows)
@@ -94,18 +124,15 @@ class Sampler:
 
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         logprob_tensors = _logprob_tensors(raw_logits, token_ids, wanted, rows) if wanted else []
-        # The step's one wait for the device: sampled ids (and logprobs) come back together.
-        token_ids, *logprob_tensors = to_host([token_ids, *logprob_tensors])
-        token_list = token_ids.tolist()
-        return SamplerOutput(token_ids=token_list, logprobs=_logprobs(token_list, wanted, logprob_tensors, rows))
+        return SampledTokens(token_ids, logprob_tensors, wanted, rows)
 
 
-def _argmax(logits: torch.Tensor) -> list[int]:
-    """Each row's most likely token. On a CPU through numpy: torch's argmax of SmolLM2's 49152 logits
-    took 79 us right after a decode step (it hands the rows to its thread pool), numpy's 48."""
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's most likely token, [B] int64. On a CPU through numpy: torch's argmax of SmolLM2's
+    49152 logits took 79 us right after a decode step (it hands the rows to its thread pool), numpy's 48."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return logits.numpy().argmax(axis=-1).tolist()
-    return logits.argmax(dim=-1).tolist()
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
 
 
 def _draw_on_host(logits: torch.Tensor, rows: list[SamplingRow], sampled: list[int]) -> list[int]:
