@@ -33,6 +33,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
+import inspect
 import json
 import os
 import random
@@ -56,6 +58,7 @@ from chatd.engine.attention.sdpa import SdpaBackend  # noqa: E402
 from chatd.engine.models.demo import ensure_demo_model  # noqa: E402
 from chatd.engine.worker.runner import ModelRunner  # noqa: E402
 
+STAGES = ("schedule", "inputs", "forward", "sample", "wait", "postprocess", "detokenize", "dispatch")
 HOST_STAGES = ("schedule", "inputs", "forward", "sample", "postprocess", "detokenize")
 BLOCK_SIZE = 16
 MAX_BATCHED_TOKENS = 8192
@@ -120,6 +123,14 @@ class TimedRunner(ModelRunner):
         handle.wait = functools.partial(self.clock.wait, done)
         return handle
 
+    def execute(self, scheduled):
+        if hasattr(ModelRunner, "launch"):
+            return self.launch(scheduled).result()
+        # A checkout from before steps were launched (to measure it as it was): run, then wait.
+        out = super().execute(scheduled)
+        self.clock.wait(self.clock.launch())
+        return out
+
 
 def timed_engine(config: Config, step_seconds: float, clock: DeviceClock | None = None) -> LLMEngine:
     """chatd's engine around the timed model, with the demo model's tokenizer; built from `config`
@@ -129,19 +140,20 @@ def timed_engine(config: Config, step_seconds: float, clock: DeviceClock | None 
     max_model_len = config.model.max_model_len or 2048
     num_blocks = config.cache.num_blocks or 1 + config.scheduler.max_num_seqs * -(-max_model_len // BLOCK_SIZE) // 4
     runner = TimedRunner(TimedModel(tokenizer.vocab_size), clock or DeviceClock(step_seconds), num_blocks, max_model_len)
-    return LLMEngine(runner, config.scheduler, config.cache, num_blocks=num_blocks, max_model_len=max_model_len,
-                     vocab_size=tokenizer.vocab_size, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids,
-                     model_path=str(path), is_demo=True)
+    engine = LLMEngine(runner, config.scheduler, config.cache, num_blocks=num_blocks, max_model_len=max_model_len,
+                       vocab_size=tokenizer.vocab_size, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids,
+                       model_path=str(path), is_demo=True)
+    gc.collect()  # as chatd does once its engine is built (engine.freeze_startup_objects)
+    gc.freeze()
+    return engine
 
 
 def engine_config(demo: Path, max_num_seqs: int, async_scheduling: str, **server) -> Config:
-    return Config(
-        model=ModelConfig(path=str(demo), device="cpu", max_model_len=2048),
-        cache=CacheConfig(block_size=BLOCK_SIZE),
-        scheduler=SchedulerConfig(max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=max_num_seqs,
-                                  async_scheduling=async_scheduling),
-        **server,
-    )
+    scheduler = dict(max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=max_num_seqs)
+    if "async_scheduling" in SchedulerConfig.__dataclass_fields__:  # (older checkouts: always off)
+        scheduler["async_scheduling"] = async_scheduling
+    return Config(model=ModelConfig(path=str(demo), device="cpu", max_model_len=2048),
+                  cache=CacheConfig(block_size=BLOCK_SIZE), scheduler=SchedulerConfig(**scheduler), **server)
 
 
 # -- 1. the engine's steps --------------------------------------------------------------------
@@ -160,12 +172,13 @@ def measure_steps(demo: Path, step_seconds: float, batch: int, async_scheduling:
         engine.step()
     for _ in range(3):  # into the steady state (with async scheduling, a step in flight)
         engine.step()
-    before, busy, started = engine.stage_times(), clock.busy_seconds, time.perf_counter()
+    stage_times = getattr(engine, "stage_times", lambda: dict.fromkeys(STAGES, 0.0))  # (older checkouts: none)
+    before, busy, started = stage_times(), clock.busy_seconds, time.perf_counter()
     steps = 0
     while steps < output_tokens - 8 and not any(out.finished for out in engine.step()):
         steps += 1
     wall = time.perf_counter() - started
-    after = engine.stage_times()
+    after = stage_times()
     engine.close()
     per_step = {stage: (after[stage] - before[stage]) / steps * 1000 for stage in HOST_STAGES}
     return {
@@ -189,7 +202,14 @@ def serve_child(args) -> None:
     config = engine_config(demo, args.max_num_seqs, args.async_scheduling,
                            server=ServerConfig(host="127.0.0.1", port=args.port),
                            store=StoreConfig(db_path=args.db))
-    asyncio.run(serve(config, build_engine=functools.partial(timed_engine, step_seconds=args.step_ms / 1000)))
+    build = functools.partial(timed_engine, step_seconds=args.step_ms / 1000)
+    if "build_engine" in inspect.signature(serve).parameters:
+        asyncio.run(serve(config, build_engine=build))
+    else:  # a checkout from before serve() took one (to measure it as it was)
+        import chatd.http.serve
+
+        chatd.http.serve.LLMEngine.from_config = build
+        asyncio.run(serve(config))
 
 
 def offline_tokens_per_s(demo: Path, step_seconds: float, streams: int, async_scheduling: str, options) -> float:
@@ -222,7 +242,7 @@ def scrape(url: str) -> dict[str, float]:
             elif line.startswith(("chatd:engine_steps_total", "chatd:engine_thread_cpu_seconds_total",
                                   "chatd:generation_tokens_total")):
                 values[line.split("_total")[0].removeprefix("chatd:")] = float(line.rsplit(" ", 1)[1])
-    return values
+    return {"engine_steps": 0.0, "engine_thread_cpu_seconds": 0.0, "dispatch": 0.0, **values}  # (older checkouts: none)
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -258,7 +278,7 @@ def measure_server(demo: Path, args, streams_levels: list[int], work: Path, asyn
             before, cpu_before = scrape(base), process_cpu_seconds(server.process.pid)
             level = asyncio.run(run_bench(options)).levels[0].summary()
             after, cpu_after = scrape(base), process_cpu_seconds(server.process.pid)
-            steps = max(after["engine_steps"] - before["engine_steps"], 1)
+            steps = after["engine_steps"] - before["engine_steps"] or float("nan")  # (older checkouts count none)
             engine_cpu = after["engine_thread_cpu_seconds"] - before["engine_thread_cpu_seconds"]
             served = level["output_tokens_per_s"]
             offline = offline_tokens_per_s(demo, args.step_ms / 1000, streams, async_scheduling, options)

@@ -32,7 +32,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from chatd.engine.engine import EngineStats, LLMEngine, ModelInfo
+from chatd.engine.engine import EngineStats, LLMEngine, ModelInfo, freeze_startup_objects
 from chatd.engine.frame_room import with_frame_room
 from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams, StructuredOutput
 from chatd.engine.tokenizer import Tokenizer
@@ -279,6 +279,7 @@ class AsyncEngine:
     def _run(self, built: asyncio.Future) -> None:
         try:
             self.engine = self._build()
+            freeze_startup_objects()
             self._stats = self.engine.stats()
         except BaseException as exc:
             self._loop.call_soon_threadsafe(_settle, built, exc)

@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence as SequenceOf
 
 from chatd.config import config_from_options
-from chatd.engine.engine import LLMEngine
+from chatd.engine.engine import LLMEngine, freeze_startup_objects
 from chatd.engine.frame_room import with_frame_room
 from chatd.engine.params import RequestOutput, SamplingParams
 from chatd.engine.tokenizer import Tokenizer
@@ -24,6 +24,7 @@ class LLM:
         if model is not None:
             engine_options["path"] = str(model)
         self.engine = LLMEngine.from_config(config_from_options(**engine_options))
+        freeze_startup_objects()
         self._ids = itertools.count()
 
     def close(self) -> None:
