@@ -7,6 +7,9 @@
 #   bash benchmarks/gpu_session.sh kv           # kv_sessions.py (host tier, fp8 KV) and kv_accuracy.py
 #   bash benchmarks/gpu_session.sh serve        # serve.py: `chatd serve` on CUDA, streamed, 1-256 at once
 #   bash benchmarks/gpu_session.sh linears      # linears.py: bf16, int4, unpacked int4, fp8 per layer, 1-8192 rows
+#   bash benchmarks/gpu_session.sh busy         # issue 37 in one call (<= 8 min): steps --profile, nano-vllm's
+#                                               # workload, serve vs offline at 256 and 512, 8B batch-1 decode,
+#                                               # host.py's fixed-time proxy; one JSON ($OUT/busy.json)
 #
 # The GPU machine lacks some of chatd's and the tests' packages and has no network: first, here,
 #
@@ -24,7 +27,7 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 # What the GPU image (torch 2.11+cu130, transformers 5.17, aiohttp, pytest) lacks, by version tested here.
-WHEELS="orjson==3.13.0 aiosqlite==0.22.1 gguf==0.19.0 llguidance==1.6.1 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
+WHEELS="orjson==3.13.0 aiosqlite==0.22.1 gguf==0.19.0 llguidance==1.9.1 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
         pytest-asyncio==1.5.0 jsonschema==4.25.1 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1"
 if [ "${1:-}" = wheels ]; then
     mkdir -p .whl && grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >>.git/info/exclude
@@ -57,6 +60,26 @@ case "$what" in
         "$PYTHON" benchmarks/serve.py --device cuda --skip-transformers --concurrency 1,16,64,256 --hidden 1024 \
             --layers 28 --heads 16 --kv-heads 8 --intermediate 3072 --max-num-batched-tokens 8192 \
             --json "$OUT/serve.json" "$@" 2>&1 | tee "$OUT/serve.log" ;;
+    busy)  # each stage capped, so one stuck stage leaves time for the rest and the JSON
+        timeout 90 "$PYTHON" benchmarks/steps.py --device cuda --tmp-dir /tmp --profile 10 --batches 1,256 \
+            --decode-steps 10 --ttft-repeats 1 --json "$OUT/busy-profile.json" 2>&1 | tee "$OUT/busy.log"
+        timeout 140 "$PYTHON" benchmarks/offline.py --device cuda --skip-steps --peers chatd --repeats 1 \
+            --json "$OUT/busy-offline.json" 2>&1 | tee -a "$OUT/busy.log"
+        timeout 110 "$PYTHON" benchmarks/serve.py --device cuda --skip-transformers --concurrency 256,512 \
+            --hidden 1024 --layers 28 --heads 16 --kv-heads 8 --intermediate 3072 --max-num-batched-tokens 8192 \
+            --output-tokens 64 64 --json "$OUT/busy-serve.json" 2>&1 | tee -a "$OUT/busy.log"
+        timeout 50 "$PYTHON" benchmarks/steps.py --device cuda --tmp-dir /tmp --batches 1 --decode-steps 30 \
+            --ttft-repeats 1 --json "$OUT/busy-8b.json" 2>&1 | tee -a "$OUT/busy.log"
+        timeout 80 "$PYTHON" benchmarks/host.py --repeats 1 --json "$OUT/busy-host.json" 2>&1 | tee -a "$OUT/busy.log"
+        "$PYTHON" - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+parts = {name: out / f"busy-{name}.json" for name in ("profile", "offline", "serve", "8b", "host")}
+merged = {name: json.loads(path.read_text()) if path.exists() else None for name, path in parts.items()}
+(out / "busy.json").write_text(json.dumps(merged, indent=1))
+print("wrote", out / "busy.json", {name: value is not None for name, value in merged.items()})
+PY
+        ;;
     linears)
         "$PYTHON" benchmarks/linears.py --device cuda --json "$OUT/linears.json" "$@" 2>&1 | tee "$OUT/linears.log" ;;
     *)

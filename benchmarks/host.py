@@ -17,13 +17,15 @@ little; greedy, as a GPU samples on the device).
    streams (chat completions, prompts 100-200 words, 64 tokens out, EOS ignored), and chatd's
    offline engine on the very same requests, at most that many at once: served / offline tok/s.
    From the server's /metrics and /proc: its engine thread's CPU seconds and the rest of the
-   process's (the event loop's, mostly), per step.
+   process's (the event loop's, mostly), per step. Both ways: the engine on a thread of the
+   server (as `chatd serve` runs it) and in a process of its own (`--engine-process`; the child's
+   CPU is not in these columns).
 
 It ends with one line:
     served/offline: NN% at 256 streams, MM% at 512; host overhead per step at 256: X ms
 (X: how much longer a step with async scheduling on takes than the device's step, at 256.)
 
-    python benchmarks/host.py                       # ~2 minutes on the 2-core machine
+    python benchmarks/host.py                       # ~8 minutes on the 2-core machine
     python benchmarks/host.py --quick               # a smoke test, seconds
     python benchmarks/host.py --step-ms 5 --repeats 5 --json host.json
 """
@@ -199,8 +201,10 @@ def serve_child(args) -> None:
 
     setup_logging()
     demo = Path(args.demo)
-    config = engine_config(demo, args.max_num_seqs, args.async_scheduling,
-                           server=ServerConfig(host="127.0.0.1", port=args.port),
+    server = dict(host="127.0.0.1", port=args.port)
+    if args.engine_process:
+        server["engine_process"] = True
+    config = engine_config(demo, args.max_num_seqs, args.async_scheduling, server=ServerConfig(**server),
                            store=StoreConfig(db_path=args.db))
     build = functools.partial(timed_engine, step_seconds=args.step_ms / 1000)
     if "build_engine" in inspect.signature(serve).parameters:
@@ -250,7 +254,8 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def measure_server(demo: Path, args, streams_levels: list[int], work: Path, async_scheduling: str) -> list[dict]:
+def measure_server(demo: Path, args, streams_levels: list[int], work: Path, async_scheduling: str,
+                   engine_process: bool = False) -> list[dict]:
     """`chatd serve` on the timed engine at each level, and the offline engine on the same requests."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from serve import Server, free_port, http_json
@@ -262,7 +267,8 @@ def measure_server(demo: Path, args, streams_levels: list[int], work: Path, asyn
     port = free_port()
     server = Server("chatd", [sys.executable, __file__, "--serve-child", "--port", str(port), "--demo", str(demo),
                               "--step-ms", str(args.step_ms), "--max-num-seqs", str(max(streams_levels)),
-                              "--async-scheduling", async_scheduling, "--db", str(work / f"host-{async_scheduling}.db")],
+                              "--async-scheduling", async_scheduling, "--db", str(work / f"host-{async_scheduling}.db")]
+                    + (["--engine-process"] if engine_process else []),
                     work / f"server-{async_scheduling}.log")
     try:
         server.wait_until(lambda: "ready:" in server.log_path.read_text(errors="replace"), 300)
@@ -284,6 +290,7 @@ def measure_server(demo: Path, args, streams_levels: list[int], work: Path, asyn
             offline = offline_tokens_per_s(demo, args.step_ms / 1000, streams, async_scheduling, options)
             results.append({
                 "streams": streams, "async_scheduling": async_scheduling, "num_failed": level["num_failed"],
+                "engine": "process" if engine_process else "thread",
                 "served_tok_s": served, "offline_tok_s": offline, "served_over_offline": served / offline,
                 "itl_p50_ms": (level["itl_per_chunk"]["p50"] or 0) * 1000,
                 "tokens_per_step": (after["generation_tokens"] - before["generation_tokens"]) / steps,
@@ -291,7 +298,7 @@ def measure_server(demo: Path, args, streams_levels: list[int], work: Path, asyn
                 "rest_of_process_cpu_ms_per_step": (cpu_after - cpu_before - engine_cpu) / steps * 1000,
                 "dispatch_ms_per_step": (after["dispatch"] - before["dispatch"]) / steps * 1000,
             })
-            print(f"[serve, async {async_scheduling}] {streams} streams: served {served:.0f} tok/s, offline "
+            print(f"[serve, engine {results[-1]['engine']}, async {async_scheduling}] {streams} streams: served {served:.0f} tok/s, offline "
                   f"{offline:.0f} tok/s ({served / offline:.0%}), {level['num_failed']} failed", flush=True)
     finally:
         server.stop()
@@ -320,11 +327,11 @@ def print_report(steps: list[dict], served: list[dict], step_ms: float) -> None:
               f"{r['host_ms']:.2f} | {stages} |")
     if served:
         print("\nserver vs offline engine, same requests (medians)")
-        print("| streams | async | served tok/s | offline tok/s | served/offline | ITL p50 ms | tokens a step | "
+        print("| streams | engine | async | served tok/s | offline tok/s | served/offline | ITL p50 ms | tokens a step | "
               "engine thread CPU ms/step | rest of process CPU ms/step | dispatch ms/step |")
-        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in served:
-            print(f"| {r['streams']} | {r['async_scheduling']} | {r['served_tok_s']:.0f} | {r['offline_tok_s']:.0f} | "
+            print(f"| {r['streams']} | {r['engine']} | {r['async_scheduling']} | {r['served_tok_s']:.0f} | {r['offline_tok_s']:.0f} | "
                   f"{r['served_over_offline']:.0%} | {r['itl_p50_ms']:.1f} | {r['tokens_per_step']:.0f} | "
                   f"{r['engine_thread_cpu_ms_per_step']:.2f} | {r['rest_of_process_cpu_ms_per_step']:.2f} | "
                   f"{r['dispatch_ms_per_step']:.2f} |")
@@ -339,6 +346,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement; medians are shown")
     parser.add_argument("--modes", default="off,on", help="async scheduling settings to run (engine table)")
     parser.add_argument("--server-mode", default="on", help="async scheduling of the served run")
+    parser.add_argument("--server-engines", default="thread,process",
+                        help="where the served engine runs: thread (the default) and/or process (--engine-process)")
+    parser.add_argument("--server-repeats", type=int, default=2, help="runs of each served measurement")
     parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--quick", action="store_true", help="a smoke test: small batches, one run")
     parser.add_argument("--seed", type=int, default=0)
@@ -350,12 +360,13 @@ def main() -> None:
     parser.add_argument("--db", help=argparse.SUPPRESS)
     parser.add_argument("--max-num-seqs", type=int, default=512, help=argparse.SUPPRESS)
     parser.add_argument("--async-scheduling", default="on", help=argparse.SUPPRESS)
+    parser.add_argument("--engine-process", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_child:
         serve_child(args)
         return
     if args.quick:
-        args.batches, args.streams, args.repeats, args.output_tokens = "1,16", "16", 1, 24
+        args.batches, args.streams, args.repeats, args.server_repeats, args.output_tokens = "1,16", "16", 1, 1, 24
     torch.set_num_threads(1)  # the timed model's few ops: threads would only add wake-ups
     demo = ensure_demo_model()
     batches = [int(b) for b in args.batches.split(",")]
@@ -369,16 +380,21 @@ def main() -> None:
             print(f"[engine] {batch} sequences, async {mode}: {r['step_ms']:.2f} ms a step, host {r['host_ms']:.2f} ms, "
                   f"device busy {r['device_busy']:.0%}", flush=True)
     served = []
-    if not args.skip_server and streams_levels:
+    keys = ("served_tok_s", "offline_tok_s", "served_over_offline", "itl_p50_ms", "tokens_per_step",
+            "engine_thread_cpu_ms_per_step", "rest_of_process_cpu_ms_per_step", "dispatch_ms_per_step")
+    for where in args.server_engines.split(",") if not args.skip_server and streams_levels else []:
         with tempfile.TemporaryDirectory(prefix="chatd-host-") as tmp:
-            runs = [measure_server(demo, args, streams_levels, Path(tmp), args.server_mode) for _ in range(args.repeats)]
-        keys = ("served_tok_s", "offline_tok_s", "served_over_offline", "itl_p50_ms", "tokens_per_step",
-                "engine_thread_cpu_ms_per_step", "rest_of_process_cpu_ms_per_step", "dispatch_ms_per_step")
-        served = [median_runs([run[i] for run in runs], keys) for i in range(len(streams_levels))]
+            runs = [measure_server(demo, args, streams_levels, Path(tmp), args.server_mode, where == "process")
+                    for _ in range(args.server_repeats)]
+        served += [median_runs([run[i] for run in runs], keys) for i in range(len(streams_levels))]
     print_report(steps, served, args.step_ms)
     if args.json:
         Path(args.json).write_text(json.dumps({"step_ms": args.step_ms, "engine": steps, "server": served}, indent=1))
-    ratio = {r["streams"]: r["served_over_offline"] for r in served}
+    default = [r for r in served if r["engine"] == "thread"] or served  # the line is about `chatd serve` as it ships
+    for r in served:
+        if r not in default:
+            print(f"(engine in its own process: served/offline {r['served_over_offline']:.0%} at {r['streams']} streams)")
+    ratio = {r["streams"]: r["served_over_offline"] for r in default}
     overlapped = [r for r in steps if r["async_scheduling"] == "on"]
     at = next((r for r in overlapped if r["batch"] == 256), overlapped[-1] if overlapped else steps[-1])
     share = lambda n: f"{ratio[n]:.0%}" if n in ratio else "-"  # noqa: E731

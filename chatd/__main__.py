@@ -4,4 +4,5 @@ import sys
 
 from chatd.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned process (--engine-process) imports this module
+    sys.exit(main())

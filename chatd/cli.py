@@ -136,6 +136,8 @@ def serve_config(args: argparse.Namespace) -> Config:
         overrides["model"]["tool_parser"] = args.tool_call_parser
     if args.async_scheduling:
         overrides["scheduler"]["async_scheduling"] = args.async_scheduling
+    if args.engine_process:
+        overrides["server"]["engine_process"] = True
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     if api_key:
         overrides["auth"]["api_key"] = api_key
@@ -273,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on CPU, run every step eagerly (no torch.compile at start)")
     serve.add_argument("--async-scheduling", choices=ASYNC_SCHEDULING,
                        help="plan each step while the device runs the one before (default auto: on a GPU)")
+    serve.add_argument("--engine-process", action="store_true",
+                       help="run the engine in a process of its own (its Python and the HTTP server's run at once)")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="the model ids requests may name; the first is the one replies show (default: the model "
                             "folder's name)")

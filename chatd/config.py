@@ -147,6 +147,9 @@ class ServerConfig:
     body_timeout_seconds: float = 60.0  # the body must arrive this soon after the head (else 408, closed)
     send_timeout_seconds: float = 60.0  # a response write the client does not take this soon drops it
     stream_buffer_bytes: int = 8 * 2**20  # output held for a stream's client beyond this drops it
+    # Run the engine in a child process (engine_process.py), so its Python and the event loop's
+    # run at once rather than taking turns with one GIL.
+    engine_process: bool = False
     # Web pages on these origins may call the API from a browser (CORS); "*" is any origin. Empty: none.
     allowed_origins: tuple[str, ...] = ()
 

@@ -42,6 +42,7 @@ from chatd.engine.async_engine import AsyncEngine, EngineClient, EngineUnavailab
 from chatd.engine.core.scheduler import EngineStats
 from chatd.engine.core.stage_times import STAGES
 from chatd.engine.engine import LLMEngine, ModelInfo
+from chatd.engine.engine_process import EngineProcess
 from chatd.engine.llm import LLM
 from chatd.engine.params import (
     MAX_LOGPROBS,
@@ -64,6 +65,7 @@ __all__ = [
     "AsyncEngine",
     "CompletionOutput",
     "EngineClient",
+    "EngineProcess",
     "EngineStats",
     "EngineUnavailable",
     "FinishReason",

@@ -25,7 +25,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from chatd.config import Config, StoreConfig, store_path
-from chatd.engine import AsyncEngine, LLMEngine, SamplingParams, Tokenizer
+from chatd.engine import AsyncEngine, EngineProcess, LLMEngine, SamplingParams, Tokenizer
 from chatd.http.app import create_app
 from chatd.http.state import ServerState
 from chatd.safety.guard import GuardModel
@@ -142,8 +142,12 @@ def guard_engine_config(config: Config) -> Config:
 
 async def _serve_with(config: Config, store: Store, ledger: Ledger, sock: socket.socket, stop: asyncio.Event | None,
                       guard: GuardModel | None, build_engine: Callable[[Config], LLMEngine]) -> None:
-    # Loaded on the engine thread, where all of the server's torch work runs (see async_engine.py).
-    async_engine = AsyncEngine(functools.partial(build_engine, config))
+    # Loaded on the engine thread, where all of the server's torch work runs (see async_engine.py),
+    # or in a process of its own (engine_process.py) that the engine thread drives.
+    build = functools.partial(build_engine, config)
+    if config.server.engine_process:
+        build = functools.partial(EngineProcess, build, config.scheduler, config.cache)
+    async_engine = AsyncEngine(build)
     model = await async_engine.start()
     tokenizer = async_engine.tokenizer
     if tokenizer is None:

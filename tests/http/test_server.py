@@ -177,6 +177,16 @@ async def test_64_concurrent_streams_equal_sequential_and_health_answers(server,
     assert status == 200
     alone = [await one(p, False) for p in prompts]
     assert list(together) == alone
+    # An operator sees where the host's time went: every stage of the steps that served them.
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{url}/metrics") as r:
+            text = await r.text()
+        assert await _metric(session, url, "chatd:engine_steps_total") >= 16
+        assert await _metric(session, url, "chatd:engine_thread_cpu_seconds_total") > 0
+    stages = {sample.labels["stage"]: sample.value for family in text_string_to_metric_families(text)
+              for sample in family.samples if sample.name == "chatd:engine_stage_seconds_total"}
+    assert set(stages) == {"schedule", "inputs", "forward", "sample", "wait", "postprocess", "detokenize", "dispatch"}
+    assert all(seconds > 0 for seconds in stages.values()), stages
 
 
 async def test_abandoned_streams_free_everything(server):

@@ -1,0 +1,222 @@
+"""The engine in a process of its own (`chatd serve --engine-process`, as vLLM's engine core).
+
+In one process the engine thread and the event loop share one GIL: at 256 streams the engine's
+Python (~5 ms a step) and the loop's (~8 ms: every stream's event and socket send) cannot run at
+once, so a 10 ms device step took ~14 (docs/design.md, issue 37). Here the engine runs in a child
+process and `EngineProcess` stands in for it on AsyncEngine's thread, with the same methods the
+thread calls (`add_prepared`, `abort`, `step`, `stats`, ...): AsyncEngine, the HTTP layer and
+every request path are unchanged.
+
+Requests are validated and tokenized in this process (a copy of the engine with no runner, built
+from what the child reports once it has loaded), so a bad request is refused at once, naming the
+field, as in one process; the child then adds it by its fields. Each child step sends back its
+outputs, counters and stage times in one message. A child that dies ends the engine thread with
+the reason, so every open stream gets an error and `/health` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from chatd.config import CacheConfig, SchedulerConfig
+from chatd.engine.engine import LLMEngine, ModelInfo, Request, freeze_startup_objects
+from chatd.engine.params import CompletionOutput, FinishReason, ParamError, RequestOutput, StructuredOutput
+
+log = logging.getLogger("chatd.engine")
+
+# How long a step waits for the child's next message before the engine thread looks at its own
+# commands again (a new request waits at most this long to be sent on).
+POLL_SECONDS = 0.002
+
+
+class EngineProcess:
+    """A child process running `build()`'s LLMEngine, driven as AsyncEngine drives an LLMEngine.
+
+    `build` runs in the child: it must pickle (a module-level function, or a partial of one)."""
+
+    def __init__(self, build: Callable[[], LLMEngine], scheduler: SchedulerConfig, cache: CacheConfig) -> None:
+        context = multiprocessing.get_context("spawn")  # no CUDA state or threads inherited
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=_run_engine, args=(build, child_conn), name="chatd-engine-core")
+        self._process.start()
+        child_conn.close()
+        message = self._recv_or_exit()
+        if message[0] == "failed":
+            self._process.join()
+            raise RuntimeError(f"the engine process could not start: {message[1]}")
+        _, facts = message
+        self.info: ModelInfo = facts["info"]
+        self._stats, self._times = facts["stats"], facts["times"]
+        # Validates and tokenizes requests here; it never steps.
+        self.front = LLMEngine(None, scheduler, cache, num_blocks=self.info.num_kv_blocks,
+                               max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size,
+                               tokenizer=facts["tokenizer"], eos_token_ids=facts["eos_token_ids"],
+                               model_path=self.info.path, is_demo=self.info.is_demo,
+                               sampling_defaults=self.info.sampling_defaults)
+        self.requests: dict[str, Request] = {}  # sent and not finished
+        self._acks = 0  # aborts the child has not answered yet (with its counters after them)
+        self.async_scheduling = facts["async_scheduling"]
+
+    # -- what AsyncEngine's loop side calls ---------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.front.tokenizer
+
+    def prepare_request(self, *args, **kwargs) -> Request:
+        return self.front.prepare_request(*args, **kwargs)
+
+    def check_structured(self, spec: StructuredOutput, tenant: str | None = None) -> None:
+        self.front.check_structured(spec, tenant)
+
+    def model_info(self) -> ModelInfo:
+        return self.info
+
+    def health(self) -> str | None:
+        if not self._process.is_alive():
+            return f"the engine process exited (code {self._process.exitcode})"
+        return None
+
+    def stats(self):
+        return self._stats
+
+    def stage_times(self) -> dict[str, float]:
+        return dict(self._times)
+
+    # -- what AsyncEngine's thread calls ------------------------------------------------------
+
+    def add_prepared(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ParamError("request_id", f"request id {request.request_id!r} is already running")
+        seq = request.seqs[0]
+        self.requests[request.request_id] = request
+        self._send(("add", request.request_id, request.prompt_token_ids, request.params, seq.priority, seq.cache_salt,
+                    seq.num_shared_prefix_tokens, seq.tenant, seq.weight))
+
+    def abort(self, request_id: str) -> bool:
+        if self.requests.pop(request_id, None) is None:
+            return False
+        if self._send(("abort", request_id)):
+            self._acks += 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests are running, or the child has yet to answer an abort (its counters come with the answer)."""
+        return bool(self.requests) or self._acks > 0
+
+    def step(self) -> list[RequestOutput]:
+        """What the child sent since the last call (waiting up to POLL_SECONDS for something)."""
+        outputs: list[RequestOutput] = []
+        if not self._conn.poll(POLL_SECONDS):
+            self._check_alive()
+            return outputs
+        while self._conn.poll():
+            message = self._recv_or_exit()
+            if message[0] == "step":
+                _, step_outputs, self._stats, self._times = message
+                outputs += step_outputs
+            elif message[0] == "aborted":
+                _, self._stats, self._times = message
+                self._acks -= 1
+            elif message[0] == "refused":  # the child's own checks refused an add (this side's passed)
+                _, request_id, error, param = message
+                request = self.requests.get(request_id)
+                n = len(request.seqs) if request is not None else 1
+                outputs.append(RequestOutput(request_id, [], [CompletionOutput(i, finish_reason=FinishReason.ERROR)
+                                                              for i in range(n)], finished=True, error=error,
+                                             error_param=param))
+        for out in outputs:
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+        return outputs
+
+    def close(self) -> None:
+        """Stop the child (its engine closes what it started) and wait for it."""
+        if self._process.is_alive():
+            self._send(("stop",))
+            self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+        self.front.close()
+
+    def _send(self, message: tuple) -> bool:
+        """Send a command; False if the child is gone (the next `step` says so, and AsyncEngine
+        then ends every request it holds with the reason)."""
+        try:
+            self._conn.send(message)
+        except OSError:
+            return False
+        return True
+
+    def _recv_or_exit(self) -> tuple:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._process.join(timeout=5)
+            raise RuntimeError(f"the engine process exited (code {self._process.exitcode})") from None
+
+    def _check_alive(self) -> None:
+        if not self._process.is_alive():
+            raise RuntimeError(f"the engine process exited (code {self._process.exitcode})")
+
+
+def _run_engine(build: Callable[[], LLMEngine], conn: Connection) -> None:
+    """The child: build the engine, report, then apply commands and step until told to stop. It
+    leaves without the interpreter's teardown (`os._exit`): that only collects what the process
+    is about to drop anyway, and triton's bindings report each of their objects as leaked there."""
+    try:
+        _serve_parent(build, conn)
+    finally:
+        logging.shutdown()
+        os._exit(0)
+
+
+def _serve_parent(build: Callable[[], LLMEngine], conn: Connection) -> None:
+    try:
+        engine = build()
+        freeze_startup_objects()
+    except BaseException as exc:  # noqa: BLE001 - said to the parent, which raises it
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", {
+        "info": engine.model_info(), "tokenizer": engine.tokenizer, "eos_token_ids": engine.scheduler.eos_token_ids,
+        "stats": engine.stats(), "times": engine.stage_times(), "async_scheduling": engine.async_scheduling,
+    }))
+    try:
+        while True:
+            # Idle: wait for a command. Busy: take whatever has come, then step.
+            while not engine.has_unfinished_requests() or conn.poll():
+                if _apply(engine, conn, conn.recv()):
+                    return
+            outputs = engine.step()
+            conn.send(("step", outputs, engine.stats(), engine.stage_times()))
+    except (EOFError, OSError):  # the parent is gone
+        return
+    finally:
+        engine.close()
+
+
+def _apply(engine: LLMEngine, conn: Connection, message: tuple) -> bool:
+    """One command from the parent; True for stop."""
+    kind = message[0]
+    if kind == "add":
+        request_id = message[1]
+        try:
+            engine.add_request(*message[1:])
+        except ParamError as exc:
+            conn.send(("refused", request_id, str(exc), exc.param))
+        except ValueError as exc:
+            conn.send(("refused", request_id, str(exc), None))
+    elif kind == "abort":
+        engine.abort(message[1])
+        conn.send(("aborted", engine.stats(), engine.stage_times()))
+    elif kind == "stop":
+        return True
+    return False
+

@@ -1,0 +1,93 @@
+"""The engine in a process of its own (`--engine-process`): the same tokens, refusals, aborts and
+failures as the engine thread gives, through the same AsyncEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import signal
+
+import pytest
+
+from chatd.config import config_from_options
+from chatd.engine import AsyncEngine, EngineProcess, LLMEngine, ParamError, SamplingParams
+from tests.engine.conftest import make_llm
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _failing_build() -> LLMEngine:
+    raise ValueError("no model here")
+
+
+@contextlib.asynccontextmanager
+async def engine_process(path):
+    config = config_from_options(path=str(path), device="cpu", dtype="float32", block_size=8, num_blocks=256,
+                                 max_num_batched_tokens=512, compile=False)
+    engine = AsyncEngine(functools.partial(EngineProcess, functools.partial(LLMEngine.from_config, config),
+                                           config.scheduler, config.cache))
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+async def collect(stream) -> tuple[list[int], str | None]:
+    tokens, error = [], None
+    async for out in stream:
+        tokens += out.outputs[0].token_ids
+        error = error or out.error
+    return tokens, error
+
+
+async def test_the_same_tokens_as_the_offline_engine_and_nothing_left_running(model_dirs):
+    path = model_dirs["llama"]
+    prompts = [[5, 6, 7, i] for i in range(3, 11)]
+    want = [out.outputs[0].token_ids for out in make_llm(path).generate(prompts, GREEDY)]
+    async with engine_process(path) as engine:
+        got = await asyncio.gather(*(collect(engine.generate(p, GREEDY)) for p in prompts))
+        assert [tokens for tokens, _ in got] == want
+        stats = engine.stats()
+        assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+        assert engine.stage_times()["steps"] > 0
+
+
+async def test_a_bad_request_is_refused_at_once_naming_the_field(model_dirs):
+    async with engine_process(model_dirs["llama"]) as engine:
+        with pytest.raises(ParamError) as refused:
+            engine.generate([1, 2, 3], SamplingParams(max_tokens=10**6))
+        assert refused.value.param == "max_tokens"
+        assert (await collect(engine.generate([1, 2, 3], GREEDY)))[1] is None  # and it serves on
+
+
+async def test_an_abort_frees_the_childs_blocks(model_dirs):
+    async with engine_process(model_dirs["llama"]) as engine:
+        stream = engine.generate(list(range(3, 40)), SamplingParams(max_tokens=400, ignore_eos=True))
+        await stream.__anext__()
+        stream.abort()
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            stats = engine.stats()
+            if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks:
+                break
+        assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+
+
+async def test_a_dead_engine_process_ends_every_stream_with_the_reason(model_dirs):
+    async with engine_process(model_dirs["llama"]) as engine:
+        stream = engine.generate(list(range(3, 40)), SamplingParams(max_tokens=400, ignore_eos=True))
+        await stream.__anext__()
+        os.kill(engine.engine._process.pid, signal.SIGKILL)
+        tokens, error = await asyncio.wait_for(collect(stream), 30)
+        assert error is not None and "engine process exited" in error
+        assert "engine process exited" in engine.health()
+
+
+async def test_a_child_that_cannot_build_says_why():
+    config = config_from_options(device="cpu")
+    engine = AsyncEngine(functools.partial(EngineProcess, _failing_build, config.scheduler, config.cache))
+    with pytest.raises(RuntimeError, match="no model here"):
+        await engine.start()
