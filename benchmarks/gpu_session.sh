@@ -61,20 +61,23 @@ case "$what" in
             --layers 28 --heads 16 --kv-heads 8 --intermediate 3072 --max-num-batched-tokens 8192 \
             --json "$OUT/serve.json" "$@" 2>&1 | tee "$OUT/serve.log" ;;
     busy)  # each stage capped, so one stuck stage leaves time for the rest and the JSON
-        timeout 90 "$PYTHON" benchmarks/steps.py --device cuda --tmp-dir /tmp --profile 10 --batches 1,256 \
+        timeout 70 "$PYTHON" benchmarks/steps.py --device cuda --tmp-dir /tmp --profile 10 --batches 1,256 \
             --decode-steps 10 --ttft-repeats 1 --json "$OUT/busy-profile.json" 2>&1 | tee "$OUT/busy.log"
-        timeout 140 "$PYTHON" benchmarks/offline.py --device cuda --skip-steps --peers chatd --repeats 1 \
+        timeout 120 "$PYTHON" benchmarks/offline.py --device cuda --skip-steps --peers chatd --repeats 1 \
             --json "$OUT/busy-offline.json" 2>&1 | tee -a "$OUT/busy.log"
-        timeout 110 "$PYTHON" benchmarks/serve.py --device cuda --skip-transformers --concurrency 256,512 \
-            --hidden 1024 --layers 28 --heads 16 --kv-heads 8 --intermediate 3072 --max-num-batched-tokens 8192 \
-            --output-tokens 64 64 --json "$OUT/busy-serve.json" 2>&1 | tee -a "$OUT/busy.log"
+        for where in thread process; do  # the engine on a thread of the server, then in its own process
+            timeout 70 "$PYTHON" benchmarks/serve.py --device cuda --skip-transformers --concurrency 256,512 \
+                --hidden 1024 --layers 28 --heads 16 --kv-heads 8 --intermediate 3072 --max-num-batched-tokens 8192 \
+                --output-tokens 64 64 $([ $where = process ] && echo --engine-process) \
+                --json "$OUT/busy-serve-$where.json" 2>&1 | tee -a "$OUT/busy.log"
+        done
         timeout 50 "$PYTHON" benchmarks/steps.py --device cuda --tmp-dir /tmp --batches 1 --decode-steps 30 \
             --ttft-repeats 1 --json "$OUT/busy-8b.json" 2>&1 | tee -a "$OUT/busy.log"
-        timeout 80 "$PYTHON" benchmarks/host.py --repeats 1 --json "$OUT/busy-host.json" 2>&1 | tee -a "$OUT/busy.log"
+        timeout 80 "$PYTHON" benchmarks/host.py --batches 256,512 --repeats 1 --server-repeats 1 --json "$OUT/busy-host.json" 2>&1 | tee -a "$OUT/busy.log"
         "$PYTHON" - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-parts = {name: out / f"busy-{name}.json" for name in ("profile", "offline", "serve", "8b", "host")}
+parts = {name: out / f"busy-{name}.json" for name in ("profile", "offline", "serve-thread", "serve-process", "8b", "host")}
 merged = {name: json.loads(path.read_text()) if path.exists() else None for name, path in parts.items()}
 (out / "busy.json").write_text(json.dumps(merged, indent=1))
 print("wrote", out / "busy.json", {name: value is not None for name, value in merged.items()})

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import queue
+import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -130,8 +132,9 @@ class EngineProcess:
                                                               for i in range(n)], finished=True, error=error,
                                              error_param=param))
         for out in outputs:
-            if out.finished:
-                self.requests.pop(out.request_id, None)
+            request = self.requests.pop(out.request_id, None) if out.finished else self.requests.get(out.request_id)
+            if request is not None:
+                out.prompt_token_ids = request.prompt_token_ids
         return outputs
 
     def close(self) -> None:
@@ -188,18 +191,33 @@ def _serve_parent(build: Callable[[], LLMEngine], conn: Connection) -> None:
         "info": engine.model_info(), "tokenizer": engine.tokenizer, "eos_token_ids": engine.scheduler.eos_token_ids,
         "stats": engine.stats(), "times": engine.stage_times(), "async_scheduling": engine.async_scheduling,
     }))
+    # Commands are read on a thread of their own, so the parent's sends never wait for this loop:
+    # were both ends to send at once into full pipe buffers (a burst of 512 requests against a
+    # step's outputs), each would wait for the other forever.
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read_commands, args=(conn, commands), name="chatd-engine-commands", daemon=True).start()
     try:
         while True:
             # Idle: wait for a command. Busy: take whatever has come, then step.
-            while not engine.has_unfinished_requests() or conn.poll():
-                if _apply(engine, conn, conn.recv()):
+            while not engine.has_unfinished_requests() or not commands.empty():
+                if _apply(engine, conn, commands.get()):
                     return
             outputs = engine.step()
+            for out in outputs:  # the parent has each request's prompt: not sent again every step
+                out.prompt_token_ids = []
             conn.send(("step", outputs, engine.stats(), engine.stage_times()))
-    except (EOFError, OSError):  # the parent is gone
+    except OSError:  # the parent is gone
         return
     finally:
         engine.close()
+
+
+def _read_commands(conn: Connection, commands: queue.SimpleQueue) -> None:
+    try:
+        while True:
+            commands.put(conn.recv())
+    except (EOFError, OSError):  # the parent is gone: stop
+        commands.put(("stop",))
 
 
 def _apply(engine: LLMEngine, conn: Connection, message: tuple) -> bool:

@@ -91,3 +91,13 @@ async def test_a_child_that_cannot_build_says_why():
     engine = AsyncEngine(functools.partial(EngineProcess, _failing_build, config.scheduler, config.cache))
     with pytest.raises(RuntimeError, match="no model here"):
         await engine.start()
+
+
+async def test_a_burst_larger_than_the_pipes_is_served(model_dirs):
+    """Hundreds of requests at once (their adds fill the pipe) while the child sends steps back:
+    neither end waits for the other forever."""
+    async with engine_process(model_dirs["llama"]) as engine:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=20)  # big step messages
+        streams = [engine.generate([3 + (i + j) % 90 for j in range(100)], params) for i in range(400)]
+        results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 120)
+        assert all(error is None and len(tokens) == 4 for tokens, error in results)
