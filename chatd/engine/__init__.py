@@ -7,12 +7,14 @@ Public names (the rest is internal; `chatd.http` imports only these):
     EngineClient     what a server needs of an engine (generate, abort, ...)  async_engine.py
     EngineUnavailable  the engine cannot take requests now (and why)          async_engine.py
     LLMEngine        the synchronous engine: add_request, abort, step          engine.py
+    EngineProcess    an LLMEngine in a child process (--engine-process)        engine_process.py
     ModelInfo        what the loaded model is (name, context, dtype, ...)      engine.py
     SamplingParams, RequestOutput, CompletionOutput, FinishReason, ParamError  params.py
     StructuredOutput the grammar a request's output must follow (JSON schema...) params.py
     MAX_LOGPROBS     the most top_logprobs a request may ask for                params.py
     MAX_N            the most choices (n) a request may ask for                  params.py
     EngineStats      counters for metrics                                      core/scheduler.py
+    STAGES           the stages of a step's host work, timed                   core/stage_times.py
     Tokenizer        chat template, tokens, incremental detokenizer            tokenizer.py
 
 Reading order, following one request in:
@@ -22,9 +24,12 @@ Reading order, following one request in:
                        (chat_tokens.py: control tokens typed inside messages stay text)
     grammar.py         structured output: a request's grammar and each step's token mask
     async_engine.py    AsyncEngine.generate queues it; the engine thread steps
-    engine.py          LLMEngine.step: schedule -> launch -> postprocess -> detokenize
+    engine.py          LLMEngine.step: schedule -> launch -> postprocess -> detokenize (with
+                       async scheduling, the next step launched before the last is waited for)
+    engine_process.py  the same engine in a child process, driven from AsyncEngine's thread
     core/              no torch: sequence.py (one choice), block_manager.py (the paged KV pool
-                       and prefix cache), scheduler.py (the step's batch, preemption, postprocess)
+                       and prefix cache), scheduler.py (the step's batch, preemption, postprocess),
+                       stage_times.py (where a step's host time goes)
     worker/            torch: runner.py (one forward over a flat batch), sampler.py,
                        cuda_graphs.py, host_kv.py (the host KV tier's copies), loading.py
                        (config -> model, tokenizer, KV pool, runner), parallel.py
