@@ -64,6 +64,7 @@ def test_pool_exhaustion_preempts_lowest_priority_newest_and_recomputes():
     assert plan.preempted == [victim]
     assert victim.status == SequenceStatus.WAITING and victim.block_table == [] and victim.num_computed_tokens == 0
     assert [s.seq for s in plan.scheduled] == [keep]
+    complete(sched, plan)  # a plan moves the counters when it is made: every plan is folded back
     while sched.has_unfinished():
         complete(sched, sched.schedule())
     assert victim.num_output_tokens == 6 and victim.num_preemptions >= 1
@@ -171,6 +172,7 @@ def test_a_better_class_takes_a_full_batch_s_place_from_the_worst_ranked_running
     assert plan.preempted == [new], "the most recent of the worst class makes room"
     assert paid in [s.seq for s in plan.scheduled] and old in [s.seq for s in plan.scheduled]
     assert new.status == SequenceStatus.WAITING
+    complete(sched, plan)
     run_until(sched, lambda: not sched.has_unfinished())
     assert new.num_output_tokens == 20 and sched.block_manager.num_free_blocks == 64
 
@@ -186,6 +188,7 @@ def test_a_full_kv_pool_preempts_the_worst_class_for_a_better_waiting_one():
     sched.add(paid)
     plan = sched.schedule()  # paid needs 2 blocks; 1 is free
     assert plan.preempted == [newer] and paid in [s.seq for s in plan.scheduled]
+    complete(sched, plan)
     run_until(sched, lambda: not sched.has_unfinished())
     assert newer.num_output_tokens == 4 and sched.block_manager.num_free_blocks == 6
 

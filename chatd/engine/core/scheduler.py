@@ -195,7 +195,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step. Every sequence in the returned plan holds the blocks its tokens need."""
+        """Plan one step. Every sequence in the returned plan holds the blocks its tokens need, and
+        its counters have moved (`_plan`): each plan must be folded back with `postprocess` (or its
+        sequences finished) before the next step's tokens mean anything."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         rank = self.share.rank
