@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import gc
 import inspect
 import json
 import os
@@ -56,6 +55,7 @@ import torch  # noqa: E402
 
 from chatd.config import CacheConfig, Config, ModelConfig, SchedulerConfig, ServerConfig, StoreConfig  # noqa: E402
 from chatd.engine import LLMEngine, SamplingParams, Tokenizer  # noqa: E402
+from chatd.engine.engine import freeze_startup_objects  # noqa: E402
 from chatd.engine.attention.sdpa import SdpaBackend  # noqa: E402
 from chatd.engine.models.demo import ensure_demo_model  # noqa: E402
 from chatd.engine.worker.runner import ModelRunner  # noqa: E402
@@ -145,8 +145,7 @@ def timed_engine(config: Config, step_seconds: float, clock: DeviceClock | None 
     engine = LLMEngine(runner, config.scheduler, config.cache, num_blocks=num_blocks, max_model_len=max_model_len,
                        vocab_size=tokenizer.vocab_size, tokenizer=tokenizer, eos_token_ids=tokenizer.eos_token_ids,
                        model_path=str(path), is_demo=True)
-    gc.collect()  # as chatd does once its engine is built (engine.freeze_startup_objects)
-    gc.freeze()
+    freeze_startup_objects()  # as chatd does once its engine is built
     return engine
 
 

@@ -19,6 +19,7 @@ Greedy output is the same token for token either way.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import itertools
@@ -112,9 +113,12 @@ def freeze_startup_objects() -> None:
     """Move every object alive now (torch's, transformers', the model's: hundreds of thousands) out
     of the cyclic garbage collector's sight, as vLLM's engine does after loading. Left in, the
     collections that a step's own small objects set off kept walking them: at 512 sequences, 3 ms
-    of a 10 ms step (benchmarks/host.py)."""
+    of a 10 ms step (benchmarks/host.py). At exit they are handed back, so the interpreter's last
+    collection frees them (triton's bindings report every object still alive then as a leak)."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however many engines a process builds
+    atexit.register(gc.unfreeze)
 
 
 def _async_scheduling(setting: str, runner) -> bool:
