@@ -52,9 +52,6 @@ class FakeRunner:
         self.num_steps = 0
         self.released: list[Sequence] = []
 
-    def execute(self, scheduled: list[ScheduledSequence]) -> SamplerOutput:
-        return self.launch(scheduled).result()
-
     def launch(self, scheduled: list[ScheduledSequence], previous: FakeStep | None = None) -> FakeStep:
         self.num_steps += 1
         draws, rows = [], {}

@@ -44,7 +44,6 @@ from chatd.engine.core.block_manager import KVCopy
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.worker.parallel_worker import HEARTBEAT_SECONDS, WorkerSpec, leave_group, worker_main
 from chatd.engine.worker.runner import ForwardInputs, ModelRunner, StepHandle, forward_inputs
-from chatd.engine.worker.sampler import SamplerOutput
 
 log = logging.getLogger("chatd.engine")
 
@@ -258,9 +257,6 @@ class ParallelRunner:
     # The other ranks take a step's inputs from the host: a token cannot stay on rank 0's device
     # for the next step, so each step is waited for before the next is planned.
     supports_async_scheduling = False
-
-    def execute(self, scheduled: list[ScheduledSequence]) -> SamplerOutput:
-        return self.launch(scheduled).result()
 
     def launch(self, scheduled: list[ScheduledSequence], previous: StepHandle | None = None) -> StepHandle:
         """The step on every rank; rank 0 samples."""

@@ -199,10 +199,6 @@ class ModelRunner:
     # Each step's next one may be launched before it is waited for (engine.py's async scheduling).
     supports_async_scheduling = True
 
-    def execute(self, scheduled: list[ScheduledSequence]) -> SamplerOutput:
-        """Run one step and wait for it: the sampled token of each scheduled sequence whose chunk reached its end."""
-        return self.launch(scheduled).result()
-
     @torch.inference_mode()
     def launch(self, scheduled: list[ScheduledSequence], previous: StepHandle | None = None) -> StepHandle:
         """Start one step: on a GPU, queue its work and return without waiting for the device.
