@@ -128,6 +128,8 @@ def serve_config(args: argparse.Namespace) -> Config:
         overrides["model"]["dtype"] = args.dtype
     if args.log_level:
         overrides["server"]["log_level"] = args.log_level
+    if args.shutdown_grace_seconds is not None:
+        overrides["server"]["shutdown_grace_seconds"] = args.shutdown_grace_seconds
     if args.kv_cache_dtype:
         overrides["cache"]["kv_cache_dtype"] = args.kv_cache_dtype
     if args.host_kv_cache_gb is not None:
@@ -258,9 +260,19 @@ def _when(timestamp: float | None) -> str:
     return "-" if timestamp is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
 
 
+def installed_version() -> str:
+    """chatd's version as installed; from a checkout run with PYTHONPATH (no metadata), the source's."""
+    try:
+        return importlib.metadata.version("chatd")
+    except importlib.metadata.PackageNotFoundError:
+        import chatd
+
+        return f"{chatd.__version__} (from {Path(chatd.__file__).parent.parent}, not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chatd", description="A self-hosted LLM chat server you can read end to end.")
-    parser.add_argument("--version", action="version", version=f"chatd {importlib.metadata.version('chatd')}")
+    parser.add_argument("--version", action="version", version=f"chatd {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
@@ -291,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
                        help="how the model's tool calls are read (default auto: from its chat template)")
     serve.add_argument("--log-level", choices=LOG_LEVELS, help="the least severe log lines written (default info)")
+    serve.add_argument("--shutdown-grace-seconds", type=_non_negative_float, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, how long in-flight replies may finish while new requests get 503 "
+                            "(default 30)")
     serve.add_argument("--api-key", metavar="KEY",
                        help=f"one key every caller must send as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; "
                             "prefer it: a flag shows in `ps`)")
@@ -308,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     chat = sub.add_parser("chat", help="chat in the terminal with the model, loaded here or served at --url")
-    _add_model_flags(chat, model_help="model folder or Hugging Face hub id to load (default: the demo model); "
+    _add_model_flags(chat, model_help="model folder, GGUF file or Hugging Face hub id to load (default: "
+                                      "SmolLM2-135M-Instruct where its package is installed, else the demo model); "
                                       "with --url, the model name sent to the server (default: none)")
     chat.add_argument("--url", help="an OpenAI-compatible server to chat with, e.g. http://127.0.0.1:8000 "
                                     "(default: load the model in this process)")
@@ -366,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_model_flags(parser: argparse.ArgumentParser,
-                     model_help: str = "model folder or Hugging Face hub id (default: the demo model)") -> None:
+                     model_help: str = "model folder, GGUF file or Hugging Face hub id, or 'demo' (default: "
+                                       "SmolLM2-135M-Instruct where its package is installed, else the demo model)") -> None:
     parser.add_argument("--model", help=model_help)
     parser.add_argument("--config", help="path to a config.toml")
     parser.add_argument("--device", help="auto | cpu | cuda[:N]")

@@ -141,3 +141,64 @@ def test_model_settings_are_checked_when_read():
         build_config({"model": {"max_model_len": -1}})
     with pytest.raises(ValueError, match="server.log_level must be one of debug, info, warning, error, got 'INFO'"):
         build_config({"server": {"log_level": "INFO"}})
+
+
+def test_chatd_runs_from_a_checkout_without_installed_metadata(tmp_path):
+    """`python -m chatd` from a checkout that was never installed, with only PYTHONPATH set (as
+    gpu_session.sh runs one on the GPU machine): the version falls back to the source's."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    import chatd
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(Path(chatd.__file__).parent, checkout / "chatd", ignore=shutil.ignore_patterns("__pycache__"))
+    # The venv's other packages, without chatd's own metadata or its editable-install hook.
+    site = next(Path(p) for p in sys.path if p.endswith("site-packages"))
+    others = tmp_path / "site"
+    others.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.lower().startswith(("chatd", "__editable__")) and entry.suffix != ".pth":
+            (others / entry.name).symlink_to(entry)
+    env = {**os.environ, "PYTHONPATH": f"{checkout}{os.pathsep}{others}", "COLUMNS": "400"}  # argparse wraps at it
+    for command in (["--version"], ["serve", "--help"]):
+        done = subprocess.run([sys.executable, "-S", "-m", "chatd", *command], capture_output=True, text=True,
+                              timeout=120, env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: chatd serve")
+    version = subprocess.run([sys.executable, "-S", "-m", "chatd", "--version"], capture_output=True, text=True,
+                             timeout=120, env=env, cwd=tmp_path).stdout
+    assert version.strip() == f"chatd {chatd.__version__} (from {checkout}, not installed)"
+
+
+def test_serve_help_states_the_defaults_the_code_uses():
+    """Each `(default ...)` in `chatd serve --help` is the config's own default for that flag."""
+    import re
+
+    from chatd.config import Config
+
+    defaults = Config()
+    expected = {
+        "--host": defaults.server.host,
+        "--port": str(defaults.server.port),
+        "--async-scheduling": defaults.scheduler.async_scheduling,
+        "--dtype": defaults.model.dtype,
+        "--kv-cache-dtype": defaults.cache.kv_cache_dtype,
+        "--host-kv-cache-gb": f"{defaults.cache.host_kv_cache_gb:g}",
+        "--tool-call-parser": defaults.model.tool_parser,
+        "--log-level": defaults.server.log_level,
+        "--quantization": defaults.model.quantization,
+        "--tensor-parallel-size": str(defaults.model.tensor_parallel_size),
+        "--shutdown-grace-seconds": f"{defaults.server.shutdown_grace_seconds:g}",
+    }
+    serve = next(action for action in build_parser()._subparsers._group_actions[0].choices.items() if action[0] == "serve")[1]
+    helps = {option: action.help for action in serve._actions for option in action.option_strings}
+    for flag, value in expected.items():
+        said = re.search(r"\(default:? ([^;:),]+)", helps[flag])
+        assert said, f"{flag}'s help states no default: {helps[flag]!r}"
+        assert said.group(1).split()[0] == value, f"{flag}'s help says default {said.group(1)!r}; the code uses {value!r}"
+    assert "SmolLM2-135M-Instruct" in helps["--model"]  # what serves when no model is named
+    from chatd.engine.models.loader import DEFAULT_MODEL_FILE
+
+    assert DEFAULT_MODEL_FILE.startswith("SmolLM2-135M-Instruct")
