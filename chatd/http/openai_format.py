@@ -61,7 +61,7 @@ class ChunkFormat:
             stream = self._tool_streams.setdefault(c.index, self.tool_parser.stream())
             content, calls = stream.feed(c.text) if c.text else ("", [])
             if c.finish_reason is not None:
-                rest, more = stream.finish()
+                rest, more = stream.finish(cut=finish == "length")
                 content, calls = content + rest, calls + more
             delta = {"content": content} if content else {}
             if calls:
@@ -97,9 +97,10 @@ def whole_response(state: ServerState, outputs: list[RequestOutput], response_id
         if chat:
             message = {"role": "assistant", "content": c.text}
             if tool_parser is not None:
-                content, calls = tool_parser.parse(c.text)
+                content, calls = tool_parser.parse(c.text, cut=finish == "length")
+                message["content"] = content if calls else content or ""  # a cut reply's half call is no content
                 if calls:
-                    message = {"role": "assistant", "content": content, "tool_calls": [tool_call_json(call) for call in calls]}
+                    message["tool_calls"] = [tool_call_json(call) for call in calls]
                     finish = "tool_calls" if finish == "stop" else finish
             choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         else:

@@ -4,8 +4,9 @@ them (`parse`, `stream`), and makes the grammars that constrain what a model may
 `call_grammar` a call (required, a named function), `auto_grammar` text or calls (auto), where the
 text cannot contain a call marker, so that every marker the model writes starts a real call whose
 arguments match the function's schema. A parser bound to a request's functions (`for_tools`) reads
-only calls to them. All families get OpenAI-style ids, also mistral (whose templates want 9
-alphanumerics: the caller maps them). This module knows nothing about HTTP or tokenizers.
+only calls to them, and with `parallel=False` at most one call, as its grammar writes. All families
+get OpenAI-style ids, also mistral (whose templates want 9 alphanumerics: the caller maps them).
+This module knows nothing about HTTP or tokenizers.
 """
 
 from __future__ import annotations
@@ -28,15 +29,17 @@ class ToolParser:
 
     name: str
     offered: frozenset[str] | None = None  # the functions a call may name; None (unbound): any
+    parallel: bool = True  # False: the reply's first call is its only one (later ones are dropped)
     needs_special_tokens: bool  # its markers are special tokens, so detokenizing must keep them
     markers: dict[str, list[list]]  # a marker -> the heads that may follow it (ending at the arguments)
     start_heads: list[list] = []  # heads that need no marker at the reply's start
     after: list[list]  # what may follow a call's arguments: its close, or the head of the next call
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The reply's content (None when the reply is only tool calls / only whitespace besides them) and its calls."""
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """The reply's content (None when the reply is only tool calls / only whitespace besides them) and its
+        calls; a reply `cut` by max_tokens loses the call markup it had not finished (tool_stream.py)."""
         stream = self.stream()
-        content = stream.feed(text)[0] + stream.finish()[0]
+        content = stream.feed(text)[0] + stream.finish(cut)[0]
         if not content or (stream.calls and content.isspace()):
             return None, stream.calls
         return content, stream.calls
@@ -45,10 +48,11 @@ class ToolParser:
         """A reader for one streamed reply."""
         return ToolCallStream(self)
 
-    def for_tools(self, names: Iterable[str]) -> ToolParser:
-        """This parser, reading calls only to these functions: a call to any other stays content."""
+    def for_tools(self, names: Iterable[str], parallel: bool = True) -> ToolParser:
+        """This parser, reading calls only to these functions (a call to any other stays content), and
+        without `parallel` only the first call (as the grammar allows: a second line)."""
         bound = copy.copy(self)
-        bound.offered = frozenset(names)
+        bound.offered, bound.parallel = frozenset(names), parallel
         return bound
 
     def call_grammar(self, tools: list[dict], parallel: bool, special_token_ids: Mapping[str, int]) -> str:

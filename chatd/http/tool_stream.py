@@ -2,12 +2,31 @@
 tool_calls.py's): content, and OpenAI's `tool_calls` deltas as soon as each is certain.
 
 One state machine serves whole replies and streams (`ToolParser.parse` is a stream fed the whole text),
-so both give the same content and calls. A call is committed once its name and the first character of
-its arguments are read; the arguments then pass through as written (only braces and strings are
-tracked, to find their end), and a reply that breaks off keeps what it wrote. Text that breaks off
-earlier, or strays from the format, stays content; whitespace between content and a call is dropped.
-A parser bound to a request's functions commits only calls that name one of them; a call to another
-stays content. All families get OpenAI-style ids (`call_` + 24 random characters).
+so both give the same content and calls (but for a cut call a stream had sent: below). A call is
+committed once its name and the first character of its arguments are read; the arguments then pass
+through as written (only braces and strings are tracked, to find their end). Text that strays from
+the format stays content; whitespace between content and a call is dropped. A parser bound to a
+request's functions commits only calls that name one of them; a call to another stays content. All
+families get OpenAI-style ids (`call_` + 24 random characters).
+
+Where a reply ends decides what its unfinished tail is. A reply that stops (a stop string, an abort)
+keeps what it wrote: a marker's start that no call followed is content, a call keeps its arguments
+so far. A reply cut by max_tokens (`finish(cut=True)`) was stopped by the budget, not by the model,
+so what the reader still holds at its end is call markup the model had not finished: a marker's
+start, a call's head or its close, and a call whose arguments had not closed are dropped, neither
+content nor a call (its arguments would not parse). A stream cannot take back what it sent: a cut
+call's arguments already streamed stay sent (as on OpenAI; `finish_reason: length` says the last
+call broke off), and only the whole reply leaves the call out.
+
+A reply never holds two identical calls (the same name and the same arguments, as written): a later
+one is dropped. Models repeat themselves, most under `required`, whose grammar lets the calls go on;
+the grammar cannot say "differ from the call before", so the reader does it. Two identical calls in
+one reply ask for the same result twice, and a client cannot tell them apart but by their ids: a
+function meant to run twice (a dice roll) is asked for again in the next turn, or takes a count.
+While a call could still turn out a repeat (its name was called before and its arguments so far
+begin that call's), its deltas wait; once they differ, they are sent and the rest streams as usual.
+A parser bound to one call (`parallel_tool_calls: false`, a named function) reads further calls
+to their end and drops them (its grammar writes none: this is a second line).
 This module knows nothing about HTTP, tokenizers or grammars.
 """
 
@@ -129,7 +148,7 @@ class ToolCallStream:
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
-        self.calls: list[ToolCall] = []  # the calls so far (ids equal those sent in deltas)
+        self.calls: list[ToolCall] = []  # the calls so far (once finished: the reply's calls)
         self._buf = ""  # text read but not yet decided
         self._state = "text"  # text | head (after a marker) | arguments | after (the arguments ended)
         self._marker = ""  # the marker a head follows, content again if no call follows it
@@ -141,20 +160,26 @@ class ToolCallStream:
         self._string_arguments = False  # the arguments are JSON text in a JSON string
         self._content: list[str] = []
         self._deltas: list[ToolCallDelta] = []
+        self._held: list[ToolCallDelta] | None = None  # the current call's deltas while it may be a repeat, or extra
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Next text delta of the reply -> (content to send now, tool-call deltas to send now)."""
         self._buf += text
         return self._advance(final=False)
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """The reply ended: what was held back (a marker's start that no call followed) becomes content."""
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """The reply ended: what was held back (a marker's start that no call followed) becomes content;
+        where max_tokens `cut` it, the unfinished call markup at its end is dropped instead."""
+        if cut:
+            self._drop_unfinished()
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
         steps = {"text": self._text, "head": self._head, "arguments": self._arguments, "after": self._after}
         while steps[self._state](final):
             pass
+        if final and self._state == "arguments":  # it broke off (not cut): it keeps what it wrote
+            self._end_call(closed=False)
         content, deltas = "".join(self._content), self._deltas
         self._content, self._deltas = [], []
         return content, deltas
@@ -194,6 +219,15 @@ class ToolCallStream:
         self._emit_content(self._marker, final)  # not a call: the marker was text; what follows is read again
         return True
 
+    def _drop_unfinished(self) -> None:
+        """At a cut: drop the tail the reply had not finished (what is left to read is call markup)."""
+        if self._state == "arguments":
+            self.calls.pop()  # its arguments never closed; deltas already sent stay sent
+            self._held = None
+        if self._buf or self._state != "text":
+            self._held_ws = ""  # it only separated content from the dropped markup
+        self._buf, self._state = "", "text"
+
     def _commit(self, name: str, end: int) -> bool:
         self._held_ws, self._at_start, self._state = "", False, "arguments"
         self._string_arguments = self._buf[end] == '"'
@@ -201,8 +235,31 @@ class ToolCallStream:
         self._depth, self._in_string, self._escaped = 0, False, False
         call = ToolCall("call_" + secrets.token_urlsafe(18), name, "")
         self.calls.append(call)
-        self._deltas.append(ToolCallDelta(len(self.calls) - 1, call.id, call.name))
+        first = ToolCallDelta(len(self.calls) - 1, call.id, call.name)
+        if self._over_limit() or any(earlier.name == name for earlier in self.calls[:-1]):
+            self._held = [first]  # extra, or maybe a repeat: it waits
+        else:
+            self._deltas.append(first)
         return True
+
+    def _over_limit(self) -> bool:
+        """Whether the call being read is one more than a parser bound to one call reads."""
+        return not self.parser.parallel and len(self.calls) > 1
+
+    def _repeats(self, call: ToolCall, closed: bool) -> bool:
+        """Whether `call` is an earlier call again (closed: exactly; else: so far)."""
+        return any(earlier.name == call.name and (earlier.arguments == call.arguments if closed
+                                                  else earlier.arguments.startswith(call.arguments))
+                   for earlier in self.calls[:-1])
+
+    def _end_call(self, closed: bool) -> None:
+        """The current call's arguments ended (or the reply did): a held call is dropped or sent."""
+        if self._held is not None:
+            if self._over_limit() or (closed and self._repeats(self.calls[-1], closed=True)):
+                self.calls.pop()
+            else:
+                self._deltas.extend(self._held)
+            self._held = None
 
     def _arguments(self, final: bool) -> bool:
         if self._string_arguments:
@@ -226,6 +283,7 @@ class ToolCallStream:
         self._emit_arguments(piece)
         self._buf = self._buf[len(piece):]
         if end is not None:
+            self._end_call(closed=True)
             self._state = "after"
         return end is not None
 
@@ -245,6 +303,7 @@ class ToolCallStream:
         self._emit_arguments(_decode(self._buf[:cut]))
         self._buf = self._buf[cut + 1 if closed else cut:]
         if closed:
+            self._end_call(closed=True)
             self._state = "after"
         return closed
 
@@ -272,9 +331,14 @@ class ToolCallStream:
     def _emit_arguments(self, piece: str) -> None:
         if not piece:
             return
-        self.calls[-1].arguments += piece
-        last = self._deltas[-1] if self._deltas else None
+        call = self.calls[-1]
+        call.arguments += piece
+        if self._held is not None and not self._over_limit() and not self._repeats(call, closed=False):
+            self._deltas.extend(self._held)  # no repeat after all: what waited goes out, the rest streams
+            self._held = None
+        deltas = self._deltas if self._held is None else self._held
+        last = deltas[-1] if deltas else None
         if last is not None and last.index == len(self.calls) - 1:
             last.arguments += piece  # one delta per call per feed
         else:
-            self._deltas.append(ToolCallDelta(len(self.calls) - 1, arguments=piece))
+            deltas.append(ToolCallDelta(len(self.calls) - 1, arguments=piece))

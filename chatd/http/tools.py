@@ -8,7 +8,9 @@ writes is parsed back into OpenAI's `tool_calls` by the parser of its template's
 (tool_calls.py). Every reply that may call is constrained by a grammar: under `required` and a
 named function it is a call; under `auto` it is text in which no call marker appears, or text and
 then calls. Either way a call names an offered function and its arguments are valid against that
-function's JSON schema (the parser, bound to the offered names, reads no other call).
+function's JSON schema (the parser, bound to the offered names, reads no other call; bound to one
+call when `parallel_tool_calls` is false, it reads no second). Whatever the choice, a reply holds no
+two identical calls, and one cut by max_tokens shows no half call (tool_stream.py says why).
 
 Tools are measured before they are walked: each tool's JSON length by orjson when it is parsed
 (C speed, on the event loop), and against the context window before the walks in Python (`tool_use`:
@@ -235,12 +237,14 @@ def tool_use(request: ToolRequest | None, messages: list[dict], parser: ToolPars
     if not offered:
         return ToolUse(rendered, shown_tools, None, None)
     held = [_closed_tool(tool) for tool in offered]
+    parallel = request.parallel and request.choice != "function"  # a named function is one call, as on OpenAI
     if request.choice == "auto":
         fmt = None if reply_format is None else _as_lark(reply_format)
-        grammar = parser.auto_grammar(held, request.parallel, special_token_ids, fmt)
-    else:  # a named function is one call, as on OpenAI
-        grammar = parser.call_grammar(held, request.parallel and request.choice != "function", special_token_ids)
-    return ToolUse(rendered, shown_tools, parser.for_tools(names), StructuredOutput(grammar=grammar, param="tools"))
+        grammar = parser.auto_grammar(held, parallel, special_token_ids, fmt)
+    else:
+        grammar = parser.call_grammar(held, parallel, special_token_ids)
+    return ToolUse(rendered, shown_tools, parser.for_tools(names, parallel),
+                   StructuredOutput(grammar=grammar, param="tools"))
 
 
 def _as_lark(spec: StructuredOutput) -> str:

@@ -85,10 +85,10 @@ FIXTURES = {
 }
 
 
-def stream_all(parser, chunks):
-    """Feed chunks, then finish: (content, deltas, the stream)."""
+def stream_all(parser, chunks, cut=False):
+    """Feed chunks, then finish (`cut`: by max_tokens): (content, deltas, the stream)."""
     stream = parser.stream()
-    outputs = [stream.feed(chunk) for chunk in chunks] + [stream.finish()]
+    outputs = [stream.feed(chunk) for chunk in chunks] + [stream.finish(cut)]
     return "".join(content for content, _ in outputs), [d for _, deltas in outputs for d in deltas], stream
 
 
@@ -145,6 +145,62 @@ def test_any_text_is_read_without_error_and_streams_alike(family, pieces, data):
     assert [(n, a) for _, n, a in calls_from_deltas(deltas)] == [(c.name, c.arguments) for c in calls]
     if not calls:
         assert (content or "") == text  # nothing that is not a call is lost
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_a_reply_cut_anywhere_keeps_its_finished_calls_and_shows_no_half_call(fixture):
+    """Cut by max_tokens at any character, a recorded reply's content is a start of its whole content
+    (no marker's start, half head or half close in it) and its calls are the finished ones."""
+    family, text, content, calls = FIXTURES[fixture]
+    for end in range(len(text) + 1):
+        cut_content, cut_calls = PARSERS[family].parse(text[:end], cut=True)
+        assert (content or "").startswith((cut_content or "").rstrip()), text[:end]
+        assert [(c.name, c.arguments) for c in cut_calls] == calls[:len(cut_calls)], text[:end]
+        for c in cut_calls:
+            json.loads(c.arguments)
+
+
+@settings(max_examples=300, deadline=None)
+@given(family=st.sampled_from(sorted(PARSERS)), pieces=st.lists(st.sampled_from(FRAGMENTS), max_size=25), data=st.data())
+def test_a_cut_reply_streams_alike_and_loses_only_its_unfinished_tail(family, pieces, data):
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=8)))
+    content, calls = PARSERS[family].parse(text, cut=True)
+    streamed_content, deltas, stream = stream_all(PARSERS[family], [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])],
+                                                  cut=True)
+    read = [(c.name, c.arguments) for c in calls]
+    assert streamed_content == (content or "") and [(c.name, c.arguments) for c in stream.calls] == read
+    sent = [(n, a) for _, n, a in calls_from_deltas(deltas)]
+    assert sent[:len(read)] == read and len(sent) <= len(read) + 1  # a cut call's pieces, once sent, stay sent
+    whole_content, whole_calls = PARSERS[family].parse(text)
+    assert (whole_content or "").startswith((content or "").rstrip())
+    assert [(c.name, c.arguments) for c in whole_calls][:len(read)] == read
+
+
+def test_a_repeated_call_is_never_sent_and_one_that_differs_streams_once_it_does():
+    stream = PARSERS["hermes"].stream()
+    paris = hermes("get_weather", {"city": "Paris"})
+    assert [(d.index, d.name, d.arguments) for d in stream.feed(paris + "\n")[1]] == [(0, "get_weather", '{"city": "Paris"}')]
+    assert stream.feed(paris[:paris.index("ris")]) == ("", [])  # the same call so far: it waits
+    assert stream.feed(paris[paris.index("ris"):] + "\n") == ("", [])  # the same call: dropped
+    oslo = hermes("get_weather", {"city": "Oslo"})
+    assert stream.feed(oslo[:oslo.index("Oslo")]) == ("", [])
+    content, deltas = stream.feed("Os")  # it differs: sent, and the rest streams as it comes
+    assert (content, [(d.index, d.name, d.arguments) for d in deltas]) == ("", [(1, "get_weather", '{"city": "Os')])
+    assert stream.feed(oslo[oslo.index("Oslo") + 2:]) == ("", [ToolCallDelta(1, arguments='lo"}')])
+    assert stream.finish() == ("", [])
+    assert [c.arguments for c in stream.calls] == ['{"city": "Paris"}', '{"city": "Oslo"}']
+
+
+def test_a_parser_bound_to_one_call_reads_only_the_first():
+    for family in sorted(PARSERS):
+        parser = PARSERS[family].for_tools({"get_weather", "now"}, parallel=False)
+        text = render(family, [("get_weather", {"city": "Paris"}), ("now", {})])
+        for split in (None, *range(1, len(text))):
+            chunks = [text] if split is None else [text[:split], text[split:]]
+            content, deltas, stream = stream_all(parser, chunks)
+            assert content == "" and [(n, a) for _, n, a in calls_from_deltas(deltas)] == [("get_weather", '{"city": "Paris"}')]
+        assert [c.name for c in parser.parse(text)[1]] == ["get_weather"]
 
 
 def test_content_is_sent_at_once_and_only_a_possible_marker_is_held_back():
