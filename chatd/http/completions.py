@@ -4,7 +4,8 @@ A handler parses the body (protocol.py), hands the request to the engine (a comp
 prompts as one engine request each), and answers with its merged deltas in OpenAI's shapes
 (openai_format.py). A stream writes one SSE event per delta it receives, from whichever prompt's
 request sent it; a slow reader gets bigger merged deltas and never holds the engine back. When
-the request ends, however it ends, it is logged, observed in the metrics and its usage billed, once.
+the request ends, however it ends, it is observed in the metrics, its counts put on its log line
+(request_log.py) and its usage billed, once.
 
 It keeps no history: server-side conversations are conversations.py and turns.py.
 """
@@ -13,24 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from aiohttp import web
 
 from chatd.engine import ParamError, RequestHandle, RequestOutput
 from chatd.http.auth import TENANT
-from chatd.http.errors import REQUEST_ID, APIError
+from chatd.http.errors import REQUEST_ID, APIError, loggable
 from chatd.http.limits import Lease
 from chatd.http.openai_format import ChunkFormat, merged_with, output_usage, whole_response
-from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion, shown
+from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion
+from chatd.http.request_log import REQUEST_LOG, GenerationRecord
 from chatd.http.safety import input_strings
 from chatd.http.state import STATE, ServerState
 from chatd.http.wire import DONE, SlowClient, drop_slow_client, json_response, read_json, send, sse_event
-
-log = logging.getLogger("chatd.http")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -47,29 +46,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _complete(request, state, gen, chat=False)
 
 
-@dataclass
-class _Timing:
-    """Per-request latencies for metrics and the request log."""
-
-    start: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None
-    last_token: float | None = None
-    inter_token: list[float] = field(default_factory=list)
-
-    def tokens_arrived(self) -> None:
-        now = time.perf_counter()
-        if self.first_token is None:
-            self.first_token = now
-        elif self.last_token is not None:
-            self.inter_token.append(now - self.last_token)
-        self.last_token = now
-
-
 async def _complete(request: web.Request, state: ServerState, gen: GenerationRequest, chat: bool) -> web.StreamResponse:
     tenant = request[TENANT]
     state.check_model(gen.model, tenant)
     state.check_store_writable()
-    timing = _Timing()
+    record = GenerationRecord("chat" if chat else "completions", request.get(REQUEST_LOG))
     state.precheck(tenant, gen)
     endpoint = "chat.completions" if chat else "completions"
     await _check_input(state, request, tenant, endpoint, gen)
@@ -92,7 +73,7 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
     kind = "chatcmpl" if chat else "cmpl"
     response_id = f"{kind}-{uuid.uuid4().hex}"
     created = int(time.time())
-    lease, placement = state.admit(tenant, gen, list(prompts.values()), timing.start)
+    lease, placement = state.admit(tenant, gen, list(prompts.values()), record.start)
     try:
         # The engine names each request itself; the client's X-Request-Id is only logged and echoed.
         handles = [state.safety.watch(handle, tenant, endpoint, gen.params.n, request[REQUEST_ID])
@@ -106,17 +87,17 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
     try:
         if gen.stream:
             writer = _ChunkWriter(state, ChunkFormat(state, response_id, created, chat, gen.include_usage, echoed, parser), gen)
-            await writer.stream(request, replies, timing)
+            await writer.stream(request, replies, record)
             return writer.response
         async for _ in replies:
-            timing.tokens_arrived()
+            record.tokens_arrived()
         failed = next((out for out in replies.outputs if out.error), None)
         if failed is not None:
             raise _failure(failed)
         return json_response(whole_response(state, replies.outputs, response_id, created, chat, echoed, parser))
     finally:
         replies.abort()  # a no-op for those finished; otherwise (disconnect, error, timeout) frees them now
-        _log_and_observe(state, request[REQUEST_ID], response_id, replies.merged, timing, gen)
+        record.finished(state.metrics, replies.merged, response_id=response_id, **_logged_fields(gen, len(prompts)))
         used = output_usage(*replies.outputs) if replies.outputs else None
         lease.release(used["total_tokens"] if used else sum(map(len, prompts.values())))
         if replies.outputs:  # what was generated, even if the client left before it was sent
@@ -265,17 +246,17 @@ class _ChunkWriter:
         self.state, self.format, self.gen = state, chunk_format, gen
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
 
-    async def stream(self, request: web.Request, replies: _Replies, timing: _Timing) -> None:
+    async def stream(self, request: web.Request, replies: _Replies, record: GenerationRecord) -> None:
         """Write every delta; a client that leaves or stops reading ends it early (unfinished)."""
         try:
             await self.response.prepare(request)
-            await self._write_all(request, replies, timing)
+            await self._write_all(request, replies, record)
         except SlowClient as exc:
             drop_slow_client(request, exc)
         except ConnectionError:
             pass  # the client went away; the caller aborts what is left of its requests
 
-    async def _write_all(self, request: web.Request, replies: _Replies, timing: _Timing) -> None:
+    async def _write_all(self, request: web.Request, replies: _Replies, record: GenerationRecord) -> None:
         for chunk in self.format.role_chunks(self.gen.params.n):
             await send(request, self.response, sse_event(chunk))
         iterator = replies.__aiter__()
@@ -292,7 +273,7 @@ class _ChunkWriter:
                 if out.error:
                     await send(request, self.response, sse_event(_failure(out).body()))
                     return
-                timing.tokens_arrived()
+                record.tokens_arrived()
                 chunk = self.format.delta_chunk(out)
                 if chunk is not None:
                     await send(request, self.response, sse_event(chunk))
@@ -344,44 +325,12 @@ class _Heartbeat:
                 return
 
 
-def _log_and_observe(state: ServerState, request_id: str, response_id: str, merged: list[RequestOutput | None],
-                     timing: _Timing, gen: GenerationRequest) -> None:
-    """One log line and one observation for the API request, however many prompts it had."""
-    end = time.perf_counter()
-    outputs = [out for out in merged if out is not None]
-    if any(out.error for out in outputs):
-        reason = "error"
-    elif len(outputs) < len(merged) or not all(out.finished for out in outputs):
-        reason = "abort"
-    else:
-        reasons = {c.finish_reason.value for out in outputs for c in out.outputs if c.finish_reason}
-        reason = "content_filter" if "content_filter" in reasons else "length" if reasons == {"length"} else "stop"
-    usage = output_usage(*outputs)
-    queue_times = [out.queue_time for out in outputs if out.queue_time is not None]
-    ttft = None if timing.first_token is None else timing.first_token - timing.start
-    state.metrics.observe_request(
-        finish_reason=reason,
-        prompt_tokens=usage["prompt_tokens"],
-        generation_tokens=usage["completion_tokens"],
-        cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
-        ttft=ttft,
-        e2e=end - timing.start,
-        queue_time=min(queue_times, default=None),  # when the first of its requests started, as ttft
-        inter_token_latencies=timing.inter_token,
-    )
-    log.info(
-        "request finished",
-        extra={"request_id": request_id, "response_id": response_id, "finish_reason": reason, "prompt_tokens": usage["prompt_tokens"],
-               "completion_tokens": usage["completion_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-               "ttft_s": None if ttft is None else round(ttft, 4), "e2e_s": round(end - timing.start, 4),
-               **({"prompts": len(merged)} if len(merged) > 1 else {}),
-               **({"prompt_cache_key": _loggable(gen.prompt_cache_key)} if gen.prompt_cache_key is not None else {})},
-    )
-
-
-def _loggable(text: str) -> str:
-    """A client's string as a log line may carry it: printable and short, else quoted and cut."""
-    return text if text.isprintable() and len(text) <= 128 else shown(text)
+def _logged_fields(gen: GenerationRequest, num_prompts: int) -> dict:
+    """What the request's log line says of it beyond its counts: a batch's size, the client's cache key (cut short)."""
+    fields = {"prompts": num_prompts} if num_prompts > 1 else {}
+    if gen.prompt_cache_key is not None:
+        fields["prompt_cache_key"] = loggable(gen.prompt_cache_key)
+    return fields
 
 
 def _record_usage(state: ServerState, tenant, endpoint: str, outputs: list[RequestOutput]) -> None:

@@ -19,6 +19,7 @@ from chatd.http.errors import REQUEST_ID, APIError
 from chatd.http.items import item_json, item_page, page_params, parse_items
 from chatd.http.openai_format import token_usage
 from chatd.http.protocol import json_body, parse_conversation_update, parse_new_conversation, parse_turn, shown
+from chatd.http.request_log import REQUEST_LOG
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import TURNS, MessageTurn, ReplyStream, conversation_not_found, stored_reply
 from chatd.http.wire import json_response, read_json, stream_events
@@ -121,7 +122,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     state.check_model(turn.gen.model, tenant)
     state.check_store_writable()
     reply, omitted = await request.app[TURNS].start(tenant, MessageTurn(state, tenant, conversation, turn),
-                                                     request[REQUEST_ID])
+                                                     request[REQUEST_ID], request.get(REQUEST_LOG))
     headers = {"X-Chatd-Messages-Omitted": str(omitted)}
     if turn.gen.stream:
         return await _stream(request, state, reply, 0, headers)

@@ -35,6 +35,12 @@ def shown(value: Any) -> str:
     return orjson.dumps(value).decode()  # null, true, 1.5: as the client wrote it
 
 
+def loggable(text: str) -> str:
+    """A client's string (a path, a cache key) as a log line may carry it: printable and short as it
+    is, else quoted and cut, so a client can neither flood the log nor forge a line in it."""
+    return text if text.isprintable() and len(text) <= 128 else shown(text)
+
+
 class APIError(Exception):
     """An error a client caused (or must hear about), answered in OpenAI's error shape."""
 
@@ -100,5 +106,6 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         return error_response(exc.status, exc.reason or "error")
     except Exception:
-        log.exception("internal error handling %s %s (request id %s)", request.method, request.path, request.get(REQUEST_ID))
+        log.exception("internal error handling %s %s (request id %s)", request.method, loggable(request.path),
+                      request.get(REQUEST_ID))
         return error_response(500, f"internal server error (request id {request.get(REQUEST_ID)})")

@@ -3,7 +3,9 @@
 Names follow vLLM's (`vllm:num_requests_running` becomes `chatd:num_requests_running`) so
 dashboards written for vLLM need only the prefix changed. Every `ServerMetrics` owns its
 own `CollectorRegistry`: two apps in one process, or two tests, never see each other's
-numbers. This module knows nothing of HTTP; the route serves what `render` returns.
+numbers. The per-request series carry a `route` label (ROUTES: which API generated), so one
+dashboard shows the chat page's turns beside the API's completions. This module knows nothing
+of HTTP; the route serves what `render` returns.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ LIMITED_REASONS = ("requests", "tokens", "concurrency", "too_large")
 SHED_REASONS = ("overloaded", "queue_full")
 # Powers of two, 1 .. 32768: context windows are powers of two, so the top bucket is one.
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))
+# The APIs that generate, as the per-request series' `route` label: /v1/chat/completions,
+# /v1/completions, /v1/responses and a conversation's /messages (the chat page).
+ROUTES = ("chat", "completions", "responses", "conversation")
 
 
 class ServerMetrics:
@@ -44,17 +49,20 @@ class ServerMetrics:
         self.registry.register(self._engine)
 
         def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
-            metric = Histogram(name, documentation, ["model_name"], buckets=buckets, registry=self.registry)
-            return metric.labels(model_name=model_name)
+            metric = Histogram(name, documentation, ["model_name", "route"], buckets=buckets, registry=self.registry)
+            for route in ROUTES:  # every route's series at 0, so rate() works before its first request
+                metric.labels(model_name=model_name, route=route)
+            return metric
 
         self._request_success = Counter(
             "chatd:request_success_total",
-            "Finished requests, by why they finished.",
-            ["model_name", "finished_reason"],
+            "Finished requests, by route (chat, completions, responses, conversation) and why they finished.",
+            ["model_name", "route", "finished_reason"],
             registry=self.registry,
         )
-        for reason in FinishReason:  # expose every reason at 0 so rate() works before the first one
-            self._request_success.labels(model_name=model_name, finished_reason=reason.value)
+        for route in ROUTES:
+            for reason in FinishReason:
+                self._request_success.labels(model_name=model_name, route=route, finished_reason=reason.value)
         self._ttft = histogram("chatd:time_to_first_token_seconds", "Seconds from arrival to the first token.", LATENCY_BUCKETS)
         self._inter_token = histogram("chatd:inter_token_latency_seconds", "Seconds between consecutive tokens of one choice.", LATENCY_BUCKETS)
         self._e2e = histogram("chatd:e2e_request_latency_seconds", "Seconds from arrival to the last token.", LATENCY_BUCKETS)
@@ -137,6 +145,7 @@ class ServerMetrics:
     def observe_request(
         self,
         *,
+        route: str,
         finish_reason: str,
         prompt_tokens: int,
         generation_tokens: int,
@@ -146,22 +155,27 @@ class ServerMetrics:
         queue_time: float | None,
         inter_token_latencies: list[float],
     ) -> None:
-        """Record one finished request. `ttft` and `queue_time` are None when it never got that far."""
+        """Record one finished request of `route` (one of ROUTES). `ttft` and `queue_time` are None
+        when it never got that far."""
+        if route not in ROUTES:  # a label value nobody declared would be a series no dashboard expects
+            raise ValueError(f"unknown route {route!r}; one of {', '.join(ROUTES)}")
         # FinishReason(...) refuses unknown reasons and turns the enum into its plain value;
         # str() of a str-enum on Python 3.11 would give "FinishReason.STOP".
         reason = FinishReason(finish_reason).value
-        self._request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
-        self._prompt_tokens.observe(prompt_tokens)
-        self._generation_tokens.observe(generation_tokens)
+        labels = {"model_name": self.model_name, "route": route}
+        self._request_success.labels(**labels, finished_reason=reason).inc()
+        self._prompt_tokens.labels(**labels).observe(prompt_tokens)
+        self._generation_tokens.labels(**labels).observe(generation_tokens)
         # cached_tokens needs no series of its own: the engine already counts prefix-cache
         # hits per token (chatd:prefix_cache_hits_total).
         if ttft is not None:
-            self._ttft.observe(ttft)
+            self._ttft.labels(**labels).observe(ttft)
         if queue_time is not None:
-            self._queue_time.observe(queue_time)
-        self._e2e.observe(e2e)
+            self._queue_time.labels(**labels).observe(queue_time)
+        self._e2e.labels(**labels).observe(e2e)
+        inter_token = self._inter_token.labels(**labels)
         for latency in inter_token_latencies:
-            self._inter_token.observe(latency)
+            inter_token.observe(latency)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, for GET /metrics."""

@@ -18,6 +18,10 @@ finished (`complete`, `partial` when cut short, `error`) with its usage when gen
 (Every second: `save_interval_seconds`.)
 A server killed mid-reply leaves that reply `partial` with the text saved so far.
 
+When a reply ends it is observed in the metrics under its job's route, and its counts go on the
+log line of the request that started it; that line waits for the reply (request_log.py), so a
+reply that outlives its client is still logged once, whole.
+
 It knows nothing of routes or of writing to a client: conversations.py does both.
 """
 
@@ -38,6 +42,7 @@ from chatd.http.history import render_turn
 from chatd.http.limits import Lease
 from chatd.http.openai_format import ChunkFormat, finish_reason, merged_with
 from chatd.http.protocol import GenerationRequest, TurnRequest
+from chatd.http.request_log import GenerationRecord, RequestLog
 from chatd.http.state import ServerState
 from chatd.http.wire import DONE, sse_event
 from chatd.store.db import Conversation, Message, Tenant
@@ -134,6 +139,7 @@ class TurnJob(Protocol):
     stored: bool  # whether its reply has a row (saved as it grows, and finished through the ledger)
     named_events: bool  # whether its stream names each event (`event:` lines)
     endpoint: str  # what its usage event is billed as
+    route: str  # its label in the per-request metrics (metrics.ROUTES)
 
     def input_texts(self) -> list[str]:
         """What the client sent for this turn, as texts for the safety pipeline's input check."""
@@ -170,17 +176,22 @@ class Turns:
         """The reply to an assistant message while it is in memory; None once only its row is left."""
         return self._replies.get(message_id)
 
-    async def start(self, tenant: Tenant, job: TurnJob, request_id: str | None = None) -> tuple[ReplyStream, int]:
+    async def start(self, tenant: Tenant, job: TurnJob, request_id: str | None = None,
+                    request_log: RequestLog | None = None) -> tuple[ReplyStream, int]:
         """Start a turn in the background; once its reply has begun, the reply and how many of the
         oldest messages its prompt left out. 409 while the conversation has a turn under way.
-        `request_id` labels what the safety pipeline records of it."""
+        `request_id` labels what the safety pipeline records of it; `request_log` (the line of the
+        request that started it) is held open until the turn ends."""
         if job.busy_key is not None:
             if job.busy_key in self._busy:
                 raise APIError(409, "a reply is being generated in this conversation; post the next message when it has "
                                     "finished", None, "conversation_busy")
             self._busy.add(job.busy_key)  # released by the turn task; no await between the check and this
         started: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.state.spawn(self._run(tenant, job, started, request_id), name=f"turn {job.busy_key or job.endpoint}")
+        record = GenerationRecord(job.route, request_log)
+        record.hold_log()  # released by the turn task, however it ends
+        self.state.spawn(self._run(tenant, job, started, request_id, record),
+                         name=f"turn {job.busy_key or job.endpoint}")
         # Shielded: a client that leaves now does not stop the turn; it finishes and is saved.
         return await asyncio.shield(started)
 
@@ -205,7 +216,8 @@ class Turns:
 
     # -- the turn task ----------------------------------------------------------------------------
 
-    async def _run(self, tenant: Tenant, job: TurnJob, started: asyncio.Future, request_id: str | None) -> None:
+    async def _run(self, tenant: Tenant, job: TurnJob, started: asyncio.Future, request_id: str | None,
+                   record: GenerationRecord) -> None:
         """Check, render, start and run one turn; `started` gets (reply, omitted) or the error that stopped it."""
         state = self.state
         lease = None
@@ -234,7 +246,7 @@ class Turns:
             self._replies[assistant.id] = reply
             events = job.events(assistant, omitted)
             started.set_result((reply, omitted))
-            await self._generate_reply(tenant, job, prompt, assistant, reply, events, results, lease)
+            await self._generate_reply(tenant, job, prompt, assistant, reply, events, results, lease, record)
         except (APIError, LookupError, ValueError):
             pass  # the handler answers these
         finally:
@@ -242,9 +254,11 @@ class Turns:
                 lease.release(0)
             if job.busy_key is not None:
                 self._busy.discard(job.busy_key)
+            record.release_log()
 
     async def _generate_reply(self, tenant: Tenant, job: TurnJob, prompt: list[int], assistant: Message,
-                              reply: ReplyStream, events: ReplyEvents, results, lease: Lease) -> None:
+                              reply: ReplyStream, events: ReplyEvents, results, lease: Lease,
+                              record: GenerationRecord) -> None:
         state = self.state
         for payload in events.opening():
             reply.publish(payload)
@@ -256,6 +270,7 @@ class Turns:
                 merged = merged_with(merged, out)
                 if out.outputs and out.outputs[0].token_ids:
                     lease.first_token(out.queue_time)
+                    record.tokens_arrived()
                 if out.error:
                     error, reply.error_param = out.error, out.error_param
                     break
@@ -272,7 +287,10 @@ class Turns:
             # Cancelled (shutdown ran out of time) or not: the row is finished and the events closed.
             completion = len(merged.outputs[0].token_ids) if merged is not None and merged.outputs else 0
             lease.release(len(prompt) + completion)
-            await asyncio.shield(self._finish_reply(tenant, job, prompt, assistant, reply, events, merged, error))
+            try:
+                await asyncio.shield(self._finish_reply(tenant, job, prompt, assistant, reply, events, merged, error))
+            finally:
+                record.finished(state.metrics, [merged], error, message_id=assistant.id)
 
     async def _finish_reply(self, tenant: Tenant, job: TurnJob, prompt: list[int], assistant: Message,
                             reply: ReplyStream, events: ReplyEvents, merged: RequestOutput | None,
@@ -316,7 +334,7 @@ class Turns:
 class MessageTurn:
     """A conversation's next user message (`POST /v1/conversations/{id}/messages`), told as chat-completion chunks."""
 
-    stored, named_events, endpoint = True, False, "conversations"
+    stored, named_events, endpoint, route = True, False, "conversations", "conversation"
 
     def __init__(self, state: ServerState, tenant: Tenant, conversation: Conversation, turn: TurnRequest) -> None:
         self.state, self.tenant, self.conversation, self.turn = state, tenant, conversation, turn

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatd.engine import EngineStats, FinishReason
-from chatd.http.metrics import LATENCY_BUCKETS, ServerMetrics
+from chatd.http.metrics import LATENCY_BUCKETS, ROUTES, ServerMetrics
 
 MODEL = "tiny-llama"
 
@@ -66,7 +66,7 @@ def make_stats(**overrides) -> EngineStats:
 def observe(metrics: ServerMetrics, **overrides) -> None:
     """Record one finished request with plain defaults."""
     request = dict(
-        finish_reason="stop", prompt_tokens=10, generation_tokens=5, cached_tokens=0,
+        route="chat", finish_reason="stop", prompt_tokens=10, generation_tokens=5, cached_tokens=0,
         ttft=0.05, e2e=0.5, queue_time=0.01, inter_token_latencies=[0.1, 0.1, 0.1, 0.1],
     )  # fmt: skip
     request.update(overrides)
@@ -152,13 +152,30 @@ def test_request_success_is_counted_per_finish_reason():
     observe(metrics, finish_reason="stop")
     observe(metrics, finish_reason=FinishReason.LENGTH)  # the enum is accepted as well as its value
     samples = scrape(metrics)
-    count = {r.value: samples[f"chatd:request_success_total{{finished_reason={r.value},model_name={MODEL}}}"] for r in FinishReason}
+    count = {r.value: samples[f"chatd:request_success_total{{finished_reason={r.value},model_name={MODEL},route=chat}}"]
+             for r in FinishReason}
     assert count == {"stop": 2, "length": 1, "abort": 0, "error": 0, "content_filter": 0}
 
 
 def test_an_unknown_finish_reason_is_refused():
     with pytest.raises(ValueError):
         observe(ServerMetrics(MODEL), finish_reason="timeout")
+
+
+def test_each_route_has_its_own_series_from_the_start():
+    metrics = ServerMetrics(MODEL)
+    before = scrape(metrics)
+    for route in ROUTES:  # every route at 0 before its first request, so rate() works
+        assert before[f"chatd:request_success_total{{finished_reason=stop,model_name={MODEL},route={route}}}"] == 0
+        assert before[f"chatd:time_to_first_token_seconds_count{{model_name={MODEL},route={route}}}"] == 0
+    observe(metrics, route="conversation", ttft=0.2, e2e=1.0)
+    observe(metrics, route="responses", ttft=0.3, e2e=2.0)
+    samples = scrape(metrics)
+    assert samples[f"chatd:request_success_total{{finished_reason=stop,model_name={MODEL},route=conversation}}"] == 1
+    assert samples[f"chatd:e2e_request_latency_seconds_sum{{model_name={MODEL},route=responses}}"] == pytest.approx(2.0)
+    assert samples[f"chatd:time_to_first_token_seconds_count{{model_name={MODEL},route=chat}}"] == 0
+    with pytest.raises(ValueError):  # a label value nobody declared is a bug, not a new series
+        observe(metrics, route="/v1/conversations/conv_123/messages")
 
 
 def test_histograms_count_and_sum_observations():
@@ -168,7 +185,8 @@ def test_histograms_count_and_sum_observations():
     samples = scrape(metrics)
 
     def count_and_sum(name: str) -> tuple[float, float]:
-        return samples[f"chatd:{name}_count{{model_name={MODEL}}}"], samples[f"chatd:{name}_sum{{model_name={MODEL}}}"]
+        labels = f"{{model_name={MODEL},route=chat}}"
+        return samples[f"chatd:{name}_count{labels}"], samples[f"chatd:{name}_sum{labels}"]
 
     assert count_and_sum("request_prompt_tokens") == (2, 40)
     assert count_and_sum("request_generation_tokens") == (2, 6)
@@ -176,24 +194,24 @@ def test_histograms_count_and_sum_observations():
     assert count_and_sum("e2e_request_latency_seconds") == pytest.approx((2, 2.0))
     assert count_and_sum("request_queue_time_seconds") == pytest.approx((2, 0.04))
     assert count_and_sum("inter_token_latency_seconds") == pytest.approx((2, 0.3))  # one sample per gap
-    assert samples[f"chatd:request_prompt_tokens_bucket{{le=16.0,model_name={MODEL}}}"] == 1
-    assert samples[f"chatd:request_prompt_tokens_bucket{{le=32.0,model_name={MODEL}}}"] == 2
+    assert samples[f"chatd:request_prompt_tokens_bucket{{le=16.0,model_name={MODEL},route=chat}}"] == 1
+    assert samples[f"chatd:request_prompt_tokens_bucket{{le=32.0,model_name={MODEL},route=chat}}"] == 2
 
 
 def test_a_request_that_never_started_skips_ttft_and_queue_time():
     metrics = ServerMetrics(MODEL)
     observe(metrics, finish_reason="abort", generation_tokens=0, ttft=None, queue_time=None, inter_token_latencies=[])
     samples = scrape(metrics)
-    assert samples[f"chatd:time_to_first_token_seconds_count{{model_name={MODEL}}}"] == 0
-    assert samples[f"chatd:request_queue_time_seconds_count{{model_name={MODEL}}}"] == 0
-    assert samples[f"chatd:e2e_request_latency_seconds_count{{model_name={MODEL}}}"] == 1
+    assert samples[f"chatd:time_to_first_token_seconds_count{{model_name={MODEL},route=chat}}"] == 0
+    assert samples[f"chatd:request_queue_time_seconds_count{{model_name={MODEL},route=chat}}"] == 0
+    assert samples[f"chatd:e2e_request_latency_seconds_count{{model_name={MODEL},route=chat}}"] == 1
 
 
 def test_latency_buckets_span_a_millisecond_to_over_a_minute():
     assert LATENCY_BUCKETS[0] <= 0.001 and LATENCY_BUCKETS[-1] > 60
     samples = scrape(ServerMetrics(MODEL))
-    assert f"chatd:e2e_request_latency_seconds_bucket{{le=0.001,model_name={MODEL}}}" in samples
-    assert f"chatd:request_generation_tokens_bucket{{le=32768.0,model_name={MODEL}}}" in samples
+    assert f"chatd:e2e_request_latency_seconds_bucket{{le=0.001,model_name={MODEL},route=chat}}" in samples
+    assert f"chatd:request_generation_tokens_bucket{{le=32768.0,model_name={MODEL},route=chat}}" in samples
 
 
 def test_two_instances_share_no_state():
@@ -203,7 +221,7 @@ def test_two_instances_share_no_state():
     samples_b = scrape(b)
     assert samples_b["chatd:num_requests_running{model_name=other-model}"] == 0
     assert samples_b["chatd:generation_tokens_total{model_name=other-model}"] == 0
-    assert samples_b["chatd:request_success_total{finished_reason=stop,model_name=other-model}"] == 0
+    assert samples_b["chatd:request_success_total{finished_reason=stop,model_name=other-model,route=chat}"] == 0
     assert not any(MODEL in key for key in samples_b)
     # Building a second one with the same model name must not clash either (one registry each).
     ServerMetrics(MODEL)
