@@ -101,7 +101,7 @@ def run_mode(args, name: str, model_dir: Path, work: Path) -> dict:
         env={"CHATD_HOME": str(work / f"{name}-home")},  # a fresh SQLite store, not the user's
     )
     try:
-        server.wait_until(lambda: "ready:" in server.log_path.read_text(errors="replace"), args.start_timeout)
+        server.wait_until(lambda: "start timeline:" in server.log_path.read_text(errors="replace"), args.start_timeout)
         url = f"http://{HOST}:{port}/v1"
         warm_up(url, api)
         options = BenchOptions(

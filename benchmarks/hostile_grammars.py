@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     server = Server("chatd", command, work / "chatd.log", env={"CHATD_HOME": str(work / "home")})
     runs: dict[str, list[dict]] = {"alone": [], "plain": [], "hostile": []}
     try:
-        server.wait_until(lambda: "ready:" in server.log_path.read_text(errors="replace"), 600)
+        server.wait_until(lambda: "start timeline:" in server.log_path.read_text(errors="replace"), 600)
         url = f"http://{HOST}:{port}"
         asyncio.run(stream_itl_once(url))  # warm-up, untimed
         for _ in range(args.repeats):

@@ -250,7 +250,7 @@ def llama_command(binary: Path, model: Path, port: int, args) -> list[str]:
 
 
 def chatd_ready(server: Server) -> bool:
-    return "ready:" in server.log_path.read_text(errors="replace")
+    return "start timeline:" in server.log_path.read_text(errors="replace")
 
 
 def llama_ready(port: int):

@@ -168,7 +168,7 @@ def run_chatd(args, model_dir: Path, config_path: Path, work: Path) -> dict:
         work / "chatd.log",
     )
     try:
-        server.wait_until(lambda: "ready:" in server.log_path.read_text(errors="replace"), args.start_timeout)
+        server.wait_until(lambda: "start timeline:" in server.log_path.read_text(errors="replace"), args.start_timeout)
         url = f"http://{HOST}:{port}/v1"
         # Warm-up (untimed): one short request through the whole path.
         status, text = http_json(url + "/chat/completions", {

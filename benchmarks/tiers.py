@@ -177,7 +177,7 @@ def run_mode(args, mode: str, model_dir: Path, work: Path) -> dict:
     server = Server(mode, [sys.executable, "-m", "chatd", "serve", "--model", str(model_dir), "--config", str(config),
                            "--host", HOST, "--port", str(port)], work / f"{mode}.log", env=env)
     try:
-        server.wait_until(lambda: "ready:" in server.log_path.read_text(errors="replace"), args.start_timeout)
+        server.wait_until(lambda: "start timeline:" in server.log_path.read_text(errors="replace"), args.start_timeout)
         url = f"http://{HOST}:{port}/v1/chat/completions"
         result = asyncio.run(drive(url, keys, args, flood=mode != "paid_alone"))
         result["server"] = server_view(f"http://{HOST}:{port}/metrics")

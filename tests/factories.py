@@ -139,6 +139,9 @@ class ScriptedChatEngine:
         """No engine thread, no steps."""
         return {}
 
+    def compile_state(self) -> str:
+        return "off"
+
     def stats(self) -> EngineStats:
         return EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_blocks=64, num_free_blocks=64,
                            prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, num_prompt_tokens=0,

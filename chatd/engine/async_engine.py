@@ -79,6 +79,9 @@ class EngineClient(Protocol):
         """Seconds of host work per step stage since the start (core/stage_times.py), `steps`, and
         `engine_thread_cpu`; empty where there is no engine thread."""
 
+    def compile_state(self) -> str:
+        """The compiled steps: "off", "compiling" (eager steps serve meanwhile), "compiled" or "failed"."""
+
 
 class RequestStream:
     """One request's outputs, as an async iterator; what the engine sent since the last read arrives merged.
@@ -166,6 +169,10 @@ class AsyncEngine:
         if not self.is_running:
             return "engine stopped"
         return self.engine.health() if self.engine is not None else None
+
+    def compile_state(self) -> str:
+        """Whether the engine's steps are compiled yet (LLMEngine.compile_state); "off" before start."""
+        return self.engine.compile_state if self.engine is not None else "off"
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -205,8 +205,10 @@ class LLMEngine:
         sampling_defaults: Mapping[str, float] | None = None,
         clock=time.monotonic,
         num_host_blocks: int = 0,
+        compile_job=None,  # worker/compile_job.py: the runner's steps compiling on a thread, or None
     ) -> None:
         self.runner = runner
+        self.compile_job = compile_job
         self.clock = clock
         self.model_path = model_path
         self.is_demo = is_demo
@@ -226,11 +228,12 @@ class LLMEngine:
         self.times = StageTimes()  # schedule, wait, postprocess, detokenize (the runner times its own)
 
     @classmethod
-    def from_config(cls, config: Config) -> LLMEngine:
-        """Load the model named in config (the demo model when none is) and build the engine."""
+    def from_config(cls, config: Config, background_compile: bool = False) -> LLMEngine:
+        """Load the model named in config (the demo model when none is) and build the engine.
+        `background_compile`: on CPU, serve eagerly while the steps compile on a thread (`chatd serve`)."""
         from chatd.engine.worker.loading import load_engine_parts
 
-        parts = load_engine_parts(config)
+        parts = load_engine_parts(config, background_compile)
         return cls(
             parts.runner,
             config.scheduler,
@@ -244,7 +247,16 @@ class LLMEngine:
             is_demo=parts.is_demo,
             sampling_defaults=parts.sampling_defaults,
             num_host_blocks=parts.num_host_blocks,
+            compile_job=parts.compile_job,
         )
+
+    @property
+    def compile_state(self) -> str:
+        """The compiled steps: "off" (none: eager by config, on a GPU, or none could be made at
+        start), "compiling" (on a thread; eager steps serve), "compiled" or "failed"."""
+        if self.compile_job is not None:
+            return self.compile_job.state
+        return "compiled" if getattr(self.runner, "compiled", None) is not None else "off"
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -579,7 +591,8 @@ class LLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             quantization=getattr(getattr(runner, "model", None), "quantization", "none"),
             compiled_decode=getattr(runner, "compiled", None) is not None,
-            compiled_prefill_tokens=getattr(getattr(runner, "compiled_prefill", None), "min_tokens", 0),
+            compiled_prefill_tokens=(self.compile_job.prefill_tokens if self.compile_job is not None
+                                     else getattr(getattr(runner, "compiled_prefill", None), "min_tokens", 0)),
         )
 
     def live_sequences(self) -> list[Sequence]:

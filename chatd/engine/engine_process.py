@@ -43,7 +43,9 @@ class EngineProcess:
     def __init__(self, build: Callable[[], LLMEngine], scheduler: SchedulerConfig, cache: CacheConfig) -> None:
         context = multiprocessing.get_context("spawn")  # no CUDA state or threads inherited
         self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=_run_engine, args=(build, child_conn), name="chatd-engine-core")
+        self._compiled = context.Value("b", 0)  # the child's compile job, once it ends: 1 compiled, 2 failed
+        self._process = context.Process(target=_run_engine, args=(build, child_conn, self._compiled),
+                                        name="chatd-engine-core")
         self._process.start()
         child_conn.close()
         message = self._recv_or_exit()
@@ -62,6 +64,7 @@ class EngineProcess:
         self.requests: dict[str, Request] = {}  # sent and not finished
         self._acks = 0  # aborts the child has not answered yet (with its counters after them)
         self.async_scheduling = facts["async_scheduling"]
+        self._compile_state = facts["compile_state"]
 
     # -- what AsyncEngine's loop side calls ---------------------------------------------------
 
@@ -85,6 +88,13 @@ class EngineProcess:
 
     def stats(self):
         return self._stats
+
+    @property
+    def compile_state(self) -> str:
+        """LLMEngine.compile_state of the child's engine, as of now (not of its last step)."""
+        if self._compile_state == "compiling" and self._compiled.value:
+            return "compiled" if self._compiled.value == 1 else "failed"
+        return self._compile_state
 
     def stage_times(self) -> dict[str, float]:
         return dict(self._times)
@@ -169,18 +179,18 @@ class EngineProcess:
             raise RuntimeError(f"the engine process exited (code {self._process.exitcode})")
 
 
-def _run_engine(build: Callable[[], LLMEngine], conn: Connection) -> None:
+def _run_engine(build: Callable[[], LLMEngine], conn: Connection, compiled) -> None:
     """The child: build the engine, report, then apply commands and step until told to stop. It
     leaves without the interpreter's teardown (`os._exit`): that only collects what the process
     is about to drop anyway, and triton's bindings report each of their objects as leaked there."""
     try:
-        _serve_parent(build, conn)
+        _serve_parent(build, conn, compiled)
     finally:
         logging.shutdown()
         os._exit(0)
 
 
-def _serve_parent(build: Callable[[], LLMEngine], conn: Connection) -> None:
+def _serve_parent(build: Callable[[], LLMEngine], conn: Connection, compiled) -> None:
     try:
         engine = build()
         freeze_startup_objects()
@@ -190,7 +200,10 @@ def _serve_parent(build: Callable[[], LLMEngine], conn: Connection) -> None:
     conn.send(("ready", {
         "info": engine.model_info(), "tokenizer": engine.tokenizer, "eos_token_ids": engine.scheduler.eos_token_ids,
         "stats": engine.stats(), "times": engine.stage_times(), "async_scheduling": engine.async_scheduling,
+        "compile_state": engine.compile_state,
     }))
+    if engine.compile_job is not None:  # the parent reads its end from shared memory, idle or not
+        engine.compile_job.on_done(lambda: setattr(compiled, "value", 1 if engine.compile_state == "compiled" else 2))
     # Commands are read on a thread of their own, so the parent's sends never wait for this loop:
     # were both ends to send at once into full pipe buffers (a burst of 512 requests against a
     # step's outputs), each would wait for the other forever.

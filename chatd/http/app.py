@@ -7,6 +7,8 @@ the job of `serve.py`.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import re
 import uuid
 
@@ -15,6 +17,7 @@ from aiohttp import web
 from chatd.http import completions, conversations, moderation, openapi, page, responses, status, tokens
 from chatd.http.auth import TENANT, auth_middleware
 from chatd.http.cors import Cors
+from chatd.http.request_log import request_log_middleware
 from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware, error_response
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import TURNS, Turns
@@ -48,6 +51,29 @@ async def store_middleware(request: web.Request, handler) -> web.StreamResponse:
         if state.store_failed(exc):
             raise state.store_unavailable(exc) from None
         raise
+
+
+@web.middleware
+async def draining_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """After SIGTERM the port stays open while replies in flight finish: a new request gets a 503
+    with Retry-After (a load balancer or client retries elsewhere or later), not "connection
+    refused". Probes, metrics and resuming a reply already under way go on."""
+    state = request.app[STATE]
+    if state.draining_until is None or _goes_on_while_draining(request):
+        state.num_in_flight += 1  # serve.py's drain waits for these, streams' last writes included
+        try:
+            return await handler(request)
+        finally:
+            state.num_in_flight -= 1
+    left = max(1, math.ceil(state.draining_until - asyncio.get_running_loop().time()))
+    return error_response(503, f"the server is shutting down; retry in {left} s", None, "server_shutting_down",
+                          {"Retry-After": str(left)})
+
+
+def _goes_on_while_draining(request: web.Request) -> bool:
+    resource = request.match_info.route.resource
+    path = resource.canonical if resource is not None else ""
+    return path in ("/health", "/ready", "/metrics") or path == REPLY + "/stream"
 
 
 CONVERSATION = "/v1/conversations/{conversation_id}"
@@ -96,7 +122,8 @@ ROUTES = [
 def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Application:
     """Build the app around a started engine."""
     cors = Cors(state.config.server.allowed_origins)
-    middlewares = [request_id_middleware, error_middleware, *cors.middlewares, store_middleware, auth_middleware]
+    middlewares = [request_id_middleware, request_log_middleware, draining_middleware, error_middleware,
+                   *cors.middlewares, store_middleware, auth_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[STATE] = state
     app[TURNS] = Turns(state)

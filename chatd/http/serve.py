@@ -1,11 +1,14 @@
-"""`chatd serve`: load the model, start the engine thread and the HTTP server, stop gracefully.
+"""`chatd serve`: open the port, load the model, start the engine thread and the HTTP server, stop gracefully.
 
-Order at start: reserve the port (bind without listening: a port in use is a message before
-minutes of loading) -> open the store (migrations) -> load -> listen (/health answers, /ready
-says warming up) -> warm-up request (one prefill, a few decode steps) -> ready, one log line
-with the URL. A background task purges deleted conversations past retention.
-On SIGINT/SIGTERM: stop accepting, give in-flight requests the grace period, abort the rest
-(conversation replies cut short are saved as partial), wait for the store writes, close it.
+Order at start: bind and listen at once, with a small app answering while the server starts
+(starting.py: /health 200, /ready 503 with the phase, other routes 503 with Retry-After) ->
+open the store (migrations) -> load -> warm-up request (one prefill, a few decode steps) ->
+the full app takes the port: ready, one log line with the URL. On a CPU the steps compile on a
+thread meanwhile (worker/compile_job.py); the log keeps the start timeline (starting.py). A
+background task purges deleted conversations past retention.
+On SIGINT/SIGTERM: keep listening, answer new requests 503 with Retry-After and /ready 503,
+give in-flight requests the grace period, abort the rest (conversation replies cut short are
+saved as partial), stop listening, wait for the store writes, close it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import ipaddress
 import logging
 import signal
 import socket
@@ -27,6 +31,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from chatd.config import Config, StoreConfig, store_path
 from chatd.engine import AsyncEngine, EngineProcess, LLMEngine, SamplingParams, Tokenizer
 from chatd.http.app import create_app
+from chatd.http.starting import Startup, starting_app
 from chatd.http.state import ServerState
 from chatd.safety.guard import GuardModel
 from chatd.safety.pipeline import SafetyPipeline
@@ -36,16 +41,27 @@ from chatd.store.ledger import Ledger
 log = logging.getLogger("chatd.http")
 
 SHUTDOWN_WRITE_SECONDS = 2.0
+HAND_OVER_SECONDS = 0.25  # the starting app's last connections get their answers this long
 GUARD_SEQUENCES = 8  # inputs the guard model judges at once: its KV pool holds this many full contexts
 LEDGER_FLUSH_SECONDS = 10.0  # at stop, billing writes the store refuses are retried this long
 
 
 async def serve(config: Config, stop: asyncio.Event | None = None,
-                build_engine: Callable[[Config], LLMEngine] = LLMEngine.from_config) -> None:
+                build_engine: Callable[[Config], LLMEngine] = functools.partial(LLMEngine.from_config,
+                                                                                background_compile=True)) -> None:
     """Run the server until SIGINT/SIGTERM (or `stop` is set). `build_engine` makes the engine from
     the config, on the engine thread (benchmarks/host.py passes one around a fixed-time model)."""
     SafetyPipeline.build(config.safety, config.policies)  # a bad rules file or policy: said now, not after loading
     sock = reserve_port(config.server.host, config.server.port)
+    warn_if_open(config)
+    startup = Startup()
+    # While it starts, a small app answers on a second descriptor of the same socket; the full
+    # app takes the socket itself, so the port never closes in between.
+    early = web.AppRunner(starting_app(startup), access_log=None, shutdown_timeout=1.0)
+    await early.setup()
+    early_site = web.SockSite(early, sock.dup())
+    await early_site.start()
+    startup.mark("listening", f"http://{config.server.host}:{sock.getsockname()[1]}; /ready says when the model serves")
     try:
         path = store_path(config)
         store = await Store.open(path, max_bytes=int(config.store.max_db_mb * 2**20))
@@ -58,12 +74,48 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         ledger = Ledger(store, retry_seconds=config.store.retry_seconds)
         ledger.start()
         try:
-            await _serve(config, store, ledger, sock, stop, build_engine)
+            await _serve(config, store, ledger, Listening(sock, early, early_site, startup), stop, build_engine)
         finally:
             await ledger.stop(timeout=LEDGER_FLUSH_SECONDS)  # what still cannot be written is logged in full
             await store.close()
     finally:
+        await early.cleanup()  # a no-op once the full app took over
         sock.close()
+
+
+@dataclasses.dataclass
+class Listening:
+    """The bound socket, the app answering on it while the server starts, and the start's phases."""
+
+    sock: socket.socket
+    early: web.AppRunner
+    early_site: web.SockSite
+    startup: Startup
+
+    async def hand_over(self, runner: web.AppRunner) -> web.SockSite:
+        """The full app takes the port: it accepts first, then the starting app stops accepting and,
+        once the connections it took have had their answers (it closes each after one), goes."""
+        site = web.SockSite(runner, self.sock)
+        await site.start()
+        await self.early_site.stop()
+        await asyncio.sleep(HAND_OVER_SECONDS)
+        await self.early.cleanup()
+        return site
+
+
+def warn_if_open(config: Config) -> None:
+    """A warning when the server listens beyond this machine and asks no one for a key."""
+    if config.auth.enabled or config.auth.api_key:
+        return
+    host = config.server.host
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        loopback = False
+    if not loopback:
+        log.warning("listening on %s with no API key: anyone who can reach this address can use the model and read "
+                    "every conversation; set CHATD_API_KEY (or --api-key), or turn on [auth] enabled with "
+                    "`chatd keys create`", host)
 
 
 async def check_key_tiers(store: Store, config: Config) -> None:
@@ -98,12 +150,12 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(config: Config, store: Store, ledger: Ledger, sock: socket.socket, stop: asyncio.Event | None,
+async def _serve(config: Config, store: Store, ledger: Ledger, listening: Listening, stop: asyncio.Event | None,
                  build_engine: Callable[[Config], LLMEngine]) -> None:
     # The guard model first: on a GPU the main engine then sizes its KV pool from what the guard left.
     guard_engine, guard = await _start_guard(config)
     try:
-        await _serve_with(config, store, ledger, sock, stop, guard, build_engine)
+        await _serve_with(config, store, ledger, listening, stop, guard, build_engine)
     finally:
         if guard_engine is not None:
             await guard_engine.stop()
@@ -140,10 +192,11 @@ def guard_engine_config(config: Config) -> Config:
     )
 
 
-async def _serve_with(config: Config, store: Store, ledger: Ledger, sock: socket.socket, stop: asyncio.Event | None,
+async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: Listening, stop: asyncio.Event | None,
                       guard: GuardModel | None, build_engine: Callable[[Config], LLMEngine]) -> None:
     # Loaded on the engine thread, where all of the server's torch work runs (see async_engine.py),
     # or in a process of its own (engine_process.py) that the engine thread drives.
+    startup = listening.startup
     build = functools.partial(build_engine, config)
     if config.server.engine_process:
         build = functools.partial(EngineProcess, build, config.scheduler, config.cache)
@@ -153,6 +206,8 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, sock: socket
     if tokenizer is None:
         await async_engine.stop()
         raise ValueError("chatd serve needs a model with a tokenizer")
+    startup.mark("loaded", f"steps {async_engine.compile_state()}")
+    startup.phase = "warming up"
     names = config.server.model_name or (model.name,)
     state = ServerState(
         engine=async_engine,
@@ -182,37 +237,60 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, sock: socket
                            lingering_time=min(10.0, config.server.body_timeout_seconds), auto_decompress=False)
     logging.getLogger("aiohttp.server").addFilter(_malformed_requests_at_debug)
     await runner.setup()
-    site = web.SockSite(runner, sock)
-    await site.start()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     purge = asyncio.create_task(_purge_forever(store, config.store), name="purge")
+    watch = None
     try:
         await _warm_up(async_engine, state)
+        site = await listening.hand_over(runner)
         state.ready = True
+        startup.phase = "serving"
+        startup.mark("ready")
+        watch = asyncio.create_task(_watch_start(async_engine, startup), name="start timeline")
         log.info("auth: %s", _auth_mode(config))
         if state.model_aliases:
             log.info("model %s is also served as %s", state.model_name, ", ".join(state.model_aliases))
         log.info(
-            "ready: model %s, dtype %s, device %s, attention %s, %d KV blocks, http://%s:%d",
+            "ready: model %s, dtype %s, device %s, attention %s, %d KV blocks, steps %s, http://%s:%d",
             state.model_name, model.dtype, model.device, model.attention_backend, model.num_kv_blocks,
-            config.server.host, sock.getsockname()[1],
+            async_engine.compile_state(), config.server.host, listening.sock.getsockname()[1],
         )
         await stop.wait()
-        log.info("stopping: no new connections; %.0f s for in-flight requests", config.server.shutdown_grace_seconds)
+        grace = config.server.shutdown_grace_seconds
+        log.info("stopping: new requests get 503; %.0f s for in-flight requests", grace)
         state.ready = False
+        startup.phase = "draining"
+        state.draining_until = loop.time() + grace
+        await _drain(async_engine, state, grace)
         await site.stop()
-        await _drain(async_engine, config.server.shutdown_grace_seconds)
     finally:
         purge.cancel()
+        if watch is not None:
+            watch.cancel()
         state.stopping = True
         await async_engine.stop()  # aborts what is left: streams end with an error event, replies save as partial
         await runner.cleanup()  # handlers finish their last writes, or are cancelled after SHUTDOWN_WRITE_SECONDS
         await state.wait_background(timeout=10.0)
         state.tokenizing.shutdown(wait=False, cancel_futures=True)
         log.info("stopped")
+
+
+async def _watch_start(engine: AsyncEngine, startup: Startup) -> None:
+    """Mark the first token a client's request gets and the compiled steps coming into use, then
+    log the whole start timeline (at once when nothing is compiling)."""
+    warm_up_tokens = engine.stats().num_generation_tokens
+    while engine.compile_state() == "compiling" or "first token" not in startup.marks:
+        if "first token" not in startup.marks and engine.stats().num_generation_tokens > warm_up_tokens:
+            startup.mark("first token")
+        if engine.compile_state() != "compiling" and "compiled" not in startup.marks:
+            if engine.compile_state() == "compiled":
+                startup.mark("compiled")
+            startup.log_timeline()
+        await asyncio.sleep(0.05)
+    startup.log_timeline()
 
 
 async def _warm_up(engine: AsyncEngine, state: ServerState) -> None:
@@ -235,11 +313,13 @@ async def _purge_forever(store: Store, config: StoreConfig) -> None:
         await asyncio.sleep(config.purge_interval_seconds)
 
 
-async def _drain(engine: AsyncEngine, grace: float) -> None:
+async def _drain(engine: AsyncEngine, state: ServerState, grace: float) -> None:
+    """Wait up to `grace` seconds for the requests in flight (and their last writes) to finish."""
     deadline = asyncio.get_running_loop().time() + grace
     while asyncio.get_running_loop().time() < deadline:
         stats = engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0:
+        # Probes and /metrics are counted too; a drain waits for them for a moment, which is fine.
+        if stats.num_running == 0 and stats.num_waiting == 0 and state.num_in_flight == 0:
             return
         await asyncio.sleep(0.05)
 

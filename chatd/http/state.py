@@ -49,6 +49,8 @@ class ServerState:
     model_aliases: tuple[str, ...] = ()  # other names a request may use ([server] model_name's others)
     ready: bool = False
     stopping: bool = False  # set at shutdown: replies cut short now are partial, not failed
+    draining_until: float | None = None  # on SIGTERM: the loop time the grace period ends; new requests get 503
+    num_in_flight: int = 0  # requests whose handlers have not returned (app.py's draining_middleware counts them)
     guard: GuardModel | None = None  # [safety] guard_model, on its own engine (serve.py starts it)
     metrics: ServerMetrics = field(init=False)
     limits: Limits = field(init=False)  # the tiers' buckets, bounds and load shedding
@@ -245,8 +247,19 @@ class ServerState:
             "owned_by": "chatd",
             "root": self.model_name,
             "context_length": self.max_model_len,
-            "chatd": self.model.details(),
+            "chatd": self._model_details(),
         }
+
+    def _model_details(self) -> dict:
+        """The model's facts, with its compiled steps as of now (on a CPU they compile while it serves)."""
+        details = self.model.details()
+        compiled = self.engine.compile_state()
+        details["compiled_steps"] = compiled
+        if compiled != "compiled":
+            details["compiled_decode"], details["compiled_prefill_tokens"] = False, 0
+        else:
+            details["compiled_decode"] = True
+        return details
 
     def token_text(self, token_id: int) -> str:
         """A token's own text, as logprobs report it (cached: the same ids come back often)."""

@@ -7,6 +7,7 @@ generating routes are completions.py and conversations.py.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from datetime import datetime, timedelta, timezone
@@ -108,13 +109,17 @@ async def health(request: web.Request) -> web.Response:
     problem = state.engine.health()
     if problem is not None:
         return web.json_response({"status": "engine stopped", "error": problem}, status=503)
-    return web.json_response({"status": "ok", "store": _store_status(state)})
+    return web.json_response({"status": "ok", "phase": "draining" if state.draining_until is not None else "serving",
+                              "compiled_steps": state.engine.compile_state(), "store": _store_status(state)})
 
 
 async def ready(request: web.Request) -> web.Response:
     """Whether to send it traffic: not while warming up, once the engine cannot serve, or while its
     store cannot record usage."""
     state = request.app[STATE]
+    if state.draining_until is not None:
+        left = max(1, math.ceil(state.draining_until - asyncio.get_running_loop().time()))
+        return web.json_response({"status": "draining"}, status=503, headers={"Retry-After": str(left)})
     if not state.ready:
         return web.json_response({"status": "warming up"}, status=503)
     problem = state.engine.health()
@@ -123,7 +128,8 @@ async def ready(request: web.Request) -> web.Response:
     if not state.ledger.healthy:
         return web.json_response({"status": "store cannot write", "store": _store_status(state)}, status=503,
                                  headers={"Retry-After": str(state.ledger.retry_after)})
-    return web.json_response({"status": "ready"})
+    # Steps still compiling (CPU, worker/compile_job.py) serve, eagerly: ready, and it says so.
+    return web.json_response({"status": "ready", "compiled_steps": state.engine.compile_state()})
 
 
 def _store_status(state: ServerState) -> dict:

@@ -45,6 +45,9 @@ class ScriptedEngine:
     def health(self) -> str | None:
         return None if self.error is None and self.is_running else f"engine stopped: {self.error!r}"
 
+    def compile_state(self) -> str:
+        return "off"
+
 
 class ScriptedStream:
     """What ScriptedEngine.generate returns: the script's outputs, with AsyncEngine's RequestStream interface."""

@@ -21,8 +21,9 @@ compiled layer per call that was ~2 ms of a 9 ms int8 step of SmolLM2's 30 layer
 is one call, its guards are checked at start on dummy steps (and never again: which step a batch
 takes is decided here), and the steps are saved under CHATD_HOME, named by what they depend on
 (`_key`), so a later start reads them back rather than tracing the model again. All of them are
-ready before the first request (`warm_up`, logged with the time it took: SmolLM2-135M's Q4_1
-file on two cores, 40-70 s the first time, ~4 s read back), so no request waits for a compile
+made at once (`warm_up`, logged with the time it took: SmolLM2-135M's Q4_1 file on two cores,
+40-70 s the first time, ~4 s read back), before the first step offline, or on a thread of its own
+while `chatd serve` answers with eager steps (compile_job.py); no request waits for a compile
 (`compile_count` says whether a step compiled again later: tests check none does).
 
 A step's input is one small tensor: each row's token, position and block table. The cache slots
@@ -165,16 +166,22 @@ class CompiledDecode:
     def warm_up(self) -> float:
         """Compile (or read back) every step and run each on dummy steps; returns the seconds it took.
 
-        The dummy steps' tables name block 0 again and again (so a pool of one block will do);
-        their K/V go into it, which holds nothing yet, and it is zeroed afterwards."""
+        The dummy steps' tables name the pool's last block again and again (so a pool of one block
+        will do); their K/V go into it, and it is zeroed afterwards. A server compiling while it
+        serves (compile_job.py) keeps that block from its block manager, so no sequence holds it."""
         started = time.perf_counter()
         key = self._key()
         for batch in range(1, DYNAMIC_BATCH + 1):
             self.steps[batch] = self._ready_step(batch, key)
         for cache in self.kv_caches:
             for pool in cache:
-                pool[:1].zero_()
+                pool[self.scratch_block].zero_()
         return time.perf_counter() - started
+
+    @property
+    def scratch_block(self) -> int:
+        """The block the dummy steps write: the pool's last."""
+        return self.kv_caches[0][0].shape[0] - 1
 
     def _ready_step(self, batch: int, key: str) -> Callable[..., Tensor]:
         """The step of `batch`, read back or compiled, its guards checked on two dummy steps, then run on them."""
@@ -186,10 +193,10 @@ class CompiledDecode:
         return step
 
     def _dummy(self, batch: int, blocks: int, marked: bool = False) -> tuple:
-        """A step's arguments: `batch` rows whose contexts span `blocks` blocks (block 0 each time).
-        `marked`: its sizes that are dynamic are marked so, for the compiler (a guard rejects the mark)."""
+        """A step's arguments: `batch` rows whose contexts span `blocks` blocks (the scratch block each
+        time). `marked`: its sizes that are dynamic are marked so, for the compiler (a guard rejects the mark)."""
         position = (blocks - 1) * self.block_size + 1
-        rows = _rows([0] * batch, [position] * batch, [[0] * blocks] * batch, self.block_size)
+        rows = _rows([0] * batch, [position] * batch, [[self.scratch_block] * blocks] * batch, self.block_size)
         if marked:
             torch._dynamo.maybe_mark_dynamic(rows, 1)  # the blocks a context spans
             if batch >= DYNAMIC_BATCH:

@@ -29,6 +29,7 @@ from chatd.engine.models.loader import (
 )
 from chatd.engine.models.tensor_parallel import TPGroup, check_head_layout
 from chatd.engine.tokenizer import Tokenizer
+from chatd.engine.worker.compile_job import CompileJob
 from chatd.engine.worker.compiled import keep_compiled_in, unavailable_reason
 from chatd.engine.worker.parallel import ParallelError, ParallelRunner, Workers, check_gpus
 from chatd.engine.worker.parallel_worker import (
@@ -61,6 +62,7 @@ class EngineParts:
     is_demo: bool
     sampling_defaults: dict[str, float]  # what requests that leave a sampling field out get
     num_host_blocks: int = 0  # the host KV tier's size (0: off)
+    compile_job: CompileJob | None = None  # steps compiling on a thread (compile_steps' background)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,9 +77,10 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def load_engine_parts(config: Config) -> EngineParts:
+def load_engine_parts(config: Config, background_compile: bool = False) -> EngineParts:
     """Load the model (or build the demo model), size the KV pool and build the runner, in the steps
-    below; with tensor_parallel_size N, start ranks 1..N-1 first and do every step on all ranks."""
+    below; with tensor_parallel_size N, start ranks 1..N-1 first and do every step on all ranks.
+    `background_compile`: a CPU model's steps compile on a thread while eager steps serve (one rank only)."""
     model_path, demo = locate_model(config.model)
     checkpoint = open_checkpoint(model_path, chatd_home() / "gguf")
     device = resolve_device(config.model.device)
@@ -111,10 +114,13 @@ def load_engine_parts(config: Config) -> EngineParts:
             f" over {size} ranks" if size > 1 else "", context,
         )
         num_host_blocks = size_host_tier(runner, config)
+        compile_job = None
         if device.type == "cuda":
             capture_cuda_graphs(runner, config)
         else:
-            compile_steps(local, config)
+            compile_job = compile_steps(local, config, background=background_compile and size == 1)
+            if compile_job is not None:
+                num_blocks -= 1  # the job's dummy steps write the pool's last block (compile_job.py)
     except BaseException as exc:
         if runner is not None and hasattr(runner, "close"):
             runner.close()
@@ -129,7 +135,7 @@ def load_engine_parts(config: Config) -> EngineParts:
         log.info("sampling defaults from the model (requests that leave them out): %s",
                  ", ".join(f"{name} {value:g}" for name, value in sampling.items()))
     return EngineParts(runner, tokenizer, num_blocks, context, model.vocab_size, eos, model_path, demo, sampling,
-                       num_host_blocks)
+                       num_host_blocks, compile_job)
 
 
 def build_runner(config: Config, checkpoint: Checkpoint, tp: TPGroup, device: torch.device,
@@ -270,26 +276,38 @@ def size_kv_pool(config: Config, runner, block_bytes: int, context: int) -> int:
     return num_blocks
 
 
-def compile_steps(runner: ModelRunner, config: Config) -> None:
-    """On CPU, compile decode and large prefill steps when configured (worker/compiled.py, compiled_prefill.py);
-    a failed compile serves eagerly.
-    Eager steps take int8 layers with a scale per row only: a GGUF file's blocks (Q8_0, Q6_K, Q5_*)
-    are quantized again per row."""
-    if not _compiled_steps(runner, config):
-        requantized = runner.model.int8_blocks_per_row()
-        if requantized:
-            log.info("%d int8 layers of GGUF blocks get a scale per row: eager decode steps have no kernel "
-                     "for a scale per block (compiled steps keep the file's blocks)", requantized)
-
-
-def _compiled_steps(runner: ModelRunner, config: Config) -> bool:
+def compile_steps(runner: ModelRunner, config: Config, background: bool = False) -> CompileJob | None:
+    """On CPU, compile decode and large prefill steps when configured (worker/compiled.py, compiled_prefill.py):
+    now, or with `background` on a thread while the engine serves eagerly (the job, started; the
+    caller keeps the pool's last block from the block manager). A failed compile serves eagerly."""
     if not config.model.compile:
-        return False
+        return _eager_steps(runner)
     reason = unavailable_reason(runner.model, runner.device)
     if reason:
         log.info("decode steps run eagerly: %s", reason)
-        return False
+        return _eager_steps(runner)
     keep_compiled_in(chatd_home() / "compiled")
+    if background:
+        log.info("compiling decode and prefill steps on a thread (torch.compile; the first time for a model this "
+                 "takes a minute or two, later starts read it back); eager steps serve meanwhile")
+        job = CompileJob(runner, chatd_home() / "compiled" / "steps")
+        job.start()
+        return job
+    if not _compiled_steps(runner):
+        _eager_steps(runner)
+    return None
+
+
+def _eager_steps(runner: ModelRunner) -> None:
+    """Eager steps take int8 layers with a scale per row only: a GGUF file's blocks (Q8_0, Q6_K,
+    Q5_*) are quantized again per row."""
+    requantized = runner.model.int8_blocks_per_row()
+    if requantized:
+        log.info("%d int8 layers of GGUF blocks get a scale per row: eager decode steps have no kernel "
+                 "for a scale per block (compiled steps keep the file's blocks)", requantized)
+
+
+def _compiled_steps(runner: ModelRunner) -> bool:
     log.info("compiling decode and prefill steps (torch.compile; the first time for a model this takes a minute or "
              "two, later starts read it back; model.compile = false or --no-compile skips it)")
     try:

@@ -1,0 +1,137 @@
+"""A real `chatd serve` starting and stopping as a probe, a load balancer and an operator see it
+(starting.py, serve.py): the port answers while the model loads, the start timeline is logged,
+SIGTERM keeps the port open and answers new requests 503 while replies in flight finish, then
+exits 0; listening beyond loopback with no key is warned about."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import httpx
+import pytest
+
+from chatd.config import build_config
+from chatd.engine.models.demo import build_demo_model
+from chatd.http.serve import warn_if_open
+from tests.http.serving import start_server
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def _get(url: str) -> tuple[int, dict, dict]:
+    """Status, JSON body and headers of a GET (errors included); status 0 when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return answer.status, json.loads(answer.read()), dict(answer.headers)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read()), dict(error.headers)
+    except OSError:
+        return 0, {}, {}
+
+
+def _post(url: str, body: dict) -> tuple[int, dict, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read()), dict(answer.headers)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read()), dict(error.headers)
+
+
+def test_the_port_answers_while_the_model_loads_and_the_start_timeline_is_logged(tmp_path):
+    """Before the model is loaded: /health 200 with the phase, /ready 503 with it, a chat request
+    503 with Retry-After in OpenAI's shape; then ready, and the log holds the timeline."""
+    model_dir = build_demo_model(tmp_path / "demo")
+    log_path = tmp_path / "serve.log"
+    env = {**os.environ, "CHATD_HOME": str(tmp_path / "home")}
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "chatd", "serve", "--model", str(model_dir), "--port", "0"],
+                                stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (found := re.search(r"start: listening after [\d.]+ s \((http://127\.0\.0\.1:\d+)", log_path.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.02)
+        url = found.group(1)
+        seen = set()
+        while True:
+            health, body, _ = _get(url + "/health")
+            assert health == 200, (health, body)  # alive all along: a liveness probe never restarts it
+            ready, ready_body, headers = _get(url + "/ready")
+            if ready == 200:
+                break
+            assert ready == 503 and ready_body["status"] in ("loading", "warming up")
+            seen.add(ready_body["status"])
+            status, error, headers = _post(url + "/v1/chat/completions", CHAT)
+            if status == 503:  # (the model may have come up in between)
+                assert error["error"]["code"] == "server_starting" and int(headers["Retry-After"]) > 0
+                assert "starting" in error["error"]["message"]
+            assert time.monotonic() < deadline
+        assert "loading" in seen, "the port should answer while the model loads"
+        assert ready_body["status"] == "ready"
+        status, reply, _ = _post(url + "/v1/chat/completions", CHAT)
+        assert status == 200 and reply["usage"]["completion_tokens"] >= 1
+        while "start timeline:" not in log_path.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    text = log_path.read_text()
+    marks = {name: float(seconds) for name, seconds in re.findall(r"start: (\w[\w ]*?) after ([\d.]+) s", text)}
+    assert marks["listening"] <= marks["loaded"] <= marks["ready"], marks
+    timeline = re.search(r"start timeline: (.*) \(seconds", text).group(1)
+    assert timeline.startswith(f"listening {marks['listening']:.1f} s, loaded {marks['loaded']:.1f} s, ready")
+
+
+def test_sigterm_keeps_listening_refuses_new_requests_and_lets_replies_in_flight_finish(tmp_path):
+    """After SIGTERM: /ready 503 (draining) and new requests 503 with Retry-After, while a stream
+    under way goes on to its last token; then the server exits 0."""
+    model_dir = build_demo_model(tmp_path / "demo")
+    proc, url, log_path = start_server(tmp_path, model_dir, "[server]\nshutdown_grace_seconds = 60\n")
+    try:
+        with httpx.Client(timeout=60) as client:
+            body = {**CHAT, "max_tokens": 400, "stream": True, "ignore_eos": True, "temperature": 0}
+            with client.stream("POST", url + "/v1/chat/completions", json=body) as stream:
+                lines = stream.iter_lines()
+                first = next(line for line in lines if line.startswith("data: "))
+                proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + 30
+                while "stopping:" not in log_path.read_text():
+                    assert time.monotonic() < deadline, log_path.read_text()
+                    time.sleep(0.02)
+                # The stream's reader waits; the server keeps its port and says it is draining.
+                ready, ready_body, headers = _get(url + "/ready")
+                assert (ready, ready_body["status"]) == (503, "draining") and int(headers["Retry-After"]) >= 1
+                assert _get(url + "/health")[0] == 200
+                status, error, headers = _post(url + "/v1/chat/completions", CHAT)
+                assert status == 503 and error["error"]["code"] == "server_shutting_down"
+                assert int(headers["Retry-After"]) >= 1
+                events = [first, *(line for line in lines if line.startswith("data: "))]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("host, warned", [("0.0.0.0", True), ("::", True), ("192.168.1.20", True), ("chat.lan", True),
+                                          ("127.0.0.1", False), ("::1", False), ("localhost", False)])
+def test_listening_beyond_loopback_without_a_key_is_warned_about(host, warned, caplog):
+    with caplog.at_level(logging.WARNING, "chatd.http"):
+        warn_if_open(build_config({"server": {"host": host}}))
+        warn_if_open(build_config({"server": {"host": host}, "auth": {"api_key": "sk-local-0123456789"}}))
+    warnings = [r.getMessage() for r in caplog.records if "no API key" in r.getMessage()]
+    assert len(warnings) == (1 if warned else 0), warnings
+    if warned:
+        assert host in warnings[0] and "CHATD_API_KEY" in warnings[0]
