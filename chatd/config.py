@@ -139,7 +139,7 @@ class ServerConfig:
     model_name: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
     heartbeat_seconds: float = 15.0  # SSE comment sent on a stream idle this long
-    shutdown_grace_seconds: float = 30.0  # on SIGINT/SIGTERM, in-flight requests get this long
+    shutdown_grace_seconds: float = 30.0  # on SIGINT/SIGTERM, in-flight requests get this long (new ones 503)
     log_json: bool = False  # one JSON object per log line
     log_level: str = "info"  # one of LOG_LEVELS
     max_messages: int = 2048  # a chat request (or conversation history) with more messages gets 400

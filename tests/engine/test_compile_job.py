@@ -1,0 +1,69 @@
+"""The compile job's life (worker/compile_job.py): compiling while eager steps serve, the steps
+handed to the runner once made, and a failure leaving every step eager with the reason logged.
+Compiling for real through a server is tests/http/test_compiled_serve.py (slow: a minute of
+inductor); here the runner's compile is stood in for, so the job's own rules run in milliseconds."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from types import SimpleNamespace
+
+from chatd.engine.worker.compile_job import COMPILED, COMPILING, FAILED, CompileJob
+
+
+class Runner:
+    """What the job touches of a ModelRunner: `enable_compiled_steps` and the two step slots."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.compiled = self.compiled_prefill = None
+        self.error = error
+        self.release = threading.Event()
+        self.requantized = 0
+        self.model = SimpleNamespace(int8_blocks_per_row=self._requantize)
+
+    def _requantize(self) -> int:
+        self.requantized += 1
+        return 0
+
+    def enable_compiled_steps(self, folder) -> float:
+        self.release.wait(10)
+        if self.error is not None:
+            raise self.error
+        self.compiled = SimpleNamespace(steps={1: None, 2: None}, read_back=1)
+        self.compiled_prefill = SimpleNamespace(min_tokens=192, halves={"layer": None}, read_back=0)
+        return 0.0
+
+
+def test_steps_are_handed_over_only_once_made_and_everyone_waiting_hears(tmp_path, caplog):
+    runner = Runner()
+    job = CompileJob(runner, tmp_path)
+    heard = []
+    job.on_done(lambda: heard.append(job.state))
+    with caplog.at_level(logging.INFO, "chatd.engine"):
+        job.start()
+        assert job.wait(0.05) == COMPILING and runner.compiled is None and heard == []  # eager steps serve meanwhile
+        runner.release.set()
+        assert job.wait(10) == COMPILED
+    assert runner.compiled is not None and runner.compiled_prefill.min_tokens == 192
+    assert heard == [COMPILED] and job.seconds is not None
+    job.on_done(lambda: heard.append("late"))  # a listener after the end is told at once
+    assert heard == [COMPILED, "late"]
+    assert any("compiled steps in use" in r.getMessage() and "1 of 4 read back" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_failed_compile_leaves_every_step_eager_and_says_why(tmp_path, caplog):
+    runner = Runner(RuntimeError("no C++ compiler found\ndetails"))
+    runner.release.set()
+    job = CompileJob(runner, tmp_path)
+    heard = []
+    job.on_done(lambda: heard.append(job.state))
+    with caplog.at_level(logging.WARNING, "chatd.engine"):
+        job.start()
+        assert job.wait(10) == FAILED
+    assert runner.compiled is None and runner.compiled_prefill is None
+    assert runner.requantized == 1  # eager decode steps need GGUF blocks a scale per row, as at an eager start
+    assert heard == [FAILED]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "RuntimeError: no C++ compiler found" in warning and "every step runs eagerly" in warning
