@@ -37,6 +37,10 @@ from chatd.http.openai_format import output_usage
 
 log = logging.getLogger("chatd.http")
 
+# Routes a load balancer or Prometheus calls every few seconds: their 200s are logged at DEBUG (a
+# probe every 5 s would otherwise be most of the log); any other answer of theirs at INFO.
+PROBES = ("/health", "/ready", "/metrics")
+
 # The status logged for a request whose client left before it was answered (nginx's "client closed request").
 CLIENT_CLOSED = 499
 
@@ -61,7 +65,8 @@ class RequestLog:
         self._open -= 1
         if self._open == 0 and not self._written:
             self._written = True
-            log.info("request finished", extra=self.fields)
+            quiet = self.fields["route"] in PROBES and self.fields["status"] == 200
+            log.log(logging.DEBUG if quiet else logging.INFO, "request finished", extra=self.fields)
 
     def answered(self, status: int, tenant) -> None:
         """The answer has ended (CLIENT_CLOSED: its client left first)."""

@@ -279,18 +279,18 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
 
 
 async def _watch_start(engine: AsyncEngine, startup: Startup) -> None:
-    """Mark the first token a client's request gets and the compiled steps coming into use, then
-    log the whole start timeline (at once when nothing is compiling)."""
+    """Mark the first token a client's request gets and the compiled steps coming into use; log the
+    whole start timeline once nothing compiles any more (at once when nothing was compiling)."""
     warm_up_tokens = engine.stats().num_generation_tokens
-    while engine.compile_state() == "compiling" or "first token" not in startup.marks:
+    while not (startup.timeline_logged and "first token" in startup.marks):
         if "first token" not in startup.marks and engine.stats().num_generation_tokens > warm_up_tokens:
             startup.mark("first token")
-        if engine.compile_state() != "compiling" and "compiled" not in startup.marks:
-            if engine.compile_state() == "compiled":
+        compiled = engine.compile_state()
+        if compiled != "compiling" and not startup.timeline_logged:
+            if compiled == "compiled":
                 startup.mark("compiled")
             startup.log_timeline()
         await asyncio.sleep(0.05)
-    startup.log_timeline()
 
 
 async def _warm_up(engine: AsyncEngine, state: ServerState) -> None:

@@ -143,3 +143,16 @@ async def test_a_reply_that_outlives_its_client_is_logged_once_when_it_ends(serv
     (line,) = lines("left-early")
     assert (line.finish_reason, line.completion_tokens) == ("stop", words)  # the whole reply, not what was sent
     assert line.duration_s < line.e2e_s  # the answer ended long before the reply did
+
+
+async def test_probes_answered_200_are_logged_at_debug_and_their_failures_at_info(serve, caplog):
+    """A load balancer's probe every few seconds would be most of an INFO log: its 200s go to DEBUG."""
+    client, state = await serve()
+    state.ready = True
+    caplog.set_level(logging.DEBUG, logger="chatd.http")
+    for path in ("/health", "/ready", "/metrics"):
+        await (await client.get(path, headers={"X-Request-Id": f"probe{path}"})).read()
+    state.ready = False
+    await (await client.get("/ready", headers={"X-Request-Id": "not-ready"})).read()
+    levels = {r.request_id: r.levelname for r in caplog.records if r.getMessage() == "request finished"}
+    assert levels == {"probe/health": "DEBUG", "probe/ready": "DEBUG", "probe/metrics": "DEBUG", "not-ready": "INFO"}
