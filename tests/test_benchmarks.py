@@ -152,6 +152,7 @@ def test_prefill_runs_one_step_eager_and_compiled_and_they_agree(tmp_path):
     assert "median paired ratio" in run.stdout
 
 
+@pytest.mark.slow
 def test_linears_quick_times_every_weight_format_at_each_row_count(tmp_path):
     """benchmarks/linears.py (the per-layer table a GPU session decides int4's and fp8's paths by)
     runs on CPU: a cell per format and row count, and its two int4 forms hold the same weight."""

@@ -126,6 +126,7 @@ def test_an_abort_while_a_step_is_in_flight_frees_everything_and_drops_its_token
     assert engine.scheduler.num_running == 0 and not engine.requests
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["min_tokens", "stop_string", "penalties", "logprobs"])
 def test_ends_penalties_and_logprobs_are_the_same_both_ways(model_dirs, case):
     path = model_dirs["qwen3"]
@@ -155,6 +156,7 @@ def test_ends_penalties_and_logprobs_are_the_same_both_ways(model_dirs, case):
             assert len(out.outputs[0].token_ids) >= 4 and stop not in out.outputs[0].token_ids[:4]
 
 
+@pytest.mark.slow
 def test_grammars_and_preemption_give_the_same_json_both_ways(model_dirs):
     """Constrained rows under async scheduling sample only once their mask has seen the token in flight."""
     path = model_dirs["mistral"]

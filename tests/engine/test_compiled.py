@@ -69,6 +69,7 @@ def generate(llm) -> list:
     return [out.outputs[0] for out in llm.generate(PROMPTS, params)]
 
 
+@pytest.mark.slow
 @needs_cpp_compiler
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # GQA; q/k/v biases; q/k norms
 def test_compiled_decode_gives_the_eager_tokens_and_never_compiles_after_start(model_dirs, family, compile_on):
@@ -98,6 +99,7 @@ def test_compiled_decode_over_a_narrow_cache_gives_the_eager_tokens(model_dirs, 
     assert [list(g.token_ids) for g in got] == [list(w.token_ids) for w in want]
 
 
+@pytest.mark.slow
 @needs_cpp_compiler
 # A scale per row; Q8_0's per 32 weights; Q5_1's scale and zero per 32 weights; int4
 @pytest.mark.parametrize("case, kind", [("int8", "int8"), ("gguf", "int8 per 32-weight block"),
@@ -159,6 +161,7 @@ def test_compiled_prefill_alone_and_beside_decode_rows_gives_the_eager_tokens(mo
             assert abs(g_lp.logprob - w_lp.logprob) < 1e-4
 
 
+@pytest.mark.slow
 @needs_cpp_compiler
 def test_a_layer_of_another_structure_gets_its_own_compiled_halves(model_dirs, compile_on):
     """A GGUF file may mix quant types across layers. A layer whose modules differ is compiled apart
@@ -179,6 +182,7 @@ def test_a_layer_of_another_structure_gets_its_own_compiled_halves(model_dirs, c
     assert ((got - want).norm() / want.norm()).item() < 0.02
 
 
+@pytest.mark.slow
 @needs_cpp_compiler
 def test_a_later_start_reads_the_compiled_steps_back(model_dirs, tmp_path, monkeypatch, compile_on):
     """Compiled steps are saved under CHATD_HOME; a later start of the same model reads them back

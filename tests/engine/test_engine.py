@@ -42,6 +42,7 @@ def test_greedy_equals_transformers_for_each_family(scheduling, family, model_di
     assert got == want
 
 
+@pytest.mark.slow
 def test_small_prefill_chunks_give_the_same_tokens(scheduling, model_dirs):
     path = model_dirs["llama"]
     batch = prompts(500, [45, 30, 9], seed=1)
@@ -66,6 +67,7 @@ def test_prefix_cache_hit_computes_only_the_rest(scheduling, model_dirs):
     assert out.outputs[0].token_ids == hf_greedy(path, second, GREEDY.max_tokens)
 
 
+@pytest.mark.slow
 def test_forced_preemption_recomputes_to_the_same_tokens(scheduling, model_dirs):
     path = model_dirs["mistral"]
     batch = prompts(500, [30, 26, 33, 20], seed=3)
@@ -77,6 +79,7 @@ def test_forced_preemption_recomputes_to_the_same_tokens(scheduling, model_dirs)
     assert llm.engine.stats().num_free_blocks == 14
 
 
+@pytest.mark.slow
 def test_batch_of_32_mixed_requests_equals_each_alone(scheduling, model_dirs):
     """Greedy and seeded sampling give the same tokens in a mixed batch as alone."""
     path = model_dirs["qwen2"]

@@ -55,6 +55,7 @@ async def test_the_same_tokens_as_the_offline_engine_and_nothing_left_running(mo
         assert engine.stage_times()["steps"] > 0
 
 
+@pytest.mark.slow
 async def test_a_bad_request_is_refused_at_once_naming_the_field(model_dirs):
     async with engine_process(model_dirs["llama"]) as engine:
         with pytest.raises(ParamError) as refused:
@@ -63,6 +64,7 @@ async def test_a_bad_request_is_refused_at_once_naming_the_field(model_dirs):
         assert (await collect(engine.generate([1, 2, 3], GREEDY)))[1] is None  # and it serves on
 
 
+@pytest.mark.slow
 async def test_an_abort_frees_the_childs_blocks(model_dirs):
     async with engine_process(model_dirs["llama"]) as engine:
         stream = engine.generate(list(range(3, 40)), SamplingParams(max_tokens=400, ignore_eos=True))
@@ -76,6 +78,7 @@ async def test_an_abort_frees_the_childs_blocks(model_dirs):
         assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
 
 
+@pytest.mark.slow
 async def test_a_dead_engine_process_ends_every_stream_with_the_reason(model_dirs):
     async with engine_process(model_dirs["llama"]) as engine:
         stream = engine.generate(list(range(3, 40)), SamplingParams(max_tokens=400, ignore_eos=True))
@@ -93,6 +96,7 @@ async def test_a_child_that_cannot_build_says_why():
         await engine.start()
 
 
+@pytest.mark.slow
 async def test_a_burst_larger_than_the_pipes_is_served(model_dirs):
     """Hundreds of requests at once (their adds fill the pipe) while the child sends steps back:
     neither end waits for the other forever."""

@@ -331,6 +331,7 @@ def test_a_corrupt_gguf_file_ends_chatd_generate_with_one_line_naming_it(case, m
     assert says in line
 
 
+@pytest.mark.slow
 def test_chatd_generate_on_a_corrupt_file_prints_only_that_line(model_dirs, tmp_path):
     path, says = broken_copy("block_count_a_string", tmp_path, model_dirs)
     line = generate_prints_one_line(path, tmp_path / "home")

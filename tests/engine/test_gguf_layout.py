@@ -99,12 +99,14 @@ def test_a_corrupt_file_is_refused_by_one_line_that_chatd_generate_prints(case, 
     assert chatd_generate(path, capsys) == (2, [f"chatd: {message}"])
 
 
+@pytest.mark.slow
 def test_chatd_generate_on_a_cut_file_prints_only_that_line(sound_gguf, tmp_path):
     path, says = broken_copy("cut_to_24_bytes", sound_gguf, tmp_path)
     line = generate_prints_one_line(path, tmp_path / "home")
     assert line.startswith(f"chatd: {path} is not a readable GGUF file: ") and says in line
 
 
+@pytest.mark.slow
 def test_chatd_serve_on_a_file_claiming_2_to_the_40_tensors_exits_2_with_one_line(sound_gguf, tmp_path):
     path, says = broken_copy("tensor_count_2^40", sound_gguf, tmp_path)
     done = chatd_process("serve", "--model", str(path), "--device", "cpu", "--port", "0", home=tmp_path / "home")

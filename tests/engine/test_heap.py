@@ -47,6 +47,7 @@ print(json.dumps({"default": default, "kept": kept, "with": faults_per_step()}))
 PAGES_PER_STEP = (3 * 2048 * 3072 + 2048 * 1536) * 4 // 4096  # 21504
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
 def test_a_freed_step_buffer_is_reused_without_faulting_it_in_again():
     repo = Path(__file__).resolve().parents[2]

@@ -175,6 +175,7 @@ def run_sessions(llm, num_sessions: int = 6, turns: int = 3) -> tuple[list[list[
     return replies, llm.engine.stats()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_sessions_restored_from_the_host_generate_what_never_evicted_and_recomputed_ones_do(model_dirs, kv_cache_dtype):
     path = model_dirs["llama"]

@@ -295,6 +295,7 @@ def test_grammars_are_cached_per_tenant(llm):
     assert len(engine.grammars._cache) == before + 2
 
 
+@pytest.mark.slow
 def test_deep_chains_of_rules_compile_without_crashing_the_process(tmp_path):
     """llguidance's compiler recurses once per chained rule: 3,000 of them overflowed an ordinary
     thread's stack and killed the server. Run apart, so a regression cannot take the suite down."""

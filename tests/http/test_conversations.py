@@ -204,6 +204,7 @@ def stored_reply_ids(db, message_id: str) -> list[int] | None:
     return None if blob is None else list(array("i", blob))
 
 
+@pytest.mark.slow
 async def test_each_turn_reuses_the_whole_cached_history_from_the_stored_reply_ids(server):
     """A reply goes back into the next prompt as the ids the model generated, not as its text
     tokenized again: turn N+1 finds in the prefix cache every full block of turn N's prompt and
@@ -230,6 +231,7 @@ async def test_each_turn_reuses_the_whole_cached_history_from_the_stored_reply_i
         assert checked >= 2, "the demo model's replies should mostly be plain text"
 
 
+@pytest.mark.slow
 async def test_a_long_history_drops_its_oldest_turns_and_says_so(server):
     async with aiohttp.ClientSession() as session:
         conversation = await new_conversation(session, server, system_prompt="Keep me.")
@@ -271,6 +273,7 @@ async def test_bad_input_is_refused_and_writes_nothing(server):
         assert db_rows(server["db"], "SELECT COUNT(*) FROM messages WHERE conversation_id = ?", conversation["id"]) == [(0,)]
 
 
+@pytest.mark.slow
 async def test_a_second_post_while_a_reply_runs_is_409(server):
     url = server["url"]
     async with aiohttp.ClientSession() as session:
@@ -288,6 +291,7 @@ async def test_a_second_post_while_a_reply_runs_is_409(server):
         assert [m["content"] for m in got["messages"] if m["role"] == "user"] == ["long one", "now it is my turn"]
 
 
+@pytest.mark.slow
 async def test_a_reply_survives_a_dropped_connection_and_resumes_with_last_event_id(server):
     url = server["url"]
     async with aiohttp.ClientSession() as session:
@@ -356,6 +360,7 @@ async def test_usage_adds_up_per_tenant_and_period(server, tmp_path):
         assert status == 400 and error["error"]["param"] == "start"
 
 
+@pytest.mark.slow
 async def test_kill_9_mid_reply_leaves_a_partial_message_and_a_clean_database(tmp_path, server):
     db = tmp_path / "crash.db"
     proc, url, _ = start_server(tmp_path, server["model_dir"], config_text(db, auth=False))
@@ -402,6 +407,7 @@ async def test_kill_9_mid_reply_leaves_a_partial_message_and_a_clean_database(tm
     assert db_rows(db, "PRAGMA integrity_check") == [("ok",)]
 
 
+@pytest.mark.slow
 async def test_a_stop_mid_reply_saves_what_was_generated_as_partial(tmp_path, server):
     db = tmp_path / "stop.db"
     proc, url, _ = start_server(tmp_path, server["model_dir"], config_text(db, auth=False, grace=0.0))

@@ -85,6 +85,7 @@ async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
     pytest.fail("the store did not write again")
 
 
+@pytest.mark.slow
 async def test_a_full_store_refuses_new_work_and_bills_what_it_served(server):
     url, db = server["url"], server["db"]
     long_reply = {"max_tokens": REPLY_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}

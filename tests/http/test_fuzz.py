@@ -82,6 +82,7 @@ async def test_metadata_deeper_than_the_limit_is_a_400_naming_it(server):
     assert status == 200 and body["metadata"] == nested(32)
 
 
+@pytest.mark.slow
 def test_every_field_with_every_wrong_json_type_is_refused_by_name_or_served(server):
     """~800 requests: each body field of each route (nested ones too) set to each of WRONG_TYPES.
 
@@ -147,6 +148,7 @@ async def test_deleting_a_conversation_ends_the_reply_being_generated_in_it(serv
         assert response.status == 409 and (await response.json())["error"]["code"] == "conversation_deleted"
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_get_a_4xx_in_openai_shape_and_leave_nothing_behind(server):
     """300 generated requests, four at a time; then a normal chat works and the engine holds nothing."""
     targets, tally = server["targets"], Tally()
@@ -226,6 +228,7 @@ hostile_fields = st.one_of(  # (the fields' JSON text, a short name hypothesis c
 )
 
 
+@pytest.mark.slow
 def test_hostile_grammars_are_served_or_refused_by_name_and_leave_nothing_behind(server):
     """Schemas nested up to 2,000 levels (arrays, objects, $ref chains), patterns and regexes of
     counted repetitions up to 10^15, Lark chains of 2,800 rules, tool lists of 200 functions with

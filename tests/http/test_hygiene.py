@@ -78,6 +78,7 @@ async def test_connections_that_stall_in_the_head_or_the_body_are_closed(server)
         assert r.status == 200
 
 
+@pytest.mark.slow
 async def test_a_client_that_stops_reading_is_dropped_and_its_request_aborted(server):
     """8 choices x 20 top logprobs per token fill any socket buffer fast; the reader reads nothing."""
     aborted_before = await metric(server["url"], "chatd:request_success_total", finished_reason="abort")
@@ -123,6 +124,7 @@ print(json.dumps(latencies))
 """
 
 
+@pytest.mark.slow
 async def test_health_answers_fast_while_the_largest_prompts_arrive(server):
     """One client sends prompts of the most text that is tokenized at all, and 3.9 MB ones refused
     from their size, one after another: meanwhile /health answers every poll within 100 ms."""

@@ -55,6 +55,7 @@ async def engine_is_empty(url: str) -> tuple[float, float, float, float]:
     return values
 
 
+@pytest.mark.slow
 async def test_a_reused_request_id_reaches_only_its_own_request(server):
     """Both tenants send 5 concurrent streams with one X-Request-Id: each gets its own reply, none a 500."""
     prompts = {who: [f"{who} asks question {i}: what does a scheduler do?" for i in range(5)] for who in ("alice", "bob")}
@@ -84,6 +85,7 @@ async def test_an_id_that_is_not_visible_ascii_is_replaced_not_echoed(server):
                 assert r.headers["X-Request-Id"] != bad.decode("latin-1") and len(r.headers["X-Request-Id"]) == 32
 
 
+@pytest.mark.slow
 async def test_a_thousand_vanishing_clients_leave_no_stream_and_no_blocks(server):
     """Clients that hang up before the headers, while they arrive, after the first event, or while
     a whole reply is being made: afterwards the engine's stream table and KV usage are at zero."""
@@ -121,6 +123,7 @@ async def test_a_thousand_vanishing_clients_leave_no_stream_and_no_blocks(server
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow
 async def test_the_prefix_cache_does_not_cross_tenants(server):
     """Bob sending Alice's ~1,000-token prompt computes it all; each tenant hits only its own blocks."""
     words = f"{uuid.uuid4().hex} " + " ".join(f"fact {i} about paged attention;" for i in range(64))
@@ -137,6 +140,7 @@ async def test_the_prefix_cache_does_not_cross_tenants(server):
     assert (await cached("bob", messages))[1] >= prompt_tokens - 16  # bob's own, now
 
 
+@pytest.mark.slow
 async def test_a_shared_system_prompt_is_shared_and_what_follows_it_is_not(server):
     tokenizer = Tokenizer.from_pretrained(server["model_dir"])
     shared = tokenizer.encode_chat([{"role": "system", "content": SHARED_SYSTEM}], add_generation_prompt=False)

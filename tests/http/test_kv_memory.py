@@ -52,6 +52,7 @@ def test_models_and_the_startup_log_say_what_the_kv_pools_hold(server):
     assert metrics["chatd:kv_bytes_per_token"] == details["kv_bytes_per_token"]
 
 
+@pytest.mark.slow
 def test_six_sessions_on_a_pool_for_two_each_find_their_whole_history(server):
     """Six chained sessions of three turns take about twice the device pool; every turn still
     finds all of the previous turn's prompt in the cache: what the device let go, the host kept."""
@@ -75,6 +76,7 @@ def test_six_sessions_on_a_pool_for_two_each_find_their_whole_history(server):
     assert after["chatd:kv_blocks_to_host_total"] > before["chatd:kv_blocks_to_host_total"]
 
 
+@pytest.mark.slow
 def test_another_tenant_never_gets_a_tenants_blocks_back_from_the_host(server):
     question = "A question only alice asked: what does block 4242 of the paged cache hold?"
     first = create(server, input=question)
@@ -89,6 +91,7 @@ def test_another_tenant_never_gets_a_tenants_blocks_back_from_the_host(server):
     assert alice.usage.input_tokens_details.cached_tokens == (first.usage.input_tokens - 1) // BLOCK * BLOCK
 
 
+@pytest.mark.slow
 def test_the_real_models_conversation_turns_hit_every_block_of_the_previous_prompt_and_reply(tmp_path):
     """SmolLM2-135M-Instruct (byte-level BPE, ChatML): each turn's cache hit is every full block of
     the previous prompt and reply, whose end-of-turn token (sampled, never fed) the template

@@ -207,6 +207,7 @@ def test_a_streamed_response_and_its_replay(server):
         assert error.value.param == "starting_after"
 
 
+@pytest.mark.slow
 def test_a_client_that_lost_its_stream_resumes_it_after_the_last_event_it_saw(server):
     stream = create(server, input=unique("Talk for a while."), max_output_tokens=460, stream=True)
     seen = []
@@ -269,6 +270,7 @@ def test_cancelling_a_response_being_generated(server):
 # -- chains and the prefix cache ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_six_turn_chains_compute_only_their_new_tokens(server, tokenizer):
     """Each turn of a previous_response_id chain and of a conversation= chain renders its history
     with every earlier output as the ids the model generated (an offline replay of each turn

@@ -156,6 +156,7 @@ async def _metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
     raise KeyError(name)
 
 
+@pytest.mark.slow
 async def test_64_concurrent_streams_equal_sequential_and_health_answers(server, async_client):
     url, _, _ = server
     prompts = [[{"role": "user", "content": f"Question number {i}: what is a KV block?"}] for i in range(64)]
@@ -208,6 +209,7 @@ async def test_abandoned_streams_free_everything(server):
         assert (running, waiting, usage) == (0, 0, 0)
 
 
+@pytest.mark.slow
 async def test_a_stalled_reader_gets_merged_deltas_and_never_stalls_others(server, async_client):
     url, _, _ = server
     host, port = url.removeprefix("http://").split(":")
@@ -255,6 +257,7 @@ async def test_a_stalled_reader_gets_merged_deltas_and_never_stalls_others(serve
         assert "".join(c["delta"].get("content", "") for c in chunks) == whole.choices[index].message.content
 
 
+@pytest.mark.slow
 def test_json_logs_and_sigint(tmp_path, server):
     """log_json: every line of the log is a JSON object; the request line carries the request's
     id and counts. SIGINT drains and exits 0, like SIGTERM."""
@@ -279,6 +282,7 @@ def test_json_logs_and_sigint(tmp_path, server):
     assert records[-1]["message"] == "stopped"
 
 
+@pytest.mark.slow
 def test_an_attention_backend_that_cannot_run_here_stops_startup_with_its_reason(tmp_path, server):
     """`--attention-backend torch-varlen` on a CPU machine: exit 2 naming the setting and why."""
     _, model_dir, _ = server

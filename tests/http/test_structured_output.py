@@ -137,6 +137,7 @@ def test_conversation_turn_with_a_structured_extra(server):
         assert turn.json()["choices"][0]["message"]["content"] in ("left", "right")
 
 
+@pytest.mark.slow
 async def test_two_tenants_schemas_stay_their_own(tmp_path):
     """Concurrent requests of two tenants with different schemas: each reply follows its own schema only."""
     other = {"type": "object", "properties": {"bob": {"type": "boolean"}}, "required": ["bob"], "additionalProperties": False}

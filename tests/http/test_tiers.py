@@ -154,6 +154,7 @@ async def test_a_revoked_key_s_request_in_flight_finishes_and_its_next_is_401(se
         await erin.chat.completions.create(model="demo", messages=QUESTION, max_tokens=4)
 
 
+@pytest.mark.slow
 def test_a_full_tier_queue_is_refused_with_503_and_retry_after(tmp_path):
     """One sequence runs at a time: a second request of the tier waits for its first token, and a
     third finds the tier's queue (max_queued_requests = 1) full."""

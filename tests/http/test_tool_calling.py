@@ -86,6 +86,7 @@ def check_calls(message, names=SCHEMAS) -> list:
     return message.tool_calls
 
 
+@pytest.mark.slow
 def test_required_gives_calls_whose_arguments_validate(client):
     # One call: with parallel calls a model ends its list with EOS, which a random one rarely picks.
     for seed in range(4):
@@ -97,6 +98,7 @@ def test_required_gives_calls_whose_arguments_validate(client):
         assert choice.message.content is None
 
 
+@pytest.mark.slow
 def test_parallel_calls_are_each_valid_and_distinct(client):
     """Parallel calls go on until the model ends them (a random one: until max_tokens). A call that
     max_tokens cut is left out (its arguments would not parse), and so is a repeat of an earlier call:
@@ -109,6 +111,7 @@ def test_parallel_calls_are_each_valid_and_distinct(client):
         assert len(set(calls)) == len(calls)
 
 
+@pytest.mark.slow
 def test_a_named_function_is_the_one_called_once(client):
     for seed in range(3):
         reply = client.chat.completions.create(
@@ -118,6 +121,7 @@ def test_a_named_function_is_the_one_called_once(client):
         assert [call.function.name for call in calls] == ["get_time"]
 
 
+@pytest.mark.slow
 def test_streamed_calls_assemble_to_the_whole_reply(client):
     kwargs = dict(model="demo", messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=7,
                   max_tokens=200)
@@ -196,6 +200,7 @@ def test_bad_tool_messages_are_400s(client):
         assert err.value.body["param"] == param, err.value.body
 
 
+@pytest.mark.slow
 async def test_two_tenants_get_calls_to_their_own_tools_only(tmp_path):
     with tenants_server(tmp_path) as srv:
         clients = {who: openai.AsyncOpenAI(base_url=f"{srv['url']}/v1", api_key=key, max_retries=0)
@@ -225,6 +230,7 @@ def real_model(tmp_path_factory):
     stop_server(proc)
 
 
+@pytest.mark.slow
 def test_the_real_default_model_calls_the_weather_tool(real_model):
     """SmolLM2-135M-Instruct (its template takes no tools: they are described to it) under required."""
     client = openai.OpenAI(base_url=f"{real_model}/v1", api_key="unused", max_retries=0)
@@ -240,6 +246,7 @@ def test_the_real_default_model_calls_the_weather_tool(real_model):
     assert answer.choices[0].message.content
 
 
+@pytest.mark.slow
 def test_the_real_default_model_answers_plain_questions_under_auto(real_model):
     """Tools offered under auto put the call grammar on the reply; it leaves text alone (only a call
     marker is kept out of it), so a question that needs no tool gets the answer it gets without it."""

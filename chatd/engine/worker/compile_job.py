@@ -13,13 +13,15 @@ block manager is never given, so no sequence's cache is touched. And the hand-ov
 attribute stores (`runner.compiled`, `runner.compiled_prefill`), each read once per step.
 
 While it runs, the job and the engine share the CPU and the GIL: eager steps run slower than
-they will (on two cores, SmolLM2's replies during the first compile came at about half the
-eager speed; benchmarks/README.md, "Ready in seconds").
+they would alone. The job's thread runs at a lower priority (nice 10) so the serving threads
+get the cores first; the GIL it still takes in turn (benchmarks/README.md, "Ready in seconds").
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +32,9 @@ from chatd.engine.worker.compiled_prefill import CompiledPrefill
 log = logging.getLogger("chatd.engine")
 
 COMPILING, COMPILED, FAILED = "compiling", "compiled", "failed"
+# The job's thread (and the compilers it starts) yields the CPU to the serving threads: on Linux a
+# thread has its own nice value, which the processes it starts inherit.
+COMPILE_NICENESS = 10
 
 
 class CompileJob:
@@ -65,6 +70,8 @@ class CompileJob:
 
     def _run(self) -> None:
         started = time.perf_counter()
+        with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own priority (and its compilers')
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
         try:
             self.runner.enable_compiled_steps(self.folder)
         except Exception as exc:  # no C++ compiler, an operation inductor refuses: serve eagerly, say why
