@@ -89,7 +89,8 @@ def test_compiled_decode_gives_the_eager_tokens_and_never_compiles_after_start(m
 
 
 @needs_cpp_compiler
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "float16"])
+# One compiled decode in the fast suite (float16, the default beside quantized weights); each costs a compile.
+@pytest.mark.parametrize("kv_cache_dtype", [pytest.param("fp8_e4m3", marks=pytest.mark.slow), "float16"])
 def test_compiled_decode_over_a_narrow_cache_gives_the_eager_tokens(model_dirs, compile_on, kv_cache_dtype):
     with make_llm(model_dirs["llama"], compile=False, kv_cache_dtype=kv_cache_dtype) as eager_llm:
         want = generate(eager_llm)
