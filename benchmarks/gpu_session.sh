@@ -7,6 +7,9 @@
 #   bash benchmarks/gpu_session.sh kv           # kv_sessions.py (host tier, fp8 KV) and kv_accuracy.py
 #   bash benchmarks/gpu_session.sh serve        # serve.py: `chatd serve` on CUDA, streamed, 1-256 at once
 #   bash benchmarks/gpu_session.sh linears      # linears.py: bf16, int4, unpacked int4, fp8 per layer, 1-8192 rows
+#   bash benchmarks/gpu_session.sh start        # startup.py: `chatd serve` from this checkout on CUDA, its start
+#                                               # timeline (a Llama of Qwen3-0.6B's size: the default model's
+#                                               # 98 MB wheel is over what a device call carries)
 #   bash benchmarks/gpu_session.sh busy         # issue 37 in one call (<= 8 min): steps --profile, nano-vllm's
 #                                               # workload, serve vs offline at 256 and 512, 8B batch-1 decode,
 #                                               # host.py's fixed-time proxy; one JSON ($OUT/busy.json)
@@ -33,7 +36,7 @@ if [ "${1:-}" = wheels ]; then
     mkdir -p .whl && grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >>.git/info/exclude
     # shellcheck disable=SC2086
     exec "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $WHEELS
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $WHEELS
 fi
 OUT=${OUT:-/tmp/chatd-gpu}
 mkdir -p "$OUT"
@@ -43,7 +46,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
-"$PYTHON" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+"$PYTHON" -c "
+from importlib.metadata import version
+print(' '.join(f'{name} {version(name)}' for name in ('torch', 'triton', 'transformers', 'aiohttp', 'prometheus-client',
+      'safetensors', 'huggingface-hub', 'llguidance', 'gguf')))" | tee -a "$OUT/gpu.txt"
 what=${1:-}
 shift
 case "$what" in
@@ -83,8 +89,13 @@ merged = {name: json.loads(path.read_text()) if path.exists() else None for name
 print("wrote", out / "busy.json", {name: value is not None for name, value in merged.items()})
 PY
         ;;
+    start)
+        "$PYTHON" -c "from chatd.engine.models.demo import build_model_dir; build_model_dir('/tmp/start-model', 'llama', \
+            hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, \
+            intermediate_size=3072, tie_word_embeddings=False)" || exit
+        "$PYTHON" benchmarks/startup.py --model /tmp/start-model --json "$OUT/startup.json" --log-dir "$OUT" "$@" 2>&1 | tee "$OUT/startup.log" ;;
     linears)
         "$PYTHON" benchmarks/linears.py --device cuda --json "$OUT/linears.json" "$@" 2>&1 | tee "$OUT/linears.log" ;;
     *)
-        echo "usage: bash benchmarks/gpu_session.sh wheels|tests|throughput|steps|kv|serve|linears" >&2; exit 2 ;;
+        echo "usage: bash benchmarks/gpu_session.sh wheels|tests|throughput|steps|kv|serve|start|linears" >&2; exit 2 ;;
 esac

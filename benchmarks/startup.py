@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -124,11 +125,12 @@ def main() -> None:
     parser.add_argument("--llama-server", help="a llama-server binary to start the same way (needs a GGUF --model, "
                                                "or the default model's file)")
     parser.add_argument("--json", help="write the medians here")
+    parser.add_argument("--log-dir", help="keep each chatd start's log here (first-N.log, later-N.log)")
     args = parser.parse_args()
     chatd = [sys.executable, "-m", "chatd", "serve"] + (["--model", args.model] if args.model else [])
     results = {}
     first_runs, later_runs = [], []
-    for _ in range(args.repeats):
+    for run in range(args.repeats):
         with tempfile.TemporaryDirectory() as home:
             env = {**os.environ, "CHATD_HOME": home}
             env.pop("TORCH_COMPILE_DISABLE", None)
@@ -138,6 +140,10 @@ def main() -> None:
             port = free_port()
             later_runs.append(start_run(chatd + ["--port", str(port)], port, env, Path(home) / "later.log", "/ready",
                                         None, timeline=True))
+            if args.log_dir:
+                Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+                for kind in ("first", "later"):
+                    shutil.copy(Path(home) / f"{kind}.log", Path(args.log_dir) / f"{kind}-{run}.log")
     results["chatd first start"] = report("chatd first start", first_runs)
     results["chatd later start"] = report("chatd later start", later_runs)
     if args.llama_server:
