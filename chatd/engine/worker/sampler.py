@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from chatd.engine.core.ragged import pad_ragged
 from chatd.engine.grammar import GrammarMatcher, fill_masks
 from chatd.engine.params import Logprob, SamplingParams
 from chatd.engine.worker.host_sampling import host_choices, host_draw
-from chatd.engine.worker.ragged import pad_ragged
 
 # Below this, dividing logits by the temperature can overflow float32; the limit T -> 0 is
 # greedy anyway (vLLM draws the same line).

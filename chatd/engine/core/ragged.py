@@ -3,6 +3,9 @@
 Per step the engine turns a few hundred lists of different lengths into rectangular tensors;
 building them as padded Python lists costs tens of milliseconds at that size, which a GPU
 step would wait for. numpy does it in a few.
+
+It sits in core, the bottom of the engine's ladder, because two layers above use it: attention
+(block tables) and the worker's sampler (token histories for penalties). It needs numpy, not torch.
 """
 
 from __future__ import annotations
