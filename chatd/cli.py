@@ -5,7 +5,8 @@ Subcommands: `serve` (the OpenAI-compatible server), `bench` (load-test a server
 server), `demo-model DIR` (build the random-weight demo model), `keys create|list|revoke` (API
 keys in the store), `moderation list|show|resolve` (review what the safety pipeline blocked,
 flagged or redacted, and the users' appeals). Each subcommand imports what it runs only when it
-runs: `chatd keys list` loads neither the engine, the HTTP server nor the load generator.
+runs: `chatd keys list` loads neither the engine, the HTTP server nor the load generator, and
+`chatd bench`'s flags are declared only when it is the command being run.
 `chatd --version` prints the installed version.
 
 A shared API key comes from --api-key or else the CHATD_API_KEY environment variable, for
@@ -22,18 +23,17 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from chatd.bench import add_parser as add_bench_parser
 from chatd.config import ASYNC_SCHEDULING, DTYPES, KV_CACHE_DTYPES, LOG_LEVELS, QUANTIZATIONS, TOOL_PARSERS, Config, load_config, store_path
 from chatd.logs import setup_logging
-from chatd.store.db import Store
 from chatd.store.moderation import EVENT_STATUSES
 
 if TYPE_CHECKING:
     from chatd.engine import LLMEngine
+    from chatd.store.db import Store
 
 T = TypeVar("T")
 
@@ -156,6 +156,8 @@ def _demo_model(args: argparse.Namespace) -> int:
 
 def _on_store(args: argparse.Namespace, work: Callable[[Store], Awaitable[T]]) -> T:
     """Open the store that the config names, run `work` on it, and close it."""
+    from chatd.store.db import Store
+
     async def run() -> T:
         async with await Store.open(store_path(load_config(args.config))) as store:
             return await work(store)
@@ -270,7 +272,9 @@ def installed_version() -> str:
         return f"{chatd.__version__} (from {Path(chatd.__file__).parent.parent}, not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The `chatd` command line's parser. `chatd bench`'s flags are declared only when `argv` runs it:
+    they live with the load generator, which no other command imports."""
     parser = argparse.ArgumentParser(prog="chatd", description="A self-hosted LLM chat server you can read end to end.")
     parser.add_argument("--version", action="version", version=f"chatd {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -311,7 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "prefer it: a flag shows in `ps`)")
     serve.set_defaults(func=_serve)
 
-    add_bench_parser(sub)
+    if _command(argv) == "bench":
+        from chatd.bench import add_parser as add_bench_parser
+
+        add_bench_parser(sub)
+    else:  # a stand-in that lists it in `chatd --help`
+        sub.add_parser("bench", help="load-test an OpenAI-compatible server (chatd, vLLM, ...)")
 
     gen = sub.add_parser("generate", help="generate one reply and stream it to the terminal")
     gen.add_argument("prompt")
@@ -381,6 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand `argv` runs: its first word that is not an option (`chatd` itself takes none with a value)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
 def _add_model_flags(parser: argparse.ArgumentParser,
                      model_help: str = "model folder, GGUF file or Hugging Face hub id, or 'demo' (default: "
                                        "SmolLM2-135M-Instruct where its package is installed, else the demo model)") -> None:
@@ -416,7 +430,8 @@ def _positive_int(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except ValueError as exc:  # a user's mistake (bad model path, bad config): say it plainly

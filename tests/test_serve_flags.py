@@ -41,6 +41,19 @@ def test_version_prints_the_installed_version_and_exits_0():
     assert done.stdout.strip() == f"chatd {importlib.metadata.version('chatd')}"
 
 
+def test_importing_the_cli_loads_no_load_generator():
+    # A fresh interpreter: this test process has imported chatd.bench already. Only `chatd bench` needs it.
+    code = "import sys, chatd.cli; print('chatd.bench' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
+
+
+def test_bench_help_lists_its_flags():
+    done = subprocess.run([sys.executable, "-m", "chatd", "bench", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: chatd bench") and "--concurrency" in done.stdout
+
+
 def test_serve_flags_land_in_their_settings(served):
     assert main(["serve", "--served-model-name", "qwen3-8b", "gpt-4o-mini", "--max-model-len", "512",
                  "--dtype", "bfloat16", "--log-level", "error", "--api-key", KEY, "--tool-call-parser", "mistral",
