@@ -128,14 +128,6 @@ def _async_scheduling(setting: str, runner) -> bool:
     return setting == "on" or str(getattr(runner, "device", "cpu")).startswith("cuda")
 
 
-def kv_bytes_per_token(kv_caches: list) -> int:
-    """Bytes one token's keys and values take across all layers of a pool (0 for none)."""
-    if not kv_caches:
-        return 0
-    k_cache = kv_caches[0][0]  # [blocks, block_size, kv_heads, head_dim]
-    return 2 * len(kv_caches) * k_cache[0, 0].numel() * k_cache.element_size()
-
-
 class DrainRate:
     """How fast a queue drains: prompt tokens computed per second in the steps that left requests
     waiting, an exponential average over about the last WINDOW seconds of them (steps, not a
@@ -231,7 +223,7 @@ class LLMEngine:
     def from_config(cls, config: Config, background_compile: bool = False) -> LLMEngine:
         """Load the model named in config (the demo model when none is) and build the engine.
         `background_compile`: on CPU, serve eagerly while the steps compile on a thread (`chatd serve`)."""
-        from chatd.engine.worker.loading import load_engine_parts
+        from chatd.engine.loading import load_engine_parts
 
         parts = load_engine_parts(config, background_compile)
         return cls(
@@ -586,7 +578,7 @@ class LLMEngine:
             is_demo=self.is_demo,
             sampling_defaults=dict(self.sampling_defaults),
             kv_cache_dtype=str(kv_caches[0][0].dtype).removeprefix("torch.") if kv_caches else "",
-            kv_bytes_per_token=kv_bytes_per_token(kv_caches) * tensor_parallel_size,
+            kv_bytes_per_token=getattr(runner, "kv_bytes_per_token", 0) * tensor_parallel_size,
             num_host_kv_blocks=self.scheduler.num_host_kv_blocks,
             tensor_parallel_size=tensor_parallel_size,
             quantization=getattr(getattr(runner, "model", None), "quantization", "none"),

@@ -1,6 +1,10 @@
 """From a Config to the engine's parts: device, dtype, model, tokenizer, KV pool size, runner.
 
-Kept apart from `engine.py` so the engine itself can be built around a fake runner in tests.
+Kept apart from `engine.py` so the engine itself can be built around a fake runner in tests. It
+sits beside the engine, above the worker: it loads the tokenizer as well as the model, and
+assembles what `LLMEngine.from_config` needs. A tensor-parallel worker process needs only the
+runner, which `worker/build.py` makes for every rank. Only `from_config` imports this module
+(it loads torch).
 """
 
 from __future__ import annotations
@@ -12,23 +16,17 @@ from pathlib import Path
 import torch
 
 from chatd.config import Config, ModelConfig, chatd_home
-from chatd.engine.attention import AttentionShape, resolve_kv_dtype, select_backend
-from chatd.engine.engine import kv_bytes_per_token
-from chatd.engine.heap import keep_freed_memory
 from chatd.engine.models.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
 from chatd.engine.models.loader import (
     DEFAULT_MODEL_INSTALL,
-    Checkpoint,
     default_model_path,
-    load_model,
-    max_model_len,
     open_checkpoint,
-    resolve_dtype,
     resolve_model_path,
     sampling_defaults,
 )
 from chatd.engine.models.tensor_parallel import TPGroup, check_head_layout
 from chatd.engine.tokenizer import Tokenizer
+from chatd.engine.worker.build import build_runner, resolve_device
 from chatd.engine.worker.compile_job import CompileJob
 from chatd.engine.worker.compiled import keep_compiled_in, unavailable_reason
 from chatd.engine.worker.parallel import ParallelError, ParallelRunner, Workers, check_gpus
@@ -63,18 +61,6 @@ class EngineParts:
     sampling_defaults: dict[str, float]  # what requests that leave a sampling field out get
     num_host_blocks: int = 0  # the host KV tier's size (0: off)
     compile_job: CompileJob | None = None  # steps compiling on a thread (compile_steps' background)
-
-
-def resolve_device(name: str) -> torch.device:
-    """`auto` is CUDA when present, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but CUDA is not available on this machine")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
-    return device
 
 
 def load_engine_parts(config: Config, background_compile: bool = False) -> EngineParts:
@@ -138,24 +124,6 @@ def load_engine_parts(config: Config, background_compile: bool = False) -> Engin
                        num_host_blocks, compile_job)
 
 
-def build_runner(config: Config, checkpoint: Checkpoint, tp: TPGroup, device: torch.device,
-                 eos_token_ids: frozenset[int] = frozenset()) -> ModelRunner:
-    """What every rank does: load its part of the model, choose the attention backend, and make a
-    runner with an empty KV pool (sized afterwards, the same on every rank)."""
-    dtype = resolve_dtype(config.model.dtype, device, checkpoint.hf_config.dtype)
-    model, hf_config = load_model(checkpoint, dtype, device, tp, config.model.quantization)
-    if device.type == "cpu":  # from now on a step's freed buffers are kept for the next step
-        keep_freed_memory()
-    context = context_length(hf_config, config.model)
-    quantized_on_cpu = device.type == "cpu" and set(model.quantized_layers()) != {"float"}
-    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, quantized_on_cpu)
-    heads = hf_config.num_attention_heads // tp.size
-    shape = AttentionShape(heads, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype, kv_dtype)
-    backend = select_backend(config.model.attention_backend, device, shape)
-    return ModelRunner(model, backend, num_blocks=0, block_size=config.cache.block_size, device=device, dtype=dtype,
-                       eos_token_ids=eos_token_ids, seed=config.model.seed, max_model_len=context, kv_dtype=kv_dtype)
-
-
 def check_parallel_layout(hf_config, size: int, device: torch.device) -> None:
     """Refuse, naming the numbers, a tensor-parallel layout that cannot work, before any process starts."""
     check_head_layout(hf_config.num_attention_heads, hf_config.num_key_value_heads, size)
@@ -192,7 +160,7 @@ def size_host_tier(runner: ModelRunner, config: Config) -> int:
     if not config.cache.enable_prefix_caching:
         raise ValueError("cache.host_kv_cache_gb keeps blocks by their prefix hash: it needs cache.enable_prefix_caching")
     # The size is for all ranks together: each keeps its part of every block.
-    block_bytes = kv_bytes_per_token(runner.kv_caches) * config.cache.block_size * config.model.tensor_parallel_size
+    block_bytes = runner.kv_bytes_per_token * config.cache.block_size * config.model.tensor_parallel_size
     num_host_blocks = int(config.cache.host_kv_cache_gb * 2**30 // block_bytes)
     runner.allocate_host_kv(num_host_blocks)
     log.info("host KV tier: %d blocks (%.2f GiB%s) keep blocks evicted from the device pool for reuse",
@@ -220,16 +188,6 @@ def locate_model(config: ModelConfig) -> tuple[Path, bool]:
     if demo:
         log.warning(DEMO_WARNING)
     return model_path, demo
-
-
-def context_length(hf_config, config: ModelConfig) -> int:
-    """The model's context window, or the configured max_model_len when that is shorter."""
-    context = max_model_len(hf_config)
-    if config.max_model_len:
-        if config.max_model_len > context:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
-        context = config.max_model_len
-    return context
 
 
 def load_tokenizer(model_path: Path, hf_config, config: ModelConfig) -> tuple[Tokenizer | None, frozenset[int]]:

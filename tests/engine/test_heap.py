@@ -16,7 +16,7 @@ import pytest
 
 CHILD = r"""
 import json, resource, threading, torch
-from chatd.engine.heap import keep_freed_memory
+from chatd.engine.worker.heap import keep_freed_memory
 
 STEPS = 20
 

@@ -31,7 +31,7 @@ def test_profiling_step_runs_and_leaves_the_engine_correct(model_dirs, max_model
 
 def test_without_the_default_model_the_demo_is_served_and_the_log_says_how_to_add_it(monkeypatch, tmp_path, caplog):
     from chatd.config import ModelConfig
-    from chatd.engine.worker import loading
+    from chatd.engine import loading
 
     monkeypatch.setenv("CHATD_HOME", str(tmp_path))
     monkeypatch.setattr(loading, "default_model_path", lambda: None)
@@ -43,7 +43,7 @@ def test_without_the_default_model_the_demo_is_served_and_the_log_says_how_to_ad
 
 def test_model_demo_names_the_random_demo_model(monkeypatch, tmp_path):
     from chatd.config import ModelConfig
-    from chatd.engine.worker import loading
+    from chatd.engine import loading
 
     monkeypatch.setenv("CHATD_HOME", str(tmp_path))
     assert loading.locate_model(ModelConfig(path="demo")) == (tmp_path / "demo-model", True)

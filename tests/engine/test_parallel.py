@@ -16,7 +16,7 @@ from chatd.engine.models.demo import FAMILIES, build_model_dir
 from chatd.engine.models.llama import LlamaForCausalLM
 from chatd.engine.models.loader import Checkpoint, check_weights_fit, default_model_path, load_model
 from chatd.engine.models.tensor_parallel import HeadLayout, TPGroup
-from chatd.engine.worker.loading import load_engine_parts
+from chatd.engine.loading import load_engine_parts
 from chatd.engine.worker.parallel import check_gpus
 from tests.engine.conftest import make_llm
 

@@ -247,6 +247,7 @@ class ParallelRunner:
     dtype = property(lambda self: self.local.dtype)
     block_size = property(lambda self: self.local.block_size)
     kv_caches = property(lambda self: self.local.kv_caches)
+    kv_bytes_per_token = property(lambda self: self.local.kv_bytes_per_token)
     graphs = property(lambda self: self.local.graphs)
     num_blocks = property(lambda self: self.local.num_blocks)
     tensor_parallel_size = property(lambda self: self.workers.size)

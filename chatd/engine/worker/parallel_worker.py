@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from chatd.config import Config
+from chatd.config import Config, chatd_home
+from chatd.engine.models.loader import open_checkpoint
 from chatd.engine.models.tensor_parallel import TPGroup
+from chatd.engine.worker.build import build_runner, resolve_device
 from chatd.engine.worker.runner import ModelRunner
 
 log = logging.getLogger("chatd.engine")
@@ -120,10 +122,6 @@ def _heartbeat(report, parent_pid: int) -> None:
 
 
 def _serve_commands(spec: WorkerSpec, commands: Connection) -> None:
-    from chatd.config import chatd_home
-    from chatd.engine.models.loader import open_checkpoint
-    from chatd.engine.worker.loading import build_runner, resolve_device
-
     config = spec.config
     device = rank_device(resolve_device(config.model.device), spec.rank)
     if device.type == "cpu":

@@ -171,6 +171,14 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_caches[0][0].shape[0] if self.kv_caches else 0
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's keys and values take across all layers of this rank's pool (0 for none)."""
+        if not self.kv_caches:
+            return 0
+        k_cache = self.kv_caches[0][0]  # [blocks, block_size, kv_heads, head_dim]
+        return 2 * len(self.kv_caches) * k_cache[0, 0].numel() * k_cache.element_size()
+
     def enable_decode_graphs(self, max_batch: int, capture: bool = True) -> float:
         """Replay decode-only steps of up to max_batch sequences from CUDA graphs; returns capture seconds.
 
