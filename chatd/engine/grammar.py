@@ -24,6 +24,10 @@ keeps one lexer per compiled grammar, shared by its copies, whose failure is per
 grammar that fails is dropped from the cache and remembered as failed: it is never served as
 valid again.
 
+This module compiles, probes and caches grammars, and bounds what they may cost. A sequence's
+matcher is core/grammar_matcher.py (core's scheduler and the worker's sampler both use it); the
+threads that compile and compute masks ahead are grammar_threads.py.
+
 No torch here: masks are numpy bit arrays (bit t of row r set = token t allowed), which the
 sampler moves to the logits' device.
 """
@@ -32,16 +36,16 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import re
 import threading
 import time
 from collections import OrderedDict
-import weakref
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 
+from chatd.engine.core.grammar_matcher import CompiledGrammar, GrammarMatcher, failure_message, first_lines, mask_words
+from chatd.engine.grammar_threads import SLOW_MASK_SECONDS, GrammarThreads, MaskWorkers
 from chatd.engine.params import ParamError, StructuredOutput
 from chatd.engine.tokenizer import Tokenizer
 
@@ -56,119 +60,11 @@ FAILED_CACHE_SIZE = 1024
 # Free whitespace would let a weak model pad forever between tokens.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-# The longest a step waits for masks still being computed before it runs without their rows.
-MASK_WAIT_SECONDS = 0.005
-# A grammar whose masks cost more than this a row (a normal one costs 10-100 us) is slow: its
-# masks are computed in the slow lane, which may keep one core busy only this share of the time.
-SLOW_MASK_SECONDS = 0.002
-SLOW_LANE_SHARE = 0.25
-# Mask threads (llguidance's own pool sizes itself to the machine's cores the same way).
-MAX_MASK_THREADS = 8
 # The most times a regex (or a Lark grammar) may repeat something by count (`a{10000}`). A mask's
 # cost grows with it: `a{10000}` takes ~3 ms a token on the 2-core machine, `a{100000}` ~25 ms.
 MAX_REPEAT = 10_000
 _REGEX_COUNT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # {n}, {n,}, {n,m}
 _LARK_COUNT = re.compile(r"~\s*(\d+)(?:\s*\.\.\s*(\d+))?")  # item ~ n, item ~ n..m
-# Threads that compile and walk grammars get this much stack. llguidance's compiler recurses once
-# per rule of a chain; 2,700 chained Lark rules (or 3,000 chained $refs) overflowed the 8 MB of an
-# ordinary thread and killed the process. A 64 KB grammar holds fewer than 10,000 rules; 256 MB
-# would hold 150,000. Untouched stack costs address space only.
-GRAMMAR_STACK_BYTES = 256 << 20
-
-
-class _Grammar:
-    """One compiled grammar, and what the sequences following it share. llguidance keeps one
-    lexer per compiled grammar behind a lock: its copies' masks are computed one at a time, and
-    when its lexer fails (a limit reached) every copy fails with it."""
-
-    def __init__(self, key: Hashable, param: str, compiled) -> None:
-        self.key, self.param, self.compiled = key, param, compiled  # compiled: an llguidance.LLMatcher
-        self.slow = False  # its masks go to the slow lane
-        self.error = ""  # why its lexer failed ("" while it has not)
-        self._jobs = 0  # mask jobs queued or running
-        self._lock = threading.Lock()
-
-    @property
-    def busy(self) -> bool:
-        """A mask of one of its copies is being computed (holding the shared lexer)."""
-        return self._jobs > 0
-
-    def job_started(self) -> None:
-        with self._lock:
-            self._jobs += 1
-
-    def job_ended(self) -> None:
-        with self._lock:
-            self._jobs -= 1
-
-
-class GrammarMatcher:
-    """One sequence's position in its grammar: which tokens may come next, and whether it is done."""
-
-    def __init__(self, grammar: _Grammar, on_error: Callable[[_Grammar, str], None]) -> None:
-        self.grammar = grammar
-        self._matcher = grammar.compiled.deep_copy()  # an llguidance.LLMatcher
-        self._on_error = on_error
-        self.mask: np.ndarray | None = None  # the next token's mask, once computed (uint32 words)
-        # Why this copy failed ("" while it has not). Kept here, not asked of llguidance: the engine
-        # thread reads it while a worker may hold the matcher, which llguidance does not allow.
-        self._reason = ""
-
-    @property
-    def ready(self) -> bool:
-        """The next token's mask is computed, and nothing else holds the grammar's lexer, so the
-        engine thread may sample and advance it without waiting. A failed matcher is ready at once:
-        no mask will be computed for it, and `accept` ends its sequence with the error."""
-        return self.failed or (self.mask is not None and not self.grammar.busy)
-
-    def accept(self, token_id: int) -> bool:
-        """Advance by a sampled token; False if the grammar refused it or failed (it stays failed)."""
-        self.mask = None
-        if self.failed:
-            return False
-        if not self._matcher.consume_token(token_id) or self._matcher.is_error():
-            self._fail(f"token {token_id} is not allowed here")
-            return False
-        return True
-
-    @property
-    def is_terminated(self) -> bool:
-        """Nothing may follow (but an end-of-sequence token): the output is complete."""
-        return self._matcher.is_stopped()
-
-    @property
-    def failed(self) -> bool:
-        return bool(self._reason or self.grammar.error)
-
-    @property
-    def error(self) -> str:
-        """Why it failed, in words a client can act on ("" while it has not)."""
-        reason = self._reason or self.grammar.error
-        return failure_message(self.grammar.param, reason) if reason else ""
-
-    def compute_mask(self, words: int) -> None:
-        """Compute the next token's mask (llguidance drops the GIL meanwhile). Off the engine thread.
-        A failed matcher's mask allows every token: `accept` refuses whichever is sampled."""
-        mask = np.zeros(words, dtype=np.uint32)
-        if self.failed:
-            mask[:] = np.uint32(0xFFFFFFFF)
-            self.mask = mask
-            return
-        self._matcher.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
-        if self._matcher.is_error():
-            self._fail("its parser reached a limit")
-        self.mask = mask
-
-    def _fail(self, fallback: str) -> None:
-        """This copy failed (called by whoever holds it): say why, and fail its grammar for every copy."""
-        self._reason = _first_lines(self._matcher.get_error(), 1) if self._matcher.is_error() else fallback
-        self._on_error(self.grammar, self._reason)
-
-
-def failure_message(param: str, reason: str) -> str:
-    """What a client is told when its grammar exceeded llguidance's limits."""
-    return (f"{param} is too complex to follow: its grammar needs more work per token than the server allows "
-            f"({reason}); simplify it (fewer or smaller repetitions, a shorter pattern)")
 
 
 def compile_message(param: str, reason: str) -> str:
@@ -188,11 +84,11 @@ class GrammarCompiler:
         self.vocab_size = vocab_size  # the model's (logits width); the tokenizer's may be smaller
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer = None  # built on first use: ~0.4 s for a 49k vocabulary
-        self._cache: OrderedDict[Hashable, _Grammar] = OrderedDict()
+        self._cache: OrderedDict[Hashable, CompiledGrammar] = OrderedDict()
         # key -> how it failed: the message builder (compile_message or failure_message) and the reason
         self._failed: OrderedDict[Hashable, tuple[Callable[[str, str], str], str]] = OrderedDict()
         self._lock = threading.Lock()
-        self._compiling = _Threads(2, "chatd-grammar-compile")
+        self._compiling = GrammarThreads(2, "chatd-grammar-compile")
         self.masks = MaskWorkers(mask_words(vocab_size))
 
     def matcher(self, spec: StructuredOutput, scope: str | None = None) -> GrammarMatcher:
@@ -208,7 +104,7 @@ class GrammarCompiler:
         self._compiling.close()
         self.masks.close()
 
-    def _compiled(self, spec: StructuredOutput, scope: str | None) -> _Grammar:
+    def _compiled(self, spec: StructuredOutput, scope: str | None) -> CompiledGrammar:
         key = (scope, spec.key)
         with self._lock:
             failed = self._failed.get(key)
@@ -234,7 +130,7 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return grammar
 
-    def _forget(self, grammar: _Grammar, reason: str) -> None:
+    def _forget(self, grammar: CompiledGrammar, reason: str) -> None:
         """A grammar failed: no new request may use it (its copies in flight fail: they share its lexer)."""
         with self._lock:
             if grammar.error:
@@ -268,7 +164,7 @@ class _Refused(Exception):
         self.message, self.reason = message, reason
 
 
-def _compile_and_probe(key: Hashable, spec: StructuredOutput, tokenizer, words: int, eos_token_ids: list[int]) -> _Grammar:
+def _compile_and_probe(key: Hashable, spec: StructuredOutput, tokenizer, words: int, eos_token_ids: list[int]) -> CompiledGrammar:
     """Compile a spec and try its first two masks and a token on a copy: a grammar that fails
     there is refused now (_Refused), before any request uses it, and one whose masks are slow
     starts in the slow lane."""
@@ -281,11 +177,11 @@ def _compile_and_probe(key: Hashable, spec: StructuredOutput, tokenizer, words: 
     limits = _limits(llguidance)
     error = llguidance.LLMatcher.validate_grammar(grammar_text, tokenizer, limits=limits)
     if error:
-        raise _Refused(compile_message, _first_lines(error))
+        raise _Refused(compile_message, first_lines(error))
     compiled = llguidance.LLMatcher(tokenizer, grammar_text, log_level=0, limits=limits)
     if compiled.is_error():
-        raise _Refused(compile_message, _first_lines(compiled.get_error()))
-    grammar = _Grammar(key, spec.param, compiled)
+        raise _Refused(compile_message, first_lines(compiled.get_error()))
+    grammar = CompiledGrammar(key, spec.param, compiled)
     probe = compiled.deep_copy()
     for step in range(2):
         mask = np.zeros(words, dtype=np.uint32)
@@ -296,7 +192,7 @@ def _compile_and_probe(key: Hashable, spec: StructuredOutput, tokenizer, words: 
         if not probe.is_error() and step == 0 and allowed is not None:
             probe.consume_token(allowed)
         if probe.is_error():
-            raise _Refused(failure_message, _first_lines(probe.get_error(), 1))
+            raise _Refused(failure_message, first_lines(probe.get_error(), 1))
         if allowed is None or step == 1:
             grammar.slow = seconds > SLOW_MASK_SECONDS
             break
@@ -371,167 +267,3 @@ def _patterns(schema) -> list[str]:
         elif isinstance(node, list):
             stack += node
     return found
-
-
-def _first_lines(error: str, limit: int = 4) -> str:
-    # llguidance's errors carry a caret diagram (worth keeping: it points at the mistake) or the
-    # parser's state and the tokens so far (one line is enough: the reason is the first).
-    lines = [line for line in error.strip().splitlines() if line.strip()]
-    text = "; ".join(re.sub(r"\s+", " ", line).strip() for line in lines[:limit])
-    return text[:500]
-
-
-def mask_words(vocab_size: int) -> int:
-    """32-bit words per row of a token mask."""
-    return (vocab_size + 31) // 32
-
-
-def fill_masks(matchers: list[GrammarMatcher], vocab_size: int) -> np.ndarray:
-    """The next-token masks of these matchers, one row each: uint32 [len(matchers), words]. Masks
-    computed ahead are used as they are; any other is computed now (the engine never lets that
-    happen, but the sampler stands alone)."""
-    words = mask_words(vocab_size)
-    for matcher in matchers:
-        if matcher.mask is None:
-            matcher.compute_mask(words)
-    return np.stack([matcher.mask for matcher in matchers])
-
-
-class MaskWorkers:
-    """Computes next-token masks ahead of the step that needs them, off the engine thread.
-
-    One job per grammar (its copies share a lexer behind a lock, so their masks are computed one
-    after another anyway). Jobs of fast grammars run in a pool of threads; a job that takes more
-    than SLOW_MASK_SECONDS a row, or is still running when a step stops waiting, marks its grammar
-    slow, and its later jobs run in the slow lane: one thread that rests after each job so that it
-    is busy at most SLOW_LANE_SHARE of the time, leaving the cores to the batch."""
-
-    def __init__(self, words: int, num_threads: int | None = None) -> None:
-        import os
-
-        self.words = words
-        threads = num_threads or min(MAX_MASK_THREADS, max(1, os.cpu_count() or 1))
-        self._fast = _Threads(threads, "chatd-grammar-mask")
-        self._slow = _Threads(1, "chatd-grammar-slow", share=SLOW_LANE_SHARE)
-        self._done = threading.Condition()
-        self._running: set[_Grammar] = set()  # grammars with a job in the fast pool
-
-    def compute(self, matchers: Iterable[GrammarMatcher]) -> None:
-        """Start computing these matchers' next masks (their grammars must not be busy)."""
-        by_grammar: dict[_Grammar, list[GrammarMatcher]] = {}
-        for matcher in matchers:
-            if matcher.mask is None and not matcher.failed:
-                by_grammar.setdefault(matcher.grammar, []).append(matcher)
-        for grammar, rows in by_grammar.items():
-            grammar.job_started()
-            if grammar.slow:
-                self._slow.submit(lambda g=grammar, r=rows: self._job(g, r, fast=False))
-            else:
-                with self._done:
-                    self._running.add(grammar)
-                self._fast.submit(lambda g=grammar, r=rows: self._job(g, r, fast=True))
-
-    def wait(self, timeout: float = MASK_WAIT_SECONDS) -> None:
-        """Wait until the fast jobs are done, `timeout` seconds at most; those still running then
-        have slow grammars (and are not waited for again)."""
-        deadline = time.monotonic() + timeout
-        with self._done:
-            while any(not grammar.slow for grammar in self._running):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    for grammar in self._running:
-                        grammar.slow = True
-                    return
-                self._done.wait(left)
-
-    def wait_any(self, timeout: float) -> None:
-        """Sleep until some job ends, `timeout` seconds at most (the engine has nothing else to do)."""
-        with self._done:
-            self._done.wait(timeout)
-
-    def close(self) -> None:
-        self._fast.close()
-        self._slow.close()
-
-    def _job(self, grammar: _Grammar, rows: list[GrammarMatcher], fast: bool) -> None:
-        started = time.perf_counter()
-        try:
-            for matcher in rows:
-                matcher.compute_mask(self.words)
-        except Exception:  # noqa: BLE001 - a bug here must not kill the thread; the rows' grammar fails
-            log.exception("computing a grammar mask failed")
-            grammar.error = grammar.error or "computing its mask failed"
-        finally:
-            if (time.perf_counter() - started) / len(rows) > SLOW_MASK_SECONDS:
-                grammar.slow = True
-            grammar.job_ended()
-            with self._done:
-                if fast:
-                    self._running.discard(grammar)
-                self._done.notify_all()
-
-
-class _Threads:
-    """A few daemon threads with a large stack that run submitted functions in order, started on
-    first use and stopped when closed or dropped. With `share` < 1, each thread rests after a job
-    in proportion to how long it took."""
-
-    def __init__(self, count: int, name: str, share: float = 1.0) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._count, self._name, self._share = count, name, share
-        self._started = False
-        self._start_lock = threading.Lock()
-        weakref.finalize(self, _stop_threads, self._jobs, count)
-
-    def submit(self, job: Callable[[], None]) -> None:
-        if not self._started:
-            self._start()
-        self._jobs.put(job)
-
-    def _start(self) -> None:
-        with self._start_lock:
-            if self._started:
-                return
-            previous = threading.stack_size(GRAMMAR_STACK_BYTES)
-            try:
-                for i in range(self._count):
-                    threading.Thread(target=_serve, args=(self._jobs, self._share), name=f"{self._name}-{i}",
-                                     daemon=True).start()
-            finally:
-                threading.stack_size(previous)
-            self._started = True
-
-    def run(self, function: Callable):
-        """Run `function` on one of the threads and return its result (or raise its exception)."""
-        done = threading.Event()
-        result: list = [None, None]
-
-        def job() -> None:
-            try:
-                result[0] = function()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                result[1] = exc
-            finally:
-                done.set()
-
-        self.submit(job)
-        done.wait()
-        if result[1] is not None:
-            raise result[1]
-        return result[0]
-
-    def close(self) -> None:
-        _stop_threads(self._jobs, self._count)
-
-
-def _stop_threads(jobs: queue.SimpleQueue, count: int) -> None:
-    for _ in range(count):
-        jobs.put(None)
-
-
-def _serve(jobs: queue.SimpleQueue, share: float) -> None:
-    while (job := jobs.get()) is not None:
-        started = time.perf_counter()
-        job()
-        if share < 1:
-            time.sleep((time.perf_counter() - started) * (1 / share - 1))

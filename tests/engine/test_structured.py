@@ -179,7 +179,7 @@ def test_compiled_grammars_are_cached_per_spec(llm):
 
 def test_a_failed_grammar_fails_its_request_and_frees_everything(llm, monkeypatch):
     """A matcher that fails mid-reply (a parser limit reached) is an error the client hears, not a clean stop."""
-    from chatd.engine.grammar import GrammarMatcher
+    from chatd.engine.core.grammar_matcher import GrammarMatcher
 
     engine = llm.engine
     spec = StructuredOutput(regex=r"[a-z]{5,30}")
@@ -224,7 +224,7 @@ def test_a_row_whose_mask_is_late_sits_out_and_the_batch_goes_on(model_dirs, mon
     to its end, then the late row finishes as its grammar says once its masks come."""
     import threading
 
-    from chatd.engine.grammar import GrammarMatcher
+    from chatd.engine.core.grammar_matcher import GrammarMatcher
 
     release = threading.Event()
     compute = GrammarMatcher.compute_mask

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from chatd.engine.core.grammar_matcher import GrammarMatcher, fill_masks
 from chatd.engine.core.ragged import pad_ragged
-from chatd.engine.grammar import GrammarMatcher, fill_masks
 from chatd.engine.params import Logprob, SamplingParams
 from chatd.engine.worker.host_sampling import host_choices, host_draw
 
@@ -195,7 +195,7 @@ def apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         return logits
     vocab_size = logits.shape[1]
     device = logits.device
-    # Computed ahead, off the engine thread (grammar.MaskWorkers): uint32 bits -> [C, V] booleans.
+    # Computed ahead, off the engine thread (grammar_threads.MaskWorkers): uint32 bits -> [C, V] booleans.
     words = fill_masks([rows[i].grammar for i in constrained], vocab_size)  # [C, words] uint32
     words = torch.from_numpy(words.view(np.int32)).to(device)
     bits = torch.arange(32, dtype=torch.int32, device=device)
