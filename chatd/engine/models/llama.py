@@ -15,8 +15,9 @@ range of the fused weight, using the FUSED_SHARDS table below.
 
 Under tensor parallelism (`tp`, tensor_parallel.py) each rank builds the same modules at its own
 sizes: its query and key/value heads, its slice of the MLP and of the vocabulary. Every
-parallel module says which part of a checkpoint tensor it holds (`checkpoint_shard`), so a rank
-reads only that part; o_proj, down_proj and the embedding end in an all-reduce.
+parallel module (layers.py) says which part of a checkpoint tensor it holds (`checkpoint_shard`),
+so a rank reads only that part; o_proj, down_proj and the embedding end in an all-reduce. Rotary
+embeddings are rope.py.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from chatd.engine.attention import AttentionBackend, AttentionMetadata, KVCache
+from chatd.engine.models.layers import FusedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from chatd.engine.models.matvec import dense
 from chatd.engine.models.quant import ConcatLinear, Int4Linear, Int8Linear, quantize_linear
+from chatd.engine.models.rope import apply_rope, build_rope_cache
 from chatd.engine.models.tensor_parallel import HeadLayout, Shard, TPGroup
 
 
@@ -76,10 +78,6 @@ class GGUFBlocks(Protocol):
         """Whether the file stores the tensor quantized (in any block format)."""
 
 
-# Rope types whose frequencies are fixed at load time; "dynamic" and "longrope" change with the
-# batch's length, which a precomputed table cannot follow.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
 # Checkpoint module name -> (our fused module, which of its row blocks). The index is the order of
 # the blocks in the fused weight, and so the order of the outputs its forward splits apart.
 FUSED_SHARDS = {
@@ -89,138 +87,6 @@ FUSED_SHARDS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-
-
-def max_positions(config: PretrainedConfig) -> int:
-    """The longest context the model's rope supports: linear and yarn scaling stretch the original length."""
-    rope = rope_parameters(config)
-    if rope["rope_type"] in ("linear", "yarn"):
-        original = rope.get("original_max_position_embeddings") or config.max_position_embeddings
-        return max(config.max_position_embeddings, int(original * rope["factor"]))
-    return config.max_position_embeddings
-
-
-def rope_parameters(config: PretrainedConfig) -> dict:
-    """Rope settings; transformers 5 keeps them (rope_theta included) in `config.rope_parameters`."""
-    # transformers 4.x named the dict `rope_scaling` and kept rope_theta beside it.
-    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    rope.setdefault("rope_type", rope.get("type", "default"))
-    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return rope
-
-
-def build_rope_cache(config: PretrainedConfig, head_dim: int, device: torch.device | None = None) -> Tensor:
-    """cos | sin for every position: [max_positions, head_dim], float32, computed as transformers does."""
-    rope = rope_parameters(config)
-    rope_type = rope["rope_type"]
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if rope_type == "default":
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim
-        inv_freq, attention_scaling = 1.0 / (rope["rope_theta"] ** exponents), 1.0
-    else:
-        # transformers' own init functions, so llama3/linear/yarn frequencies match it bit for bit.
-        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
-    if inv_freq.numel() * 2 != head_dim:
-        raise ValueError("partial rotary embeddings (rotary dim < head_dim) are not supported")
-    positions = torch.arange(max_positions(config), dtype=torch.float, device=device)
-    freqs = positions[:, None] * inv_freq.float()[None, :]  # [positions, head_dim // 2]
-    return torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the two halves of each head (the "rotate_half" layout Hugging Face checkpoints use)."""
-    # x: [tokens, heads, head_dim]; cos, sin: [tokens, 1, head_dim // 2]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and scaled after casting back, in transformers' order."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-
-class FusedLinear(nn.Linear):
-    """Several Linear layers over the same input, stacked row-wise into one weight: one GEMM for all.
-
-    Column-parallel under tensor parallelism: `shards[i]` are the rows of the i-th checkpoint
-    layer this rank holds (None: all of them)."""
-
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, shards: list[Shard] | None = None):
-        super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.output_sizes = list(output_sizes)
-        self.shards = shards or [None] * len(output_sizes)
-        self.quantized: nn.Module | None = None
-
-    def shard_rows(self, index: int) -> slice:
-        """The rows of the weight (and bias) that belong to the index-th stacked layer."""
-        start = sum(self.output_sizes[:index])
-        return slice(start, start + self.output_sizes[index])
-
-    def quantize(self, quantized: nn.Module | None) -> None:
-        """Compute with `quantized` (quant.py: the weight and bias in it) and drop the float weight; None: stay float."""
-        self.quantized = quantized
-        if quantized is not None:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.quantized(x) if self.quantized is not None else dense(x, self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Linear):
-    """A Linear whose input features are split over the ranks: each computes a partial sum of the
-    output, one all-reduce adds them up, and the bias (held whole by every rank) comes after."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, shard: Shard):
-        super().__init__(in_features, out_features, bias=bias)
-        self.tp = tp
-        self.shard = Shard(1, shard.start, shard.length)  # columns of the checkpoint's weight
-        self.quantized: nn.Module | None = None
-
-    def checkpoint_shard(self, param_name: str) -> Shard | None:
-        return self.shard if param_name == "weight" and self.tp.size > 1 else None
-
-    def quantize(self, quantized: nn.Module | None) -> None:
-        """Compute the partial sums with `quantized` (no bias in it: the bias comes after the sum); None: stay float."""
-        self.quantized = quantized
-        if quantized is not None:
-            self.register_parameter("weight", None)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.quantized is None and self.tp.size == 1:
-            return dense(x, self.weight, self.bias)
-        out = self.quantized(x) if self.quantized is not None else F.linear(x, self.weight)
-        out = self.tp.all_reduce(out)
-        return out if self.bias is None else out + self.bias
-
-
-class VocabParallelEmbedding(nn.Embedding):
-    """The embedding with the vocabulary split by rows: each rank looks up the ids it holds (zeros
-    for the rest) and one all-reduce joins them. Rows past the vocabulary's end are padding."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
-        super().__init__(tp.padded_vocab(vocab_size), hidden_size)
-        self.tp = tp
-        self.shard = tp.vocab_shard(vocab_size)
-
-    def checkpoint_shard(self, param_name: str) -> Shard | None:
-        return self.shard if self.tp.size > 1 else None
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.shard.start
-        held = (local >= 0) & (local < self.shard.length)
-        x = F.embedding(torch.where(held, local, 0), self.weight)
-        return self.tp.all_reduce(x.masked_fill_(~held.unsqueeze(-1), 0))
 
 
 class Attention(nn.Module):

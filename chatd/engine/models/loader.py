@@ -23,8 +23,9 @@ from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from chatd.engine.models.gguf import GGUFCheckpoint, find_gguf, is_gguf
-from chatd.engine.models.llama import LlamaForCausalLM, max_positions
+from chatd.engine.models.llama import LlamaForCausalLM
 from chatd.engine.models.quant import unavailable_reason
+from chatd.engine.models.rope import max_positions
 from chatd.engine.models.tensor_parallel import Shard, TPGroup
 
 log = logging.getLogger("chatd.engine")
