@@ -15,10 +15,11 @@ from __future__ import annotations
 from aiohttp import web
 
 from chatd.http.auth import TENANT
+from chatd.http.conversation_request import parse_conversation_update, parse_new_conversation
 from chatd.http.errors import REQUEST_ID, APIError
 from chatd.http.items import item_json, item_page, page_params, parse_items
 from chatd.http.openai_format import token_usage
-from chatd.http.protocol import json_body, parse_conversation_update, parse_new_conversation, parse_turn, shown
+from chatd.http.protocol import json_body, parse_turn, shown
 from chatd.http.request_log import REQUEST_LOG
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import TURNS, MessageTurn, ReplyStream, conversation_not_found, stored_reply

@@ -26,12 +26,14 @@ import chatd
 from chatd.engine import MAX_LOGPROBS, MAX_N
 from chatd.http import moderation, responses
 from chatd.http.auth import is_guarded
+from chatd.http.chat_messages import ROLES
+from chatd.http.conversation_request import MAX_METADATA_DEPTH
 from chatd.http.conversations import MAX_NEW_ITEMS
 from chatd.http.items import MAX_PAGE, TEXT_PARTS
 from chatd.http.items import ROLES as ITEM_ROLES
 from chatd.http.protocol import (
-    CHAT_FIELDS, COMPLETION_FIELDS, MAX_METADATA_DEPTH, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS,
-    MAX_PROMPTS, MAX_STOP, ROLES, SERVICE_TIERS, TURN_FIELDS, UNSUPPORTED, VERBOSITIES,
+    CHAT_FIELDS, COMPLETION_FIELDS, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS,
+    MAX_PROMPTS, MAX_STOP, SERVICE_TIERS, TURN_FIELDS, UNSUPPORTED, VERBOSITIES,
 )
 from chatd.http.state import STATE
 from chatd.http.tokens import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
@@ -114,7 +116,7 @@ INPUT_ITEM = {
     "required": ["role", "content"],
     "additionalProperties": False,
 }
-# A conversation's metadata (protocol._metadata): any object, kept and returned.
+# A conversation's metadata (conversation_request._metadata): any object, kept and returned.
 KEPT_METADATA = {"type": "object", "description": f"any JSON object, at most the server's `max_metadata_bytes` as JSON "
                                                   f"and {MAX_METADATA_DEPTH} levels deep; kept and returned"}
 
@@ -185,7 +187,7 @@ FIELD_SCHEMAS: dict[str, Schema] = {
     "safety_identifier": {"type": "string", "description": "accepted, not used"},
     "add_generation_prompt": {"type": "boolean", "default": True, "description": "end with the assistant's turn opening"},
     "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}, "description": "token ids of the served model"},
-    # Conversations (protocol.parse_new_conversation, conversations.create_items) and responses (responses.py).
+    # Conversations (conversation_request.parse_new_conversation, conversations.create_items) and responses (responses.py).
     "title": {"type": "string", "description": "at most the server's `max_title_chars`"},
     "system_prompt": {"type": "string", "description": "the conversation's system message, before every turn"},
     "items": {"type": "array", "items": INPUT_ITEM, "minItems": 1, "maxItems": MAX_NEW_ITEMS,
@@ -526,7 +528,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "start": TIMESTAMP, "end": TIMESTAMP,
     }},
     ("POST", "/v1/conversations"): {
-        # protocol.parse_new_conversation's fields, and the items create_conversation takes first.
+        # conversation_request.parse_new_conversation's fields, and the items create_conversation takes first.
         "request": Fields({"model", "title", "system_prompt", "metadata", "items"}, overrides={"metadata": KEPT_METADATA}),
         "body_optional": True, "response": ref("Conversation"),
     },

@@ -6,7 +6,9 @@ Fields that change nothing chatd computes are accepted and type-checked, as Open
 `prompt_cache_key` (only logged: chatd's prefix cache finds shared prefixes by itself) and, on
 chat, `verbosity` and `store` (chatd keeps no chat completions to retrieve; state lives in
 conversations). Range checks on sampling values live in SamplingParams.validate; this module
-checks types and OpenAI-specific rules (stop lists, logprobs pairing, stream_options).
+checks types and OpenAI-specific rules (stop lists, logprobs pairing, stream_options). A chat
+body's messages are checked in chat_messages.py; a conversation's own fields (title, metadata)
+in conversation_request.py, with this module's field checks.
 """
 
 from __future__ import annotations
@@ -16,12 +18,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import orjson
-
-from chatd.config import ConversationsConfig
 from chatd.engine import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from chatd.http import structured
-from chatd.http.tools import ToolRequest, assistant_tool_calls, parse_tools
+from chatd.http.chat_messages import parse_messages, text_content
+from chatd.http.tools import ToolRequest, parse_tools
 from chatd.http.errors import APIError, shown
 
 # Fields that change what the model must do; accepting and ignoring them would give wrong answers.
@@ -48,9 +48,6 @@ CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs"
                                  "parallel_tool_calls"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs"}
 TURN_FIELDS = (SAMPLING_FIELDS - {"store", "metadata"}) | {"content", "role", "max_completion_tokens", "logprobs", "top_logprobs"}
-ROLES = ("system", "user", "assistant", "developer", "tool")
-# What a message may carry besides role and content, by role (`refusal` comes back in SDK echoes).
-MESSAGE_FIELDS = {"assistant": {"name", "tool_calls", "refusal"}, "tool": {"tool_call_id"}}
 MAX_STOP = 4
 # A completion may batch prompts; each is its own engine request (with n choices each).
 MAX_PROMPTS = 64
@@ -59,9 +56,6 @@ SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
 VERBOSITIES = ("low", "medium", "high")
 # OpenAI's limits on a completion's metadata: tags for the caller, never read by the model.
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
-# Conversation metadata is stored as JSON by orjson, which writes at most 254 levels; real
-# metadata is a flat map of tags, so the limit is far below that.
-MAX_METADATA_DEPTH = 32
 
 
 @dataclass
@@ -121,7 +115,7 @@ def parse_chat(body: Any, max_messages: int, defaults: Mapping[str, float] = Map
         raise APIError(400, f"messages has {len(messages)} entries; the limit is {max_messages}", "messages")
     gen = _request(body, None, _chat_max_tokens(body), _chat_logprobs(body), defaults, store_allowed=True,
                    output_format=output_format)
-    gen.messages = _name_tool_results([_message(m, i) for i, m in enumerate(messages)])
+    gen.messages = parse_messages(messages)
     gen.max_tokens_field = _max_tokens_field(body)
     gen.tools = tool_request
     return gen
@@ -137,7 +131,7 @@ def parse_turn(body: Any, max_chars: int, defaults: Mapping[str, float] = Mappin
     role = _get(body, "role", str, "user")
     if role != "user":
         raise APIError(400, f"role must be 'user' (the server writes the assistant's replies), got {role!r}", "role")
-    content = _content(body.get("content"), "content")
+    content = text_content(body.get("content"), "content")
     if not content:
         raise APIError(400, "content must be a non-empty string", "content")
     if len(content) > max_chars:
@@ -147,54 +141,6 @@ def parse_turn(body: Any, max_chars: int, defaults: Mapping[str, float] = Mappin
     if gen.params.n != 1:
         raise APIError(400, f"a conversation takes one reply per message: n must be 1, got {gen.params.n}", "n")
     return TurnRequest(content, gen)
-
-
-def parse_new_conversation(body: Any, limits: ConversationsConfig) -> dict:
-    """Validate a POST /v1/conversations body; returns model, title, system_prompt and metadata."""
-    body = {} if body is None else _object(body)
-    _check_fields(body, {"model", "title", "system_prompt", "metadata"})
-    system_prompt = _get(body, "system_prompt", str, None)
-    if system_prompt is not None and len(system_prompt) > limits.max_message_chars:
-        raise APIError(400, f"system_prompt has {len(system_prompt)} characters; the limit is {limits.max_message_chars}",
-                       "system_prompt")
-    return {"model": _get(body, "model", str, None), "title": _title(body, limits), "system_prompt": system_prompt,
-            "metadata": _metadata(body, limits)}
-
-
-def parse_conversation_update(body: Any, limits: ConversationsConfig) -> dict:
-    """Validate a POST /v1/conversations/{id} body: the fields given of `title` (null clears it) and `metadata`."""
-    body = _object(body)
-    _check_fields(body, {"title", "metadata"})
-    fields = {}
-    if "title" in body:
-        fields["title"] = _title(body, limits)
-    if "metadata" in body:
-        fields["metadata"] = _metadata(body, limits)
-    if not fields:
-        raise APIError(400, "give title or metadata to change", None)
-    return fields
-
-
-def _title(body: dict, limits: ConversationsConfig) -> str | None:
-    title = _get(body, "title", str, None)
-    if title is not None and len(title) > limits.max_title_chars:
-        raise APIError(400, f"title has {len(title)} characters; the limit is {limits.max_title_chars}", "title")
-    return title
-
-
-def _metadata(body: dict, limits: ConversationsConfig) -> dict:
-    metadata = _get(body, "metadata", dict, {})
-    try:
-        size = len(orjson.dumps(metadata))
-    except orjson.JSONEncodeError:  # what orjson read it writes back, except nesting past its limit
-        raise APIError(400, f"metadata nests more than {structured.ORJSON_MAX_DEPTH} levels deep; the limit is {MAX_METADATA_DEPTH}",
-                       "metadata") from None
-    if size > limits.max_metadata_bytes:
-        raise APIError(400, f"metadata takes {size} bytes as JSON; the limit is {limits.max_metadata_bytes}", "metadata")
-    depth = _depth(metadata)  # after the size check: walking a few KB in Python is cheap, a 4 MB body is not
-    if depth > MAX_METADATA_DEPTH:
-        raise APIError(400, f"metadata nests {depth} levels deep; the limit is {MAX_METADATA_DEPTH}", "metadata")
-    return metadata
 
 
 def _max_tokens_field(body: dict) -> str:
@@ -361,63 +307,6 @@ def _request(body: dict, prompt: str | list[int], max_tokens: int | None, logpro
     )
 
 
-def _message(message: Any, index: int) -> dict:
-    where = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise APIError(400, f"{where} must be an object", where)
-    role = message.get("role")
-    if not isinstance(role, str) or role not in ROLES:  # a list or an object cannot even be looked up in ROLES
-        raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}; got {shown(role)}", f"{where}.role")
-    extra = sorted(set(message) - {"role", "content"} - MESSAGE_FIELDS.get(role, {"name"}))
-    if extra:
-        raise APIError(400, f"{where} has fields chatd does not support for a {role} message: {', '.join(extra)}", where)
-    calls = message.get("tool_calls") if role == "assistant" else None
-    # An assistant message that calls tools may have no content.
-    content = "" if calls is not None and message.get("content") is None else _content(message.get("content"), f"{where}.content")
-    # OpenAI's developer messages are instructions, what chat templates call system messages.
-    rendered = {"role": "system" if role == "developer" else role, "content": content}
-    if calls is not None:
-        rendered["tool_calls"] = assistant_tool_calls(calls, f"{where}.tool_calls")
-    if role == "tool":
-        call_id = message.get("tool_call_id")
-        if not isinstance(call_id, str) or not call_id:
-            raise APIError(400, f"{where}.tool_call_id must name the call this is the result of", f"{where}.tool_call_id")
-        rendered["tool_call_id"] = call_id
-    name = message.get("name")
-    if name is not None:  # the participant's name: templates that render names show it
-        if not isinstance(name, str):
-            raise APIError(400, f"{where}.name must be a string, got {shown(name)}", f"{where}.name")
-        rendered["name"] = name
-    return rendered
-
-
-def _name_tool_results(messages: list[dict]) -> list[dict]:
-    """Give each tool result the name of the function whose call it answers (templates that show
-    it read `name`); a result whose call is not in the messages keeps none."""
-    names = {call["id"]: call["function"]["name"] for m in messages for call in m.get("tool_calls", ())}
-    for message in messages:
-        if message["role"] == "tool" and message["tool_call_id"] in names:
-            message.setdefault("name", names[message["tool_call_id"]])
-    return messages
-
-
-def _content(content: Any, where: str) -> str:
-    """A message's content: a string, or a list of text parts joined."""
-    if isinstance(content, list):  # a list of parts: only text parts are understood
-        texts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                if not isinstance(part, dict):
-                    raise APIError(400, f"{where}[{j}] must be a part like {{'type': 'text', 'text': ...}}, got {shown(part)}",
-                                   where)
-                raise APIError(400, f"{where}[{j}] of type {shown(part.get('type'))} is not supported; only text parts", where)
-            texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise APIError(400, f"{where} must be a string or a list of text parts", where)
-    return content
-
-
 def json_body(body: Any, allowed: set[str]) -> dict:
     """A request body that must be a JSON object of these fields only (400 naming the first other one)."""
     body = _object(body)
@@ -449,17 +338,6 @@ def _get(body: dict, name: str, types, default):
     if not isinstance(value, types):
         raise APIError(400, f"{name} must be {_type_name(types)}, got {type(value).__name__}", name)
     return value
-
-
-def _depth(value: Any) -> int:
-    """How many levels of objects and lists a JSON value has (without recursion: orjson reads up to 1,024)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, (dict, list)):
-            deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for child in (value.values() if isinstance(value, dict) else value))
-    return deepest
 
 
 def _type_name(types) -> str:

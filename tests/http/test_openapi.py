@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from chatd.config import Config, ConversationsConfig
 from chatd.engine import ParamError
 from chatd.engine.models.demo import build_demo_model
-from chatd.http import app, conversations, items, openapi, protocol, responses
+from chatd.http import app, conversation_request, conversations, items, openapi, protocol, responses
 from chatd.http.conversations import MAX_NEW_ITEMS
 from chatd.http.errors import APIError
 from tests.http.serving import start_server, stop_server
@@ -176,7 +176,7 @@ PARSERS = {
     ("POST", "/v1/responses"): (lambda body: responses.parse_response(body, SERVER_STATE), {"input": "hi"}),
     ("POST", "/v1/conversations"): (lambda body: conversations.parse_conversation(body, SERVER_STATE), {}),
     ("POST", "/v1/conversations/{conversation_id}"): (
-        lambda body: protocol.parse_conversation_update(body, ConversationsConfig()), {"title": "t"}),
+        lambda body: conversation_request.parse_conversation_update(body, ConversationsConfig()), {"title": "t"}),
 }
 # Rules between fields that a field's schema cannot say: what each needs beside it to be checked alone
 # (where the body has that field).
