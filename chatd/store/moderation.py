@@ -10,14 +10,13 @@ store's clock. It knows nothing of policies, HTTP or the CLI: it keeps and hands
 
 from __future__ import annotations
 
-import secrets
 import sqlite3
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
 
-from chatd.store.records import ModerationEvent
+from chatd.store.records import ModerationEvent, new_id
 
 STAGES = ("input", "output", "moderations")  # a request's messages, a streamed reply, the /v1/moderations endpoint
 ACTIONS = ("blocked", "flagged", "redacted", "guard_failed")
@@ -26,7 +25,7 @@ DECISIONS = ("upheld", "overturned")  # what the operator's review may end in
 EXCERPT_CHARS = 200
 MAX_APPEAL_CHARS = 2000
 
-# Schema version 5 (db.py runs it as MIGRATIONS[3]). A migration step is fixed once released:
+# Schema version 5 (database.py runs it as MIGRATIONS[3]). A migration step is fixed once released:
 # change this table with a new step, never here. No foreign key on the conversation, message or
 # request: the audit trail outlives a purged conversation and must not block its purge.
 MODERATION_MIGRATION = [
@@ -82,9 +81,8 @@ class ModerationLog:
         # A lone string is a Sequence[str] too, but its letters are no categories.
         if isinstance(categories, str) or not all(isinstance(c, str) and c for c in categories):
             raise ValueError(f"categories must be a list of non-empty strings; got {categories!r}")
-        # The id is made here, not with db._new_id: db.py imports this module.
         event = ModerationEvent(
-            id="modr_" + secrets.token_hex(12), tenant_id=tenant_id, stage=stage, action=action,
+            id=new_id("modr_", 12), tenant_id=tenant_id, stage=stage, action=action,
             categories=tuple(categories), endpoint=endpoint,
             excerpt=None if excerpt is None else excerpt[:EXCERPT_CHARS], text_sha256=text_sha256,
             request_id=request_id, conversation_id=conversation_id, message_id=message_id,

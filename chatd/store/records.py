@@ -1,5 +1,5 @@
 """What the store hands out: frozen records of tenants, keys, conversations, messages, responses,
-usage, and the safety pipeline's moderation events.
+usage, and the safety pipeline's moderation events; and `new_id`, how each family names its rows.
 
 Timestamps are unix seconds; costs are USD. Import them from here or from chatd.store.db (a
 ModerationEvent: from here or from chatd.store.moderation).
@@ -7,6 +7,7 @@ ModerationEvent: from here or from chatd.store.moderation).
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,3 +117,8 @@ class ModerationEvent:
     appealed_at: float | None
     resolved_at: float | None
     resolution_note: str | None
+
+
+def new_id(prefix: str, num_bytes: int) -> str:
+    """A fresh row id: `prefix` and `num_bytes` random bytes in hex ("conv_" + 24 hex)."""
+    return prefix + secrets.token_hex(num_bytes)

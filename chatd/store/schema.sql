@@ -1,5 +1,5 @@
 -- chatd's store at schema version 1. This file only ever creates a fresh database; a later
--- change is a new migration step in db.py (MIGRATIONS), never an edit here.
+-- change is a new migration step in database.py (MIGRATIONS), never an edit here.
 -- Timestamps are unix seconds (REAL). Tokens are counts; cost is USD.
 
 CREATE TABLE tenants (

@@ -12,7 +12,7 @@ import pytest
 
 from chatd.store.db import Store
 from chatd.store.ledger import Ledger, cannot_write_now
-from tests.store.test_store import MAX_BYTES, START, FakeClock, fill_up, free_up, make_tenant, read_sql
+from tests.store.factories import MAX_BYTES, START, fill_up, free_up, make_tenant, read_sql
 
 RETRY_SECONDS = 5.0
 LONG_REPLY = "a reply streamed while the disk was full. " * 200  # needs pages of its own
@@ -41,11 +41,6 @@ class ParkedSleep:
         self.started.clear()
         self._ended.set()
         self._ended = asyncio.Event()
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 @pytest.fixture

@@ -9,21 +9,10 @@ import sqlite3
 
 import pytest
 
-from chatd.store import db
+from chatd.store import database
 from chatd.store.db import SCHEMA_VERSION, Store
 from chatd.store.records import ModerationEvent
-from tests.store.test_store import START, FakeClock, make_tenant, read_sql, user_version
-
-
-@pytest.fixture
-async def store(tmp_path, clock):
-    async with await Store.open(tmp_path / "chatd.db", clock=clock) as store:
-        yield store
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+from tests.store.factories import START, FakeClock, make_tenant, read_sql, user_version
 
 
 async def add_event(store: Store, tenant_id: str, **fields) -> ModerationEvent:
@@ -219,7 +208,7 @@ async def test_the_events_outlive_a_purged_conversation(store, clock):
 async def test_a_file_from_before_moderation_events_is_migrated_and_keeps_its_data(tmp_path, monkeypatch):
     path = tmp_path / "chatd.db"
     with monkeypatch.context() as old_chatd:  # the chatd before this schema version
-        old_chatd.setattr(db, "MIGRATIONS", db.MIGRATIONS[:-1])
+        old_chatd.setattr(database, "MIGRATIONS", database.MIGRATIONS[:-1])
         async with await Store.open(path) as store:
             key, record = await store.create_key("alice", "paid")
             conversation = await store.create_conversation(record.tenant_id, model="m", items=[("user", "hi")])

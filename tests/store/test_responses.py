@@ -1,18 +1,12 @@
-"""The store's Responses and conversation items on a real SQLite file: chains by
-previous_response_id, responses inside conversations, item pages, deletes, tenants apart."""
+"""Responses (responses.py) on a real SQLite file: chains by previous_response_id, responses
+inside conversations, deletes that hide then purge, a store=false response's single record, tenants
+apart."""
 
 from __future__ import annotations
 
 import pytest
 
-from chatd.store.db import Store
-from tests.store.test_store import FakeClock, finish, make_tenant, read_sql
-
-
-@pytest.fixture
-async def store(tmp_path):
-    async with await Store.open(tmp_path / "chatd.db", clock=FakeClock()) as store:
-        yield store
+from tests.store.factories import finish, make_tenant, read_sql
 
 
 async def test_a_chain_of_standalone_responses_reads_back_oldest_first(store):
@@ -73,22 +67,3 @@ async def test_a_response_in_a_conversation_adds_its_items_there(store):
                                            conversation_id=conversation.id)
     await store.delete_conversation(alice, conversation.id)
     assert await store.get_response(alice, other.id) is None
-
-
-async def test_items_page_in_either_order_and_delete_one_at_a_time(store):
-    alice = await make_tenant(store)
-    conversation = await store.create_conversation(alice, model="m")
-    items = await store.add_items(alice, conversation.id, [("user", str(i)) for i in range(5)])
-    page, more = await store.list_items(conversation.id, limit=2)
-    assert [m.content for m in page] == ["4", "3"] and more
-    page, more = await store.list_items(conversation.id, limit=2, after=page[-1].id)
-    assert [m.content for m in page] == ["2", "1"] and more
-    page, more = await store.list_items(conversation.id, limit=10, order="asc", after=items[2].id)
-    assert [m.content for m in page] == ["3", "4"] and not more
-    with pytest.raises(LookupError):
-        await store.list_items(conversation.id, limit=2, after="msg_nope")
-    assert await store.delete_item(conversation.id, items[0].id)
-    assert not await store.delete_item(conversation.id, items[0].id)
-    assert [m.content for m in await store.list_messages(conversation.id)] == ["1", "2", "3", "4"]
-    with pytest.raises(LookupError):
-        await store.add_items(await make_tenant(store, "bob"), conversation.id, [("user", "x")])

@@ -1,0 +1,43 @@
+"""What each request used, in the store: one usage event per request, summed per tenant over a
+time window. A finished conversation reply writes its event in the same transaction as the reply
+(messages.py runs INSERT_USAGE there); everything else records it here.
+
+`UsageLog` is a mixin of `Store` (db.py): its SQL runs through the store's `_fetch` and `_write`.
+It knows nothing of prices or tiers: it keeps the tokens and the cost it is given.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Awaitable, Callable
+
+from chatd.store.records import Usage
+
+INSERT_USAGE = ("INSERT INTO usage_events (tenant_id, endpoint, model, conversation_id, message_id, prompt_tokens, "
+                "cached_tokens, completion_tokens, cost, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+
+
+class UsageLog:
+    """Store methods that record what requests used and sum it per tenant."""
+
+    # Provided by Store.
+    _clock: Callable[[], float]
+    _fetch: Callable[..., Awaitable[list[sqlite3.Row]]]
+    _write: Callable[[str, tuple], Awaitable[int]]
+
+    async def record_usage(self, tenant_id: str, *, endpoint: str, model: str, prompt_tokens: int,
+                           cached_tokens: int, completion_tokens: int, cost: float,
+                           conversation_id: str | None = None, message_id: str | None = None,
+                           created_at: float | None = None) -> None:
+        """Record what one request used, at `created_at` (default: now)."""
+        await self._write(INSERT_USAGE, (tenant_id, endpoint, model, conversation_id, message_id, prompt_tokens,
+                                         cached_tokens, completion_tokens, cost,
+                                         self._clock() if created_at is None else created_at))
+
+    async def usage(self, tenant_id: str, start: float, end: float) -> Usage:
+        """The tenant's totals over events with start <= created_at < end."""
+        [row] = await self._fetch(
+            "SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
+            "COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(cost), 0.0) FROM usage_events "
+            "WHERE tenant_id = ? AND created_at >= ? AND created_at < ?", (tenant_id, start, end))
+        return Usage(*row)
