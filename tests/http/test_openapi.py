@@ -17,9 +17,10 @@ from types import SimpleNamespace
 from chatd.config import Config, ConversationsConfig
 from chatd.engine import ParamError
 from chatd.engine.models.demo import build_demo_model
-from chatd.http import app, conversation_request, conversations, items, openapi, protocol, responses
+from chatd.http import app, conversation_request, conversations, items, openapi, openapi_bodies, protocol, responses
 from chatd.http.conversations import MAX_NEW_ITEMS
 from chatd.http.errors import APIError
+from chatd.http.openapi_components import ref
 from tests.http.serving import start_server, stop_server
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about paged attention."}]
@@ -137,30 +138,30 @@ def field_sets() -> dict[str, set]:
 def test_every_field_a_parser_allows_has_a_schema():
     assert field_sets()
     for name, fields in field_sets().items():
-        missing = sorted(fields - set(openapi.FIELD_SCHEMAS))
-        assert not missing, f"{name} allows fields with no schema in openapi.FIELD_SCHEMAS: {', '.join(missing)}"
+        missing = sorted(fields - set(openapi_bodies.FIELD_SCHEMAS))
+        assert not missing, f"{name} allows fields with no schema in openapi_bodies.FIELD_SCHEMAS: {', '.join(missing)}"
 
 
 def test_item_schemas_take_the_keys_items_py_takes():
-    assert set(openapi.INPUT_ITEM["properties"]) == items.MESSAGE_KEYS
-    assert set(openapi.ITEM_PART["properties"]) == items.PART_KEYS
-    assert openapi.FIELD_SCHEMAS["items"]["maxItems"] == MAX_NEW_ITEMS
+    assert set(openapi_bodies.INPUT_ITEM["properties"]) == items.MESSAGE_KEYS
+    assert set(openapi_bodies.ITEM_PART["properties"]) == items.PART_KEYS
+    assert openapi_bodies.FIELD_SCHEMAS["items"]["maxItems"] == MAX_NEW_ITEMS
 
 
 def test_a_field_or_handler_without_documentation_fails_the_build():
-    with pytest.raises(openapi.UndocumentedError, match="made_up"):
-        openapi.body_schema(openapi.Fields(protocol.CHAT_FIELDS | {"made_up"}), "demo")
+    with pytest.raises(openapi_bodies.UndocumentedError, match="made_up"):
+        openapi_bodies.body_schema(openapi_bodies.Fields(protocol.CHAT_FIELDS | {"made_up"}), "demo")
 
     async def undocumented(request):
         pass
 
-    with pytest.raises(openapi.UndocumentedError, match="undocumented"):
+    with pytest.raises(openapi_bodies.UndocumentedError, match="undocumented"):
         openapi.build_document([("GET", "/x", undocumented)], "demo")
 
     async def no_response_schema(request):
         """A route OPERATIONS does not describe."""
 
-    with pytest.raises(openapi.UndocumentedError, match="no response schema"):
+    with pytest.raises(openapi_bodies.UndocumentedError, match="no response schema"):
         openapi.build_document([("GET", "/x", no_response_schema)], "demo")
 
 
@@ -191,7 +192,7 @@ CANDIDATES = [None, True, False, 0, 1, 2, -1, 1.5, 2.5, -2.5, 17, 21, 2**63, "x"
 def test_every_body_a_parser_checks_is_checked_against_its_parser():
     sets = list(field_sets().values())
     parsed = {key for key, entry in openapi.OPERATIONS.items()
-              if isinstance(entry.get("request"), openapi.Fields) and any(entry["request"].allowed is s for s in sets)}
+              if isinstance(entry.get("request"), openapi_bodies.Fields) and any(entry["request"].allowed is s for s in sets)}
     assert parsed and parsed <= set(PARSERS)
 
 
@@ -483,4 +484,4 @@ def test_errors_match_the_documented_error_shape(server, served, method, path, b
 def test_unrouted_requests_answer_the_error_component(server, served, method, path, expected):
     status, _, raw = call(server, method, path)
     assert status == expected
-    validator(served, openapi.ref("Error")).validate(json.loads(raw))
+    validator(served, ref("Error")).validate(json.loads(raw))
