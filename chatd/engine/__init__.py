@@ -46,9 +46,10 @@ Importing this package loads no torch: the worker is loaded when an engine is bu
 from chatd.engine.async_engine import AsyncEngine, EngineClient, EngineUnavailable, RequestHandle, RequestStream
 from chatd.engine.core.scheduler import EngineStats
 from chatd.engine.core.stage_times import STAGES
-from chatd.engine.engine import LLMEngine, ModelInfo
+from chatd.engine.engine import LLMEngine
 from chatd.engine.engine_process import EngineProcess
 from chatd.engine.llm import LLM
+from chatd.engine.model_info import ModelInfo
 from chatd.engine.params import (
     MAX_LOGPROBS,
     MAX_N,

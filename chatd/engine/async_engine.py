@@ -32,8 +32,10 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from chatd.engine.engine import EngineStats, LLMEngine, ModelInfo, freeze_startup_objects
+from chatd.engine.core.scheduler import EngineStats
+from chatd.engine.engine import LLMEngine, freeze_startup_objects
 from chatd.engine.frame_room import with_frame_room
+from chatd.engine.model_info import ModelInfo
 from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams, StructuredOutput
 from chatd.engine.tokenizer import Tokenizer
 

@@ -4,7 +4,9 @@ A step reads as four stages: the scheduler plans the batch (`schedule`), the run
 it on the model and samples (`launch`, then `result()` waits for the draws), the scheduler folds
 the sampled tokens back into the sequences (`postprocess`: cached blocks, forks, stop tokens and
 lengths), and the engine detokenizes them (text, stop strings) into each request's delta. The
-engine talks to the scheduler, never to the block manager. The offline `LLM` wrapper is in llm.py.
+engine talks to the scheduler, never to the block manager. The offline `LLM` wrapper is in llm.py;
+what a request must pass to be admitted is request.py, what the engine reports of its model
+model_info.py.
 
 Async scheduling (SGLang's overlap scheduler, vLLM's `--async-scheduling`): on a GPU the host
 plans and launches step N+1 before it waits for step N, and folds step N's tokens in while the
@@ -24,19 +26,20 @@ import dataclasses
 import gc
 import itertools
 import logging
-import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from chatd.config import CacheConfig, Config, SchedulerConfig
 from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.core.scheduler import EngineStats, Scheduler, SchedulerOutput
-from chatd.engine.core.stage_times import StageTimes
 from chatd.engine.core.sequence import Sequence, SequenceStatus
+from chatd.engine.core.stage_times import StageTimes
+from chatd.engine.drain_rate import DrainRate
 from chatd.engine.grammar import GrammarCompiler
+from chatd.engine.model_info import ModelInfo, read_model_info
 from chatd.engine.params import CompletionOutput, FinishReason, Logprob, ParamError, RequestOutput, SamplingParams, StructuredOutput
+from chatd.engine.request import Request, checked_params
 from chatd.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("chatd.engine")
@@ -52,61 +55,6 @@ class GrammarFailed(Exception):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param, self.message = param, message
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a server may know of the loaded model and its cache (`AsyncEngine.start` returns it)."""
-
-    path: str
-    max_model_len: int  # the context window, in tokens
-    vocab_size: int
-    dtype: str
-    device: str
-    attention_backend: str
-    cuda_graph_max_batch: int  # decode batches up to this size replay CUDA graphs; 0 = every step runs eagerly
-    num_kv_blocks: int
-    block_size: int
-    is_demo: bool  # the random-weight demo model: its replies are noise
-    # What a request that leaves a sampling field out gets: the model's recommendation
-    # (temperature, top_p, top_k, min_p, repetition_penalty), from its generation config.
-    sampling_defaults: Mapping[str, float] = field(default_factory=dict)
-    kv_cache_dtype: str = ""  # how the KV pool stores values
-    kv_bytes_per_token: int = 0  # keys and values of one token, all layers (and all ranks)
-    num_host_kv_blocks: int = 0  # the host tier's blocks (0: off)
-    tensor_parallel_size: int = 1  # ranks the model is split over
-    quantization: str = "none"  # model.quantization: how the weights are stored and computed
-    compiled_decode: bool = False  # decode steps run through torch.compile (CPU; worker/compiled.py)
-    compiled_prefill_tokens: int = 0  # steps of this many tokens or more do too (worker/compiled_prefill.py); 0: none
-
-    @property
-    def name(self) -> str:
-        """The folder's or file's name (without .gguf): what the server serves it as unless configured."""
-        path = Path(self.path)
-        return path.stem if path.suffix.lower() == ".gguf" else path.name
-
-    def details(self) -> dict:
-        """chatd's own facts about the model, for logs and /v1/models."""
-        return {
-            "dtype": self.dtype,
-            "device": self.device,
-            "attention_backend": self.attention_backend,
-            "cuda_graph_max_batch": self.cuda_graph_max_batch,
-            "compiled_decode": self.compiled_decode,
-            "compiled_prefill_tokens": self.compiled_prefill_tokens,
-            "num_kv_blocks": self.num_kv_blocks,
-            "block_size": self.block_size,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "quantization": self.quantization,
-            "kv_bytes_per_token": self.kv_bytes_per_token,
-            "kv_cache_gib": round(self.num_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30, 3),
-            "num_host_kv_blocks": self.num_host_kv_blocks,
-            "host_kv_cache_gib": round(self.num_host_kv_blocks * self.block_size * self.kv_bytes_per_token / 2**30, 3),
-            "max_model_len": self.max_model_len,
-            "demo_model": self.is_demo,
-            "sampling_defaults": dict(self.sampling_defaults),
-        }
 
 
 def freeze_startup_objects() -> None:
@@ -128,29 +76,6 @@ def _async_scheduling(setting: str, runner) -> bool:
     return setting == "on" or str(getattr(runner, "device", "cpu")).startswith("cuda")
 
 
-class DrainRate:
-    """How fast a queue drains: prompt tokens computed per second in the steps that left requests
-    waiting, an exponential average over about the last WINDOW seconds of them (steps, not a
-    count of them: one long prefill step and ten short decode steps weigh what they last). When
-    the batch is full (slots or KV blocks) and nothing is admitted, it falls towards 0. A server
-    divides the work queued ahead of a new request by it to estimate that request's wait."""
-
-    WINDOW = 5.0  # seconds
-
-    def __init__(self) -> None:
-        self.tokens = 0.0
-        self.seconds = 0.0
-
-    def note(self, num_tokens: int, seconds: float) -> None:
-        decay = math.exp(-seconds / self.WINDOW)
-        self.tokens = self.tokens * decay + num_tokens
-        self.seconds = self.seconds * decay + seconds
-
-    @property
-    def per_second(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds > 0 else None
-
-
 @dataclass
 class InFlight:
     """A launched step: its plan, the runner's handle, and what the drain rate needs of it."""
@@ -159,24 +84,6 @@ class InFlight:
     handle: object  # the runner's StepHandle: `.result()` waits for its draws
     started: float  # engine clock at launch
     queued: bool  # requests were left waiting when it was planned
-
-
-@dataclass(eq=False)
-class Request:
-    """One request: its `n` sequences and their detokenizers. Built (and validated) before it is added."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]  # choices 1..n-1 wait in seqs[0].forks until the first one's prompt is computed
-    detokenizers: list[IncrementalDetokenizer | None]
-    num_cached_tokens: int = 0
-    queued_at: float = 0.0  # engine clock when added
-    queue_time: float | None = None  # seconds from being added to first being scheduled
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -278,37 +185,7 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt) if prompt else []
         else:
             prompt_token_ids = list(prompt)
-        if not prompt_token_ids:
-            raise ParamError("prompt", "prompt must not be empty")
-        num_prompt = len(prompt_token_ids)
-        if num_prompt >= self.max_model_len:  # checked first: it costs nothing however long the prompt
-            raise ParamError(
-                "prompt",
-                f"prompt has {num_prompt} tokens; the context window is {self.max_model_len} tokens "
-                "and must leave room for at least one generated token",
-            )
-        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
-        if bad is not None:
-            raise ParamError("prompt", f"prompt token id {bad!r} is out of range [0, {self.vocab_size})")
-        bad = next((t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
-        if bad is not None:
-            raise ParamError("stop_token_ids", f"stop token id {bad!r} is out of range [0, {self.vocab_size})")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
-        if num_prompt + max_tokens > self.max_model_len:
-            raise ParamError(
-                "max_tokens",
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
-                f"exceeds the context window of {self.max_model_len} tokens",
-            )
-        blocks = self.scheduler.kv_blocks_needed(num_prompt + max_tokens)
-        if blocks > self.scheduler.num_kv_blocks:
-            raise ParamError(
-                "max_tokens",
-                f"prompt + max_tokens = {num_prompt + max_tokens} tokens need {blocks} KV blocks, "
-                f"but the KV cache holds only {self.scheduler.num_kv_blocks} blocks",
-            )
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=max_tokens)
+        params = checked_params(prompt_token_ids, params, self.max_model_len, self.vocab_size, self.scheduler)
         arrival = next(self._arrivals)
         seqs = [
             Sequence(request_id, prompt_token_ids, params, index=i, priority=priority, arrival=arrival,
@@ -561,31 +438,7 @@ class LLMEngine:
 
     def model_info(self) -> ModelInfo:
         """Facts about the loaded model and cache, for logs and /v1/models."""
-        runner = self.runner
-        graphs = getattr(runner, "graphs", None)
-        kv_caches = getattr(runner, "kv_caches", [])
-        tensor_parallel_size = getattr(runner, "tensor_parallel_size", 1)
-        return ModelInfo(
-            path=self.model_path,
-            max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size,
-            dtype=str(getattr(runner, "dtype", "")).removeprefix("torch."),
-            device=str(getattr(runner, "device", "")),
-            attention_backend=getattr(getattr(runner, "backend", None), "name", ""),
-            cuda_graph_max_batch=graphs.max_batch if graphs else 0,
-            num_kv_blocks=self.scheduler.num_kv_blocks,
-            block_size=self.scheduler.block_size,
-            is_demo=self.is_demo,
-            sampling_defaults=dict(self.sampling_defaults),
-            kv_cache_dtype=str(kv_caches[0][0].dtype).removeprefix("torch.") if kv_caches else "",
-            kv_bytes_per_token=getattr(runner, "kv_bytes_per_token", 0) * tensor_parallel_size,
-            num_host_kv_blocks=self.scheduler.num_host_kv_blocks,
-            tensor_parallel_size=tensor_parallel_size,
-            quantization=getattr(getattr(runner, "model", None), "quantization", "none"),
-            compiled_decode=getattr(runner, "compiled", None) is not None,
-            compiled_prefill_tokens=(self.compile_job.prefill_tokens if self.compile_job is not None
-                                     else getattr(getattr(runner, "compiled_prefill", None), "min_tokens", 0)),
-        )
+        return read_model_info(self)
 
     def live_sequences(self) -> list[Sequence]:
         """Every sequence that may hold blocks (for invariant checks)."""

@@ -25,8 +25,10 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from chatd.config import CacheConfig, SchedulerConfig
-from chatd.engine.engine import LLMEngine, ModelInfo, Request, freeze_startup_objects
+from chatd.engine.engine import LLMEngine, freeze_startup_objects
+from chatd.engine.model_info import ModelInfo
 from chatd.engine.params import CompletionOutput, FinishReason, ParamError, RequestOutput, StructuredOutput
+from chatd.engine.request import Request
 
 log = logging.getLogger("chatd.engine")
 
