@@ -2,8 +2,10 @@
 
 `http -> engine (its package's public names only), store, safety`; `safety -> engine (public
 names)`; `engine` and `store` never import each other, nor http or safety; `engine/core` imports
-no torch; `config` imports nothing of chatd. Every import in a module counts, those inside
-functions too. (docs/design.md, "Layout".)
+no torch; `config` imports nothing of chatd. No chatd module imports itself through others (no
+cycles), and inside the engine imports run down a ladder: params <- core <- attention, models <-
+worker <- the engine's top level. Every import in a module counts, those inside functions too.
+(docs/design.md, "Layout".)
 """
 
 from __future__ import annotations
@@ -45,6 +47,90 @@ def within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
+# -- the import graph: every import between chatd's modules -------------------------------------
+
+
+def module_name(path: Path, package: Path) -> str:
+    """chatd/engine/core/scheduler.py -> chatd.engine.core.scheduler; a package's __init__.py is the package."""
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path) -> dict[str, dict[str, str]]:
+    """module -> {chatd module it imports: where (file:line)}, over every module of `package`
+    (a chatd folder). Relative imports are resolved; `from a import b` is the module a.b when b is
+    one, else a; imports of anything outside the package are left out."""
+    paths = {module_name(path, package): path for path in sorted(package.rglob("*.py"))}
+    graph = {}
+    for module, path in paths.items():
+        importer = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges = graph[module] = {}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(importer.split(".")[:len(importer.split(".")) - node.level + 1]) if node.level else ""
+                base = ".".join(part for part in (base, node.module) if part)
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in paths:
+                    target = target.rpartition(".")[0]
+                if target and target != module:
+                    edges.setdefault(target, f"{path.relative_to(package.parent)}:{node.lineno}")
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, str]]) -> list[str]:
+    """Each import that closes a cycle (a back edge of a depth-first walk), as the cycle it closes:
+    `a -> b (a.py:3) -> a (b.py:7)`. An empty list: the graph has no cycle."""
+    found, path, state = [], [], {}
+
+    def visit(module: str) -> None:
+        state[module] = "on the path"
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == "on the path":
+                ring = path[path.index(target):] + [target]
+                found.append(" -> ".join([ring[0]] + [f"{b} ({graph[a][b]})" for a, b in zip(ring, ring[1:])]))
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return found
+
+
+# The engine's layers, lowest first: a module may import its own layer and those below it.
+# params.py is the vocabulary every layer speaks (SamplingParams, FinishReason; it imports nothing
+# of chatd); attention/ and models/ share a layer; the top is engine.py, async_engine.py and the
+# package's other top-level modules.
+ENGINE_LAYERS = ["params", "core", "attention and models", "worker", "the engine's top level"]
+
+
+def engine_layer(module: str) -> int | None:
+    """The index in ENGINE_LAYERS of a chatd.engine module; None for a module outside the engine."""
+    if not within(module, "chatd.engine"):
+        return None
+    part = module.split(".")[2] if module.count(".") >= 2 else ""
+    return {"params": 0, "core": 1, "attention": 2, "models": 2, "worker": 3}.get(part, 4)
+
+
+def upward_imports(graph: dict[str, dict[str, str]]) -> list[str]:
+    """`file:line: module (its layer) imports module (a higher layer)` for every import up the engine's ladder."""
+    found = []
+    for module, edges in sorted(graph.items()):
+        for target, where in sorted(edges.items()):
+            low, high = engine_layer(module), engine_layer(target)
+            if low is not None and high is not None and high > low:
+                found.append(f"{where}: {module} ({ENGINE_LAYERS[low]}) imports {target} ({ENGINE_LAYERS[high]})")
+    return found
+
+
 def test_http_uses_only_the_engine_packages_public_names():
     public = set(chatd.engine.__all__)
     assert violations("http", lambda m, names: within(m, "chatd.engine") and (m != "chatd.engine" or not set(names) <= public)) == []
@@ -64,6 +150,39 @@ def test_safety_knows_nothing_of_http_or_the_store_and_only_the_engines_public_n
 
 def test_engine_core_imports_no_torch():
     assert violations("engine/core", lambda m, _: within(m, "torch") or within(m, "chatd.engine.worker")) == []
+
+
+def test_no_chatd_module_imports_itself_through_others():
+    assert cycles(import_graph(PACKAGE)) == []
+
+
+def test_the_engines_layers_import_only_their_own_and_those_below():
+    assert upward_imports(import_graph(PACKAGE)) == []
+
+
+def test_the_graph_sees_relative_imports_imports_inside_functions_and_cycles(tmp_path):
+    # The checks above pass on chatd only if they would fail: a made-up package with a cycle through a
+    # relative import inside a function, and an import up the engine's ladder.
+    files = {
+        "chatd/__init__.py": "",
+        "chatd/engine/__init__.py": "",
+        "chatd/engine/engine.py": "from chatd.engine.worker import runner\n",
+        "chatd/engine/core/__init__.py": "",
+        "chatd/engine/core/sequence.py": "import torch\nfrom chatd.engine.worker.runner import Runner\n",
+        "chatd/engine/worker/__init__.py": "",
+        "chatd/engine/worker/runner.py": "def load():\n    from ..engine import LLMEngine\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path / "chatd")
+    assert cycles(graph) == ["chatd.engine.worker.runner -> chatd.engine.engine (chatd/engine/worker/runner.py:2) "
+                             "-> chatd.engine.worker.runner (chatd/engine/engine.py:1)"]
+    assert upward_imports(graph) == [
+        "chatd/engine/core/sequence.py:2: chatd.engine.core.sequence (core) imports chatd.engine.worker.runner (worker)",
+        "chatd/engine/worker/runner.py:2: chatd.engine.worker.runner (worker) imports chatd.engine.engine "
+        "(the engine's top level)",
+    ]
 
 
 def test_config_imports_nothing_of_chatd():

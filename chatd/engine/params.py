@@ -2,7 +2,8 @@
 
 Plain dataclasses with no torch, shared by every layer above the runner. Validation lives
 here so that a bad value is refused, with the field and the limit named, before anything
-is allocated.
+is allocated. It imports nothing of chatd: it is the bottom rung of the engine's import ladder,
+below core, because every layer speaks it (tests/test_layout.py).
 """
 
 from __future__ import annotations
