@@ -8,7 +8,7 @@ Public names (the rest is internal; `chatd.http` imports only these):
     EngineUnavailable  the engine cannot take requests now (and why)          async_engine.py
     LLMEngine        the synchronous engine: add_request, abort, step          engine.py
     EngineProcess    an LLMEngine in a child process (--engine-process)        engine_process.py
-    ModelInfo        what the loaded model is (name, context, dtype, ...)      engine.py
+    ModelInfo        what the loaded model is (name, context, dtype, ...)      model_info.py
     SamplingParams, RequestOutput, CompletionOutput, FinishReason, ParamError  params.py
     StructuredOutput the grammar a request's output must follow (JSON schema...) params.py
     MAX_LOGPROBS     the most top_logprobs a request may ask for                params.py
@@ -22,25 +22,33 @@ Reading order, following one request in:
     params.py          what a request asks for and what comes back               (no torch)
     tokenizer.py       chat template -> token ids; token ids -> text and stop strings
                        (chat_tokens.py: control tokens typed inside messages stay text)
-    grammar.py         structured output: a request's grammar and each step's token mask
+    grammar.py         structured output: a request's grammar compiled, probed and cached
+                       (grammar_threads.py: masks computed ahead, off the engine thread)
     async_engine.py    AsyncEngine.generate queues it; the engine thread steps
+    request.py         what a request must pass before anything is allocated for it
     engine.py          LLMEngine.step: schedule -> launch -> postprocess -> detokenize (with
                        async scheduling, the next step launched before the last is waited for)
+    model_info.py      what the engine reports of its model; drain_rate.py, of its queue
     engine_process.py  the same engine in a child process, driven from AsyncEngine's thread
+    loading.py         config -> model, tokenizer, KV pool, runner (LLMEngine.from_config)
     core/              no torch: sequence.py (one choice), block_manager.py (the paged KV pool
                        and prefix cache), scheduler.py (the step's batch, preemption, postprocess),
-                       stage_times.py (where a step's host time goes)
-    worker/            torch: runner.py (one forward over a flat batch), sampler.py,
-                       cuda_graphs.py, host_kv.py (the host KV tier's copies), loading.py
-                       (config -> model, tokenizer, KV pool, runner), parallel.py
-                       (tensor-parallel ranks: started, fed, supervised) and
+                       grammar_matcher.py (a sequence's place in its grammar), stage_times.py
+                       (where a step's host time goes), ragged.py (ragged lists to numpy)
+    worker/            torch: build.py (a runner, on every rank), runner.py (one forward over a
+                       flat batch), sampler.py, cuda_graphs.py, host_kv.py (the host KV tier's
+                       copies), parallel.py (tensor-parallel ranks: started, fed, supervised) and
                        parallel_worker.py (a rank's own process)
     attention/         backends over the paged KV cache: sdpa, torch-varlen, triton, flash-attn
-    models/            llama.py (the Llama family), tensor_parallel.py (what one rank holds),
-                       loader.py (checkpoints), demo.py
+    models/            llama.py (the Llama family; rope.py, layers.py), tensor_parallel.py (what
+                       one rank holds), loader.py (checkpoints), demo.py
     llm.py             LLM: the same engine, stepped by the caller for offline use
 
-Importing this package loads no torch: the worker is loaded when an engine is built.
+Imports run one way: params <- core <- attention, models <- worker <- the modules here
+(tests/test_layout.py).
+
+Importing this package loads no torch: loading.py, and through it the worker, is loaded when an
+engine is built.
 """
 
 from chatd.engine.async_engine import AsyncEngine, EngineClient, EngineUnavailable, RequestHandle, RequestStream
