@@ -1,19 +1,17 @@
-"""One frozen configuration tree, read from config.toml and command-line overrides.
+"""One frozen configuration tree: its sections, their defaults and the checks on each value.
 
-Each component receives only its own section. Values discovered at run time (the number of
-KV blocks, EOS ids) are constructor arguments elsewhere, never written back here. This module
-imports nothing of chatd.
+config_loader.py builds it from config.toml, command-line overrides or keyword options. Each
+component receives only its own section. Values discovered at run time (the number of KV blocks,
+EOS ids) are constructor arguments elsewhere, never written back here. This module imports nothing
+of chatd.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 
 # The weights' dtypes a config may name; which ones a device takes is checked when the model loads.
@@ -367,9 +365,7 @@ class Config:
         return self.prices.get(model_name, Price())
 
 
-# Settings that take one string or a list of strings; a lone "" means none.
-ONE_OR_MORE = {("server", "model_name")}
-
+# config.toml's tables of settings, each the section of Config it fills.
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
@@ -390,122 +386,3 @@ def chatd_home() -> Path:
 
 def store_path(config: Config) -> Path:
     return Path(config.store.db_path) if config.store.db_path else chatd_home() / "chatd.db"
-
-
-def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:
-    """Build a Config from nested `{section: {key: value}}`, rejecting unknown keys by name."""
-    values = dict(values or {})
-    prices = _build_prices(values.pop("prices", {}))
-    tiers = _build_tiers(values.pop("tiers", {}))
-    policies = _build_policies(values.pop("policies", {}))
-    sections: dict[str, Any] = {}
-    for name, section_values in values.items():
-        if name not in SECTIONS:
-            raise ValueError(f"unknown config section [{name}]; known: {', '.join(SECTIONS)}")
-        cls = SECTIONS[name]
-        sections[name] = cls(**_checked(name, cls, section_values))
-    config = Config(**sections, prices=prices, tiers=tiers, policies=policies)
-    if config.auth.local_tier not in tiers:
-        raise ValueError(f"setting auth.local_tier names tier {config.auth.local_tier!r}, which is not defined; "
-                         f"defined: {', '.join(tiers)}")
-    return config
-
-
-def _checked(where: str, cls: type, values: dict[str, Any]) -> dict[str, Any]:
-    """A table's settings for `cls`, typed as its defaults are (ints taken as floats, lists as
-    tuples; `ONE_OR_MORE` settings take one string too); ValueError naming `where.key` otherwise."""
-    known = [f.name for f in dataclasses.fields(cls)]  # in their order, for the message
-    checked = {}
-    for key, value in values.items():
-        if key not in known:
-            raise ValueError(f"unknown setting {where}.{key}; known: {', '.join(known)}")
-        expected = type(getattr(cls(), key))
-        if (where, key) in ONE_OR_MORE and isinstance(value, str):
-            value = (value,) if value else ()
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        elif expected is tuple:
-            if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
-                raise ValueError(f"setting {where}.{key} must be a list of strings, got {value!r}")
-            value = tuple(value)
-        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ValueError(f"setting {where}.{key} must be {expected.__name__}, got {value!r}")
-        checked[key] = value
-    return checked
-
-
-def _build_prices(values: dict[str, Any]) -> dict[str, Price]:
-    known = [f.name for f in dataclasses.fields(Price)]
-    prices = {}
-    for model, price in values.items():
-        if not isinstance(price, dict):
-            raise ValueError(f"prices.{model} must be a table like {{ input = 0.2, output = 0.8 }}, got {price!r}")
-        for key, value in price.items():
-            if key not in known:
-                raise ValueError(f"unknown setting prices.{model}.{key}; known: {', '.join(known)}")
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"setting prices.{model}.{key} must be a number, got {value!r}")
-        prices[model] = Price(**{k: float(v) for k, v in price.items()})
-    return prices
-
-
-def _build_tiers(values: dict[str, Any]) -> dict[str, TierConfig]:
-    """DEFAULT_TIERS with each [tiers.NAME] table over its tier (a new name starts from no limits)."""
-    for name in values:
-        if not TIER_NAME.fullmatch(name):
-            raise ValueError(f"tier name {name!r} must be 1-32 lower-case letters, digits, '-' or '_'")
-    return _overlay(values, DEFAULT_TIERS, TierConfig, lambda name: f"tiers.{name}", "{ requests_per_minute = 60 }")
-
-
-def _build_policies(values: dict[str, Any]) -> dict[str, CategoryPolicy]:
-    """DEFAULT_POLICIES with each [policies."CATEGORY"] table over its category's policy (whether a
-    category name is one the safety pipeline knows is checked when it starts: config knows no list)."""
-    return _overlay(values, DEFAULT_POLICIES, CategoryPolicy, lambda name: f'policies."{name}"', '{ action = "block" }')
-
-
-def _overlay(values: dict[str, Any], defaults: dict[str, Any], cls: type, where, example: str) -> dict[str, Any]:
-    """`defaults` with each named table's settings over its entry (a new name starts from `cls()`);
-    ValueError naming `where(name)` and the setting."""
-    entries = dict(defaults)
-    for name, table in values.items():
-        if not isinstance(table, dict):
-            raise ValueError(f"{where(name)} must be a table like {example}, got {table!r}")
-        fields = _checked(where(name), cls, table)
-        try:
-            entries[name] = dataclasses.replace(entries.get(name, cls()), **fields)
-        except ValueError as exc:
-            raise ValueError(f"setting {where(name)}: {exc}") from None
-    return entries
-
-
-def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
-    """Read config.toml (when given) and apply overrides (e.g. from command-line flags)."""
-    values: dict[str, dict[str, Any]] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                values = tomllib.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"config file {str(path)!r} does not exist") from None
-        except (IsADirectoryError, PermissionError) as exc:
-            raise ValueError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
-    for section, section_values in (overrides or {}).items():
-        values.setdefault(section, {}).update(section_values)
-    return build_config(values)
-
-
-def config_from_options(base: Config | None = None, **options: Any) -> Config:
-    """Apply flat keyword options (`block_size=8`, `device="cpu"`) to the section that owns each."""
-    base = base or Config()
-    values: dict[str, Any] = {name: dataclasses.asdict(getattr(base, name)) for name in SECTIONS}
-    values["prices"] = {model: dataclasses.asdict(price) for model, price in base.prices.items()}
-    values["tiers"] = {name: dataclasses.asdict(tier) for name, tier in base.tiers.items()}
-    values["policies"] = {name: dataclasses.asdict(policy) for name, policy in base.policies.items()}
-    owners = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-    for key, value in options.items():
-        if key not in owners:
-            raise ValueError(f"unknown engine option {key!r}; known: {', '.join(sorted(owners))}")
-        values[owners[key]][key] = value
-    return build_config(values)

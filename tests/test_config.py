@@ -13,10 +13,8 @@ from chatd.config import (
     CategoryPolicy,
     Config,
     TierConfig,
-    build_config,
-    config_from_options,
-    load_config,
 )
+from chatd.config_loader import build_config, config_from_options, load_config
 
 CONFIG_TOML = Path(__file__).parent.parent / "config.toml"
 

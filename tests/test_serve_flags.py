@@ -14,7 +14,7 @@ import pytest
 
 import chatd.http.serve
 from chatd.cli import build_parser, main, serve_config
-from chatd.config import build_config
+from chatd.config_loader import build_config
 
 KEY = "sk-local-0123456789"
 

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from chatd.config import config_from_options
+from chatd.config_loader import config_from_options
 from chatd.engine import AsyncEngine, EngineProcess, LLMEngine, ParamError, SamplingParams
 from tests.engine.conftest import make_llm
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from chatd.config import build_config
+from chatd.config_loader import build_config
 from chatd.engine import LLM, SamplingParams
 from chatd.engine.models.demo import FAMILIES, build_model_dir
 from chatd.engine.models.llama import LlamaForCausalLM

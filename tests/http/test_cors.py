@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from chatd.config import build_config
+from chatd.config_loader import build_config
 from chatd.http.app import create_app
 from tests.factories import ScriptedChatEngine, close_server_state, make_server_state
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from chatd.config import build_config
+from chatd.config_loader import build_config
 from chatd.engine.models.demo import build_tokenizer
 from chatd.engine import Tokenizer
 from chatd.http.history import render_turn

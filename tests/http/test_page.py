@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
-from chatd.config import build_config
+from chatd.config_loader import build_config
 from chatd.http.app import create_app
 from tests.factories import ScriptedChatEngine, close_server_state, make_server_state
 

@@ -13,7 +13,8 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from chatd.config import DEFAULT_POLICIES, build_config
+from chatd.config import DEFAULT_POLICIES
+from chatd.config_loader import build_config
 from chatd.http.app import create_app
 from tests.factories import ScriptedChatEngine, close_server_state, make_server_state
 from tests.safety.test_pipeline import FakeGuard

@@ -19,7 +19,7 @@ import urllib.request
 import httpx
 import pytest
 
-from chatd.config import build_config
+from chatd.config_loader import build_config
 from chatd.engine.models.demo import build_demo_model
 from chatd.http.serve import warn_if_open
 from tests.http.serving import start_server

@@ -12,7 +12,7 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from chatd.config import build_config
+from chatd.config_loader import build_config
 from chatd.engine import FinishReason
 from chatd.http.app import create_app
 from tests.factories import ScriptedChatEngine, ScriptedReply, close_server_state, make_server_state

@@ -8,7 +8,7 @@ import time
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from chatd.config import build_config
+from chatd.config_loader import build_config
 from chatd.engine.models.demo import build_tokenizer
 from chatd.engine import CompletionOutput, FinishReason, RequestOutput, Tokenizer
 from chatd.http.app import create_app

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from chatd.config import config_from_options
+from chatd.config_loader import config_from_options
 from chatd.engine import AsyncEngine, CompletionOutput, FinishReason, LLMEngine, RequestOutput
 from chatd.engine.models.demo import build_model_dir
 from chatd.safety.guard import FAMILIES, GuardModel, family_of, parse_verdict
