@@ -14,7 +14,7 @@ import pytest
 
 from chatd.store.db import Store
 from chatd.store.records import ModerationEvent
-from tests.store.test_store import FakeClock  # it starts at 2027-01-15T08:00:00Z
+from tests.store.factories import FakeClock  # it starts at 2027-01-15T08:00:00Z
 
 UNKNOWN_ID = "modr_" + "0" * 24
 

@@ -1,9 +1,6 @@
 """The store as callers see it (db.py): a file from chatd's first release opens and every table
 family reads its rows and writes beside them; the names callers import from chatd.store.db are
-still there.
-
-FakeClock is imported here too because tests/test_moderation_cli.py imports it from this module
-(tests/store/factories.py is its home)."""
+still there."""
 
 from __future__ import annotations
 
@@ -13,7 +10,7 @@ import sqlite3
 from chatd.store import db
 from chatd.store.database import SCHEMA_FILE
 from chatd.store.db import SCHEMA_VERSION, Store, Tenant
-from tests.store.factories import FakeClock, user_version  # noqa: F401 (FakeClock: see the docstring)
+from tests.store.factories import user_version
 
 
 async def test_a_version_1_file_is_migrated_and_keeps_its_data(tmp_path):
