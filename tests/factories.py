@@ -122,8 +122,7 @@ class ScriptedChatEngine:
         self.tokenizer = None  # a chatd Tokenizer: words become their token ids, logprobs come with them
         self.alternatives: list[str] = []  # texts of one token each, offered as every token's alternatives
 
-    def generate(self, prompt, params, priority=0, cache_salt=None, num_shared_prefix_tokens=0, tenant=None,
-                 weight=1.0) -> ScriptedReply:
+    def generate(self, prompt, params, placement=None, cache=None) -> ScriptedReply:
         self.num_requests += 1
         self.prompts.append(list(prompt))
         text = self.replies.pop(0) if self.replies else self.default

@@ -36,7 +36,15 @@ from chatd.engine.core.scheduler import EngineStats
 from chatd.engine.engine import LLMEngine, freeze_startup_objects
 from chatd.engine.frame_room import with_frame_room
 from chatd.engine.model_info import ModelInfo
-from chatd.engine.params import CompletionOutput, FinishReason, RequestOutput, SamplingParams, StructuredOutput
+from chatd.engine.params import (
+    CacheScope,
+    CompletionOutput,
+    FinishReason,
+    Placement,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutput,
+)
 from chatd.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("chatd.engine")
@@ -59,9 +67,8 @@ class RequestHandle(Protocol):
 class EngineClient(Protocol):
     """What a server needs of an engine (vLLM's `EngineClient`): AsyncEngine, or a scripted fake in tests."""
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
-                 cache_salt: str | None = None, num_shared_prefix_tokens: int = 0, tenant: str | None = None,
-                 weight: float = 1.0) -> RequestHandle:
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                 placement: Placement = Placement(), cache: CacheScope = CacheScope()) -> RequestHandle:
         """Queue a request (as AsyncEngine.generate); iterate the handle for its merged deltas."""
 
     def abort(self, request_id: str) -> None:
@@ -232,17 +239,10 @@ class AsyncEngine:
             raise RuntimeError("the engine is not running")
         self.engine.check_structured(spec, tenant)
 
-    def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        num_shared_prefix_tokens: int = 0,
-        tenant: str | None = None,
-        weight: float = 1.0,
-    ) -> RequestStream:
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                 placement: Placement = Placement(), cache: CacheScope = CacheScope()) -> RequestStream:
         """Validate and queue a request now (ValueError names the field); iterate the result for its deltas.
+        `placement`: its class and fair share; `cache`: which prefix-cache blocks it may share.
 
         The request id is made here, never taken from a client: a client that could name it
         could read or abort another's request. Its stream is removed when the request finishes
@@ -252,8 +252,7 @@ class AsyncEngine:
         if problem is not None:
             raise EngineUnavailable(f"the engine is not running: {problem}")
         request_id = uuid.uuid4().hex
-        request = self.engine.prepare_request(request_id, prompt, params, priority, cache_salt, num_shared_prefix_tokens,
-                                              tenant, weight)
+        request = self.engine.prepare_request(request_id, prompt, params, placement, cache)
         stream = RequestStream(self, request_id, request.prompt_token_ids, request.params.n)
         self._streams[request_id] = stream
         self._send(("add", request))

@@ -38,7 +38,17 @@ from chatd.engine.core.stage_times import StageTimes
 from chatd.engine.drain_rate import DrainRate
 from chatd.engine.grammar import GrammarCompiler
 from chatd.engine.model_info import ModelInfo, read_model_info
-from chatd.engine.params import CompletionOutput, FinishReason, Logprob, ParamError, RequestOutput, SamplingParams, StructuredOutput
+from chatd.engine.params import (
+    CacheScope,
+    CompletionOutput,
+    FinishReason,
+    Logprob,
+    ParamError,
+    Placement,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutput,
+)
 from chatd.engine.request import Request, checked_params
 from chatd.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -159,24 +169,10 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def prepare_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        num_shared_prefix_tokens: int = 0,
-        tenant: str | None = None,
-        weight: float = 1.0,
-    ) -> Request:
+    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                        placement: Placement = Placement(), cache: CacheScope = CacheScope()) -> Request:
         """Validate and tokenize a request without touching engine state (safe from any thread).
-
-        `priority` is its class (lower first). `tenant` and `weight`: whose fair share of the
-        batch it uses among requests of its class (core/fairness.py). `cache_salt` keeps its
-        prefix-cache blocks apart from those of other salts, except its first
-        `num_shared_prefix_tokens` tokens' full blocks, which anyone may share.
-        """
+        `placement`: its class and fair share; `cache`: which prefix-cache blocks it may share."""
         params = params or SamplingParams()
         params.validate()
         if isinstance(prompt, str):
@@ -188,18 +184,18 @@ class LLMEngine:
         params = checked_params(prompt_token_ids, params, self.max_model_len, self.vocab_size, self.scheduler)
         arrival = next(self._arrivals)
         seqs = [
-            Sequence(request_id, prompt_token_ids, params, index=i, priority=priority, arrival=arrival,
-                     cache_salt=cache_salt, num_shared_prefix_tokens=num_shared_prefix_tokens, tenant=tenant,
-                     weight=weight)
+            Sequence(request_id, prompt_token_ids, params, index=i, priority=placement.priority, arrival=arrival,
+                     cache_salt=cache.salt, num_shared_prefix_tokens=cache.shared_prefix_tokens,
+                     tenant=placement.tenant, weight=placement.weight)
             for i in range(params.n)
         ]
         if params.structured is not None:
             compiler = self._grammar_compiler(params.structured)
             for seq in seqs:  # each choice walks its own copy of its tenant's compiled grammar
-                seq.grammar = compiler.matcher(params.structured, scope=tenant)
+                seq.grammar = compiler.matcher(params.structured, scope=placement.tenant)
         seqs[0].forks = seqs[1:]
         detokenizers = [self._detokenizer(prompt_token_ids, params) for _ in seqs]
-        return Request(request_id, prompt_token_ids, params, seqs, detokenizers)
+        return Request(request_id, prompt_token_ids, params, seqs, detokenizers, placement, cache)
 
     def check_structured(self, spec: StructuredOutput, tenant: str | None = None) -> None:
         """Compile a structured-output spec for a tenant's request now; ParamError (naming
@@ -228,20 +224,10 @@ class LLMEngine:
         if self.grammars is not None and request.params.structured is not None:
             self.grammars.masks.compute(seq.grammar for seq in request.seqs)  # their first masks
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        num_shared_prefix_tokens: int = 0,
-        tenant: str | None = None,
-        weight: float = 1.0,
-    ) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    placement: Placement = Placement(), cache: CacheScope = CacheScope()) -> None:
         """Validate, tokenize and queue a request. Raises ValueError (naming the field) with nothing allocated."""
-        self.add_prepared(self.prepare_request(request_id, prompt, params, priority, cache_salt, num_shared_prefix_tokens,
-                                               tenant, weight))
+        self.add_prepared(self.prepare_request(request_id, prompt, params, placement, cache))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is not (or no longer) running."""

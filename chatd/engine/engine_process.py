@@ -106,10 +106,9 @@ class EngineProcess:
     def add_prepared(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ParamError("request_id", f"request id {request.request_id!r} is already running")
-        seq = request.seqs[0]
         self.requests[request.request_id] = request
-        self._send(("add", request.request_id, request.prompt_token_ids, request.params, seq.priority, seq.cache_salt,
-                    seq.num_shared_prefix_tokens, seq.tenant, seq.weight))
+        self._send(("add", request.request_id, request.prompt_token_ids, request.params, request.placement,
+                    request.cache))
 
     def abort(self, request_id: str) -> bool:
         if self.requests.pop(request_id, None) is None:

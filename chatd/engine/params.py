@@ -1,4 +1,4 @@
-"""What a request asks for and what the engine answers: SamplingParams, RequestOutput.
+"""What a request asks for and what the engine answers: SamplingParams, Placement, CacheScope, RequestOutput.
 
 Plain dataclasses with no torch, shared by every layer above the runner. Validation lives
 here so that a bad value is refused, with the field and the limit named, before anything
@@ -129,6 +129,26 @@ class SamplingParams:
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ParamError(field_name, f"{field_name} {message}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request goes among the others: its class (`priority`, lower first) and whose fair
+    share of the batch it uses within its class (`tenant`, at `weight`: core/fairness.py)."""
+
+    priority: int = 0
+    tenant: str | None = None
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class CacheScope:
+    """Which prefix-cache blocks a request may share. With a `salt` its blocks are only found by
+    requests with the same salt, except its first `shared_prefix_tokens` tokens' full blocks,
+    which anyone may share (a system prompt every tenant uses). No salt: shared with everyone."""
+
+    salt: str | None = None
+    shared_prefix_tokens: int = 0
 
 
 class ParamError(ValueError):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from chatd.engine.core.scheduler import Scheduler
 from chatd.engine.core.sequence import Sequence
-from chatd.engine.params import ParamError, SamplingParams
+from chatd.engine.params import CacheScope, ParamError, Placement, SamplingParams
 from chatd.engine.tokenizer import IncrementalDetokenizer
 
 
@@ -27,6 +27,8 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]  # choices 1..n-1 wait in seqs[0].forks until the first one's prompt is computed
     detokenizers: list[IncrementalDetokenizer | None]
+    placement: Placement = Placement()
+    cache: CacheScope = CacheScope()
     num_cached_tokens: int = 0
     queued_at: float = 0.0  # engine clock when added
     queue_time: float | None = None  # seconds from being added to first being scheduled

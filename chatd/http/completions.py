@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from aiohttp import web
 
-from chatd.engine import ParamError, RequestHandle, RequestOutput
+from chatd.engine import ParamError, Placement, RequestHandle, RequestOutput
 from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, APIError, loggable
 from chatd.http.limits import Lease
@@ -132,13 +132,13 @@ async def _check_input(state: ServerState, request: web.Request, tenant, endpoin
 
 
 def _start(state: ServerState, tenant, gen: GenerationRequest, prompts: dict[str, list[int]],
-           placement: dict) -> list[RequestHandle]:
+           placement: Placement) -> list[RequestHandle]:
     """Queue one engine request per prompt. One the engine refuses ends those queued before it,
     and the error names the prompt as the client sent it."""
     streams: list[RequestHandle] = []
     for name, prompt in prompts.items():
         try:
-            streams.append(state.engine.generate(prompt, gen.params, **placement, **state.cache_scope(tenant, prompt)))
+            streams.append(state.engine.generate(prompt, gen.params, placement, state.cache_scope(tenant, prompt)))
         except ParamError as exc:
             for stream in streams:
                 stream.abort()

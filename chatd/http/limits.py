@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from chatd.config import TierConfig
+from chatd.engine import Placement
 from chatd.http.errors import APIError
 from chatd.http.metrics import ServerMetrics
 from chatd.store.db import Tenant
@@ -184,13 +185,13 @@ class Limits:
 
     # -- before tokenizing: where the request may go and how long it may be -----------------------
 
-    def placement(self, tenant: Tenant, client_priority: int) -> dict:
-        """Engine keywords placing a request: its class (the tier's priority, to which a client's
+    def placement(self, tenant: Tenant, client_priority: int) -> Placement:
+        """Where the engine places a request: its class (the tier's priority, to which a client's
         own `priority` can only add) and its tenant's fair share."""
         if not self.enabled:  # one user: its own priorities order its own requests, as vLLM's do
-            return {"priority": client_priority, "tenant": tenant.id}
+            return Placement(client_priority, tenant.id)
         tier = self.tier(tenant)
-        return {"priority": tier.priority + max(0, client_priority), "tenant": tenant.id, "weight": tier.weight}
+        return Placement(tier.priority + max(0, client_priority), tenant.id, tier.weight)
 
     def check_model(self, tenant: Tenant, model: str | None) -> None:
         """404 for a served model name the tenant's tier may not use (as OpenAI says of a model one has no access to)."""

@@ -16,7 +16,7 @@ import orjson
 from aiohttp import web
 
 from chatd.config import Config
-from chatd.engine import EngineClient, ModelInfo, StructuredOutput, Tokenizer
+from chatd.engine import CacheScope, EngineClient, ModelInfo, Placement, StructuredOutput, Tokenizer
 from chatd.http.errors import APIError
 from chatd.http.limits import Lease, Limits
 from chatd.http.metrics import ServerMetrics
@@ -137,21 +137,21 @@ class ServerState:
         """Run CPU work on text (templates, tokenizing) in the tokenizing threads."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, function, *args)
 
-    def cache_scope(self, tenant: Tenant, prompt: list[int]) -> dict:
-        """The prefix-cache salt for a tenant's prompt (`AsyncEngine.generate` keywords).
+    def cache_scope(self, tenant: Tenant, prompt: list[int]) -> CacheScope:
+        """The prefix-cache scope of a tenant's prompt.
 
         With auth on and scope "tenant", blocks are salted by tenant: nobody can learn from
         cached_tokens or timing what another tenant sent. A prompt that begins with a shared
         system prompt leaves those blocks unsalted, so everyone shares them on purpose.
         """
         if not self.config.auth.enabled or self.config.cache.prefix_cache_scope == "global":
-            return {}
+            return CacheScope()
         shared = 0
         for prefix in self.shared_prefixes:
             common = _common_prefix_length(prefix, prompt)
             if common >= len(prefix) - 1:  # the last token may merge with what follows it
                 shared = max(shared, common)
-        return {"cache_salt": tenant.id, "num_shared_prefix_tokens": shared}
+        return CacheScope(tenant.id, shared)
 
     @property
     def heartbeat_seconds(self) -> float:
@@ -215,15 +215,15 @@ class ServerState:
     def precheck(self, tenant: Tenant, gen: GenerationRequest) -> None:
         """Refuse now what the tier's limits would refuse whatever the prompt's length, before the
         prompt is rendered and tokenized: a refused flood costs no tokenizing."""
-        priority = self.limits.placement(tenant, gen.priority)["priority"]
+        priority = self.limits.placement(tenant, gen.priority).priority
         self.limits.precheck(tenant, priority, lambda: self.engine.stats().queued_prefill_rate)
 
     def admit(self, tenant: Tenant, gen: GenerationRequest, prompts: list[list[int]],
-              arrived_at: float | None = None) -> tuple[Lease, dict]:
+              arrived_at: float | None = None) -> tuple[Lease, Placement]:
         """Admit a tokenized request under its tenant's tier, or refuse it (429, 503, 400: limits.py).
         Caps its reply length at the tier's ceiling (the ceiling, within the context window, when it
-        names none). Returns its lease, which the caller releases when generation ends, and the
-        engine keywords that place it: its class and fair share, and its prefix-cache scope."""
+        names none). Returns its lease, which the caller releases when generation ends, and
+        its placement among the engine's requests (its class and fair share)."""
         ceiling = self.limits.max_tokens(tenant, gen.params.max_tokens, gen.max_tokens_field)
         longest = max(map(len, prompts))
         if gen.params.max_tokens is None and ceiling is not None:
@@ -234,7 +234,7 @@ class ServerState:
         reserved = sum(len(p) + n * (max_tokens if max_tokens is not None else self.max_model_len - len(p))
                        for p in prompts)
         placement = self.limits.placement(tenant, gen.priority)
-        lease = self.limits.admit(tenant, sum(map(len, prompts)), reserved, placement["priority"],
+        lease = self.limits.admit(tenant, sum(map(len, prompts)), reserved, placement.priority,
                                   lambda: self.engine.stats().queued_prefill_rate, gen.max_tokens_field, arrived_at)
         return lease, placement
 

@@ -230,7 +230,7 @@ class Turns:
                 prompt, omitted = await job.prepare()
                 await state.check_structured(job.gen.params.structured, tenant)
                 lease, placement = state.admit(tenant, job.gen, [prompt])
-                results = state.engine.generate(prompt, job.gen.params, **placement, **state.cache_scope(tenant, prompt))
+                results = state.engine.generate(prompt, job.gen.params, placement, state.cache_scope(tenant, prompt))
             except BaseException as exc:
                 _fail(started, exc)
                 raise

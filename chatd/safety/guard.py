@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from chatd.engine import EngineClient, SamplingParams, StructuredOutput, Tokenizer
+from chatd.engine import EngineClient, Placement, SamplingParams, StructuredOutput, Tokenizer
 
 log = logging.getLogger("chatd.safety")
 
@@ -139,7 +139,7 @@ class GuardModel:
     async def judge(self, text: str) -> GuardVerdict:
         started = self.clock()
         prompt = await asyncio.to_thread(self.prompt, text)
-        handle = self.engine.generate(prompt, self.params, priority=0)
+        handle = self.engine.generate(prompt, self.params, Placement(priority=0))
         try:
             answer = await asyncio.wait_for(_collect(handle), self.timeout)
         except TimeoutError:

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from chatd.engine import SamplingParams
+from chatd.engine import Placement, SamplingParams
 from chatd.engine.params import StructuredOutput
 from tests.engine.conftest import make_llm
 from tests.factories import FakeRunner, make_engine
@@ -94,7 +94,7 @@ def test_a_random_workload_gives_the_same_tokens_both_ways():
             for _ in range(2):  # two arrivals a step
                 if pending:
                     rid, prompt, params, priority = pending.pop(0)
-                    engine.add_request(rid, prompt, params, priority=priority)
+                    engine.add_request(rid, prompt, params, Placement(priority))
             for out in engine.step():
                 assert out.error is None
                 for choice in out.outputs:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from chatd.config import DEFAULT_TIERS, TierConfig
+from chatd.engine import Placement
 from chatd.http.errors import APIError
 from chatd.http.limits import Limits, Refused, TokenBucket, duration
 from chatd.store.db import Tenant
@@ -33,7 +34,7 @@ def limits(clock: Clock, enabled: bool = True, **tiers: TierConfig) -> Limits:
 
 
 def admit(lim: Limits, tenant: Tenant, prompt: int = 10, reserved: int | None = None, drain=no_queue, priority=None):
-    place = lim.placement(tenant, 0)["priority"] if priority is None else priority
+    place = lim.placement(tenant, 0).priority if priority is None else priority
     return lim.admit(tenant, prompt, prompt if reserved is None else reserved, place, drain, "max_tokens")
 
 
@@ -155,15 +156,15 @@ def test_headers_say_limit_remaining_and_when_the_bucket_is_full_again():
 def test_the_shipped_tiers_put_paid_before_free_and_premium_first():
     assert DEFAULT_TIERS["premium"].priority < DEFAULT_TIERS["paid"].priority < DEFAULT_TIERS["free"].priority
     lim = Limits(DEFAULT_TIERS, True, clock=Clock())
-    assert lim.placement(PAYING, 0)["priority"] < lim.placement(ALICE, 0)["priority"]
+    assert lim.placement(PAYING, 0).priority < lim.placement(ALICE, 0).priority
 
 
 def test_a_client_priority_can_only_lower_its_place():
     lim = limits(Clock())
-    assert lim.placement(PAYING, -100) == {"priority": 10, "tenant": "t-paying", "weight": 1.0}
-    assert lim.placement(PAYING, 3)["priority"] == 13
+    assert lim.placement(PAYING, -100) == Placement(priority=10, tenant="t-paying", weight=1.0)
+    assert lim.placement(PAYING, 3).priority == 13
     one_user = limits(Clock(), enabled=False)
-    assert one_user.placement(PAYING, -100)["priority"] == -100  # alone, it orders its own requests as it likes
+    assert one_user.placement(PAYING, -100).priority == -100  # alone, it orders its own requests as it likes
 
 
 def test_the_max_tokens_ceiling_caps_the_default_and_refuses_more():

@@ -50,8 +50,8 @@ class EndingEngine(ScriptedChatEngine):
         super().__init__(pause=0.0)
         self.finish_reason = FinishReason.STOP
 
-    def generate(self, prompt, params, **placement) -> EndingReply:
-        reply = super().generate(prompt, params, **placement)
+    def generate(self, prompt, params, placement=None, cache=None) -> EndingReply:
+        reply = super().generate(prompt, params, placement, cache)
         return EndingReply(self, reply.request_id, reply.prompt, reply.text, reply.params)
 
 

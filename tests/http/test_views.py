@@ -31,7 +31,7 @@ class ScriptedEngine:
         self.prompts: list = []
         self.params: list = []
 
-    def generate(self, prompt, params, priority=0, cache_salt=None, num_shared_prefix_tokens=0, tenant=None, weight=1.0):
+    def generate(self, prompt, params, placement=None, cache=None):
         self.prompts.append(prompt)
         self.params.append(params)
         return ScriptedStream(self, f"scripted-{len(self.prompts)}")

@@ -105,7 +105,7 @@ class FakeEngine:
     def __init__(self, mode: str) -> None:
         self.mode, self.aborted = mode, 0
 
-    def generate(self, prompt, params, priority=0, **_):
+    def generate(self, prompt, params, placement=None, cache=None):
         engine = self
 
         class Handle:
