@@ -9,6 +9,7 @@ below core, because every layer speaks it (tests/test_layout.py).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -157,6 +158,20 @@ class ParamError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class LimitError(ParamError):
+    """A prompt, or a prompt with its reply's length, that the model or the KV pool cannot take.
+
+    `param` is "prompt" or "max_tokens". `says(prompt, max_tokens)` is the message with those
+    two fields named as the caller's client named them (a server's `messages`, `prompt[3]`,
+    `max_completion_tokens`); str() names them `prompt` and `max_tokens`. `context_exceeded`:
+    the prompt alone fills the context window.
+    """
+
+    def __init__(self, param: str, says: Callable[[str, str], str], context_exceeded: bool = False) -> None:
+        super().__init__(param, says("prompt", "max_tokens"))
+        self.says, self.context_exceeded = says, context_exceeded
 
 
 @dataclass

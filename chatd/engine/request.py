@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from chatd.engine.core.scheduler import Scheduler
 from chatd.engine.core.sequence import Sequence
-from chatd.engine.params import CacheScope, ParamError, Placement, SamplingParams
+from chatd.engine.params import CacheScope, LimitError, ParamError, Placement, SamplingParams
 from chatd.engine.tokenizer import IncrementalDetokenizer
 
 
@@ -43,34 +43,28 @@ def checked_params(prompt_token_ids: list[int], params: SamplingParams, max_mode
     """`params` with max_tokens filled in (what the context window leaves, when unset), once the
     prompt and params fit the model and the KV pool; ParamError naming the field if they do not."""
     if not prompt_token_ids:
-        raise ParamError("prompt", "prompt must not be empty")
+        raise LimitError("prompt", lambda prompt, _: f"{prompt} must not be empty")
     num_prompt = len(prompt_token_ids)
     if num_prompt >= max_model_len:  # checked first: it costs nothing however long the prompt
-        raise ParamError(
-            "prompt",
-            f"prompt has {num_prompt} tokens; the context window is {max_model_len} tokens "
-            "and must leave room for at least one generated token",
-        )
+        raise LimitError("prompt", lambda prompt, _: f"{prompt} has {num_prompt} tokens; the context window is "
+                                                     f"{max_model_len} tokens and must leave room for at least one "
+                                                     "generated token", context_exceeded=True)
     bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
     if bad is not None:
-        raise ParamError("prompt", f"prompt token id {bad!r} is out of range [0, {vocab_size})")
+        raise LimitError("prompt", lambda prompt, _: f"{prompt} token id {bad!r} is out of range [0, {vocab_size})")
     bad = next((t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
     if bad is not None:
         raise ParamError("stop_token_ids", f"stop token id {bad!r} is out of range [0, {vocab_size})")
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - num_prompt
     if num_prompt + max_tokens > max_model_len:
-        raise ParamError(
-            "max_tokens",
-            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
-            f"exceeds the context window of {max_model_len} tokens",
-        )
-    blocks = scheduler.kv_blocks_needed(num_prompt + max_tokens)
-    if blocks > scheduler.num_kv_blocks:
-        raise ParamError(
-            "max_tokens",
-            f"prompt + max_tokens = {num_prompt + max_tokens} tokens need {blocks} KV blocks, "
-            f"but the KV cache holds only {scheduler.num_kv_blocks} blocks",
-        )
+        raise LimitError("max_tokens", lambda prompt, field: f"{prompt} ({num_prompt} tokens) + {field} ({max_tokens}) = "
+                                                             f"{num_prompt + max_tokens} exceeds the context window of "
+                                                             f"{max_model_len} tokens")
+    blocks, num_blocks = scheduler.kv_blocks_needed(num_prompt + max_tokens), scheduler.num_kv_blocks
+    if blocks > num_blocks:
+        raise LimitError("max_tokens", lambda prompt, field: f"{prompt} + {field} = {num_prompt + max_tokens} tokens "
+                                                             f"need {blocks} KV blocks, but the KV cache holds only "
+                                                             f"{num_blocks} blocks")
     if params.max_tokens is None:
         params = dataclasses.replace(params, max_tokens=max_tokens)
     return params

@@ -1,7 +1,8 @@
 """The OpenAI routes `/v1/chat/completions` and `/v1/completions`, whole or streamed.
 
-A handler parses the body (protocol.py), hands the request to the engine (a completion's list of
-prompts as one engine request each), and answers with its merged deltas in OpenAI's shapes
+A handler parses the body (protocol.py), runs the stages every generating route runs
+(pipeline.py: a chat's texts and template, or a completion's prompts, one engine request each),
+and answers with its merged deltas in OpenAI's shapes
 (openai_format.py). A stream writes one SSE event per delta it receives, from whichever prompt's
 request sent it; a slow reader gets bigger merged deltas and never holds the engine back. When
 the request ends, however it ends, it is observed in the metrics, its counts put on its log line
@@ -16,11 +17,13 @@ import asyncio
 import collections
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 
 from aiohttp import web
 
-from chatd.engine import ParamError, Placement, RequestHandle, RequestOutput
+from chatd.engine import RequestHandle, RequestOutput
+from chatd.http import pipeline
 from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, APIError, loggable
 from chatd.http.limits import Lease
@@ -29,7 +32,9 @@ from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion
 from chatd.http.request_log import REQUEST_LOG, GenerationRecord
 from chatd.http.safety import input_strings
 from chatd.http.state import STATE, ServerState
+from chatd.http.tools import ToolUse
 from chatd.http.wire import DONE, SlowClient, drop_slow_client, json_response, read_json, send, sse_event
+from chatd.store.db import Tenant
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -48,45 +53,29 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _complete(request: web.Request, state: ServerState, gen: GenerationRequest, chat: bool) -> web.StreamResponse:
     tenant = request[TENANT]
-    state.check_model(gen.model, tenant)
-    state.check_store_writable()
     record = GenerationRecord("chat" if chat else "completions", request.get(REQUEST_LOG))
-    state.precheck(tenant, gen)
-    endpoint = "chat.completions" if chat else "completions"
-    await _check_input(state, request, tenant, endpoint, gen)
-    tools = None
-    if chat:
-        # Tools are walked in Python (schemas checked and closed, the grammar written): off the event loop.
-        tools = (await state.off_loop(state.tool_use, gen.tools, gen.messages, gen.params.structured)
-                 if gen.tools is not None else state.tool_use(None, gen.messages))
-        prompts = {"messages": await state.encode_chat(tools.messages, tools=tools.shown)}
-        if tools.grammar is not None:  # every reply that may call follows it, auto too
-            if gen.params.structured is not None:  # the request's own format, checked alone: its errors name its field
-                await state.check_structured(gen.params.structured, tenant)
-            gen.params = replace(gen.params, structured=tools.grammar)
-        if tools.parser is not None and tools.parser.needs_special_tokens:  # its markers must reach the parser
-            gen.params = replace(gen.params, skip_special_tokens=False)
-    else:
-        prompts = {name: await state.encode_prompt(prompt, name) for name, prompt in gen.prompts.items()}
-    await state.check_structured(gen.params.structured, tenant)
-    parser = tools.parser if tools is not None else None
-    kind = "chatcmpl" if chat else "cmpl"
-    response_id = f"{kind}-{uuid.uuid4().hex}"
+    route = _Chat(state, gen, tenant) if chat else _TextCompletion(state, gen)
+    started = await pipeline.start(state, tenant, route, request[REQUEST_ID], record.start)
+    admitted, prompts = started.admitted, started.prompts
+    parser = route.tools.parser if chat else None
+    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    lease, placement = state.admit(tenant, gen, list(prompts.values()), record.start)
     try:
         # The engine names each request itself; the client's X-Request-Id is only logged and echoed.
-        handles = [state.safety.watch(handle, tenant, endpoint, gen.params.n, request[REQUEST_ID])
-                   for handle in _start(state, tenant, gen, prompts, placement)]
-        replies = _Replies(handles, gen.params.n, lease)
+        handles = [state.safety.watch(handle, tenant, route.endpoint, admitted.params.n, request[REQUEST_ID])
+                   for handle in started.handles]
+        replies = _Replies(handles, admitted.params.n, admitted.lease)
     except BaseException:
-        lease.release(0)
+        for handle in started.handles:
+            handle.abort()
+        admitted.lease.release(0)
         raise
     # OpenAI's chat replies say which service tier served them when the request named one; chatd has one.
     echoed = {"service_tier": "default"} if chat and gen.service_tier is not None else None
     try:
         if gen.stream:
-            writer = _ChunkWriter(state, ChunkFormat(state, response_id, created, chat, gen.include_usage, echoed, parser), gen)
+            chunks = ChunkFormat(state, response_id, created, chat, gen.include_usage, echoed, parser)
+            writer = _ChunkWriter(state, chunks, admitted.params.n, gen.include_usage)
             await writer.stream(request, replies, record)
             return writer.response
         async for _ in replies:
@@ -99,64 +88,77 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
         replies.abort()  # a no-op for those finished; otherwise (disconnect, error, timeout) frees them now
         record.finished(state.metrics, replies.merged, response_id=response_id, **_logged_fields(gen, len(prompts)))
         used = output_usage(*replies.outputs) if replies.outputs else None
-        lease.release(used["total_tokens"] if used else sum(map(len, prompts.values())))
+        admitted.lease.release(used["total_tokens"] if used else sum(map(len, prompts.values())))
         if replies.outputs:  # what was generated, even if the client left before it was sent
-            _record_usage(state, tenant, endpoint, replies.outputs)
+            _record_usage(state, tenant, route.endpoint, replies.outputs)
 
 
-async def _check_input(state: ServerState, request: web.Request, tenant, endpoint: str, gen: GenerationRequest) -> None:
-    """The safety pipeline's input check ([safety] check_input) on every string of a chat request
-    that reaches the model (contents, names, tool calls, the tools themselves) or every text
-    prompt; a refusal is raised, masked text replaces what the client sent."""
-    if gen.messages is not None:
-        if not state.safety.config.check_input:
-            return
-        # What cannot fit the context window is refused before it is read (the rules cost ~4 ms a kB).
+class _Chat:
+    """A chat request for the pipeline: every string the model reads, and its messages (with its
+    tools) rendered by the chat template."""
+
+    endpoint = "chat.completions"
+
+    def __init__(self, state: ServerState, gen: GenerationRequest, tenant: Tenant) -> None:
+        self.state, self.gen, self.tenant = state, gen, tenant
+        self.tools: ToolUse | None = None
+        self._write_back: Callable[[list[str]], None] | None = None
+
+    async def input_texts(self) -> list[str]:
+        """Contents, names, tool calls and the tools themselves; what cannot fit the context window
+        is refused before it is read (the rules cost ~4 ms a kB)."""
+        gen, state = self.gen, self.state
         state.check_text_size(sum(len(m["content"]) for m in gen.messages), "messages")
         if gen.tools is not None:
             state.check_text_size(gen.tools.offered_chars, "tools")
-        texts, write_back = await state.off_loop(input_strings, gen.messages, gen.tools.offered if gen.tools else None)
-        write_back(await state.safety.check_input(tenant, endpoint, texts, request[REQUEST_ID]))
-    elif state.safety.config.check_input:
-        # Token-id prompts are judged as the text they spell (else they would pass unread); one
-        # that must be masked becomes its masked text.
-        for name, prompt in gen.prompts.items():
+        texts, self._write_back = await state.off_loop(input_strings, gen.messages,
+                                                       gen.tools.offered if gen.tools else None)
+        return texts
+
+    def use_input_texts(self, texts: list[str]) -> None:
+        self._write_back(texts)
+
+    async def prompts(self) -> dict[str, list[int]]:
+        gen, state = self.gen, self.state
+        # Tools are walked in Python (schemas checked and closed, the grammar written): off the event loop.
+        self.tools = tools = (await state.off_loop(state.tool_use, gen.tools, gen.messages, gen.params.structured)
+                              if gen.tools is not None else state.tool_use(None, gen.messages))
+        prompt = await state.encode_chat(tools.messages, tools=tools.shown)
+        if tools.grammar is not None:  # every reply that may call follows it, auto too
+            if gen.params.structured is not None:  # the request's own format, checked alone: its errors name its field
+                await pipeline.check_structured(state, gen.params.structured, self.tenant)
+            gen.params = replace(gen.params, structured=tools.grammar)
+        if tools.parser is not None and tools.parser.needs_special_tokens:  # its markers must reach the parser
+            gen.params = replace(gen.params, skip_special_tokens=False)
+        return {"messages": prompt}
+
+
+class _TextCompletion:
+    """A text completion for the pipeline: its prompts (a batch's, named `prompt[i]`), each judged
+    as the text it spells, token ids included (else they would pass unread)."""
+
+    endpoint = "completions"
+
+    def __init__(self, state: ServerState, gen: GenerationRequest) -> None:
+        self.state, self.gen = state, gen
+        self._given: list[str] = []
+
+    async def input_texts(self) -> list[str]:
+        for name, prompt in self.gen.prompts.items():
             if isinstance(prompt, str):
-                state.check_text_size(len(prompt), name)
-        given = [prompt if isinstance(prompt, str) else await state.off_loop(state.tokenizer.decode, prompt)
-                 for prompt in gen.prompts.values()]
-        texts = await state.safety.check_input(tenant, endpoint, given, request[REQUEST_ID])
-        for name, before, after in zip(list(gen.prompts), given, texts):
+                self.state.check_text_size(len(prompt), name)
+        self._given = [prompt if isinstance(prompt, str) else await self.state.off_loop(self.state.tokenizer.decode, prompt)
+                       for prompt in self.gen.prompts.values()]
+        return self._given
+
+    def use_input_texts(self, texts: list[str]) -> None:
+        """A prompt that must be masked becomes its masked text."""
+        for name, before, after in zip(list(self.gen.prompts), self._given, texts):
             if after != before:
-                gen.prompts[name] = after
+                self.gen.prompts[name] = after
 
-
-def _start(state: ServerState, tenant, gen: GenerationRequest, prompts: dict[str, list[int]],
-           placement: Placement) -> list[RequestHandle]:
-    """Queue one engine request per prompt. One the engine refuses ends those queued before it,
-    and the error names the prompt as the client sent it."""
-    streams: list[RequestHandle] = []
-    for name, prompt in prompts.items():
-        try:
-            streams.append(state.engine.generate(prompt, gen.params, placement, state.cache_scope(tenant, prompt)))
-        except ParamError as exc:
-            for stream in streams:
-                stream.abort()
-            raise _refusal(exc, name, len(prompt) >= state.max_model_len, gen) from None
-    return streams
-
-
-def _refusal(exc: ParamError, name: str, too_long: bool, gen: GenerationRequest) -> APIError:
-    """The engine's refusal in the client's terms: chat sent `messages`, a batch `prompt[3]`, and
-    the reply's length may have been `max_completion_tokens`."""
-    message = str(exc)
-    if message.startswith("prompt"):  # "prompt has 3000 tokens; ...", "prompt (3000 tokens) + max_tokens ..."
-        message = name + message[len("prompt"):]
-    if exc.param == "prompt":
-        return APIError(400, message, name, "context_length_exceeded" if too_long else None)
-    if exc.param == "max_tokens" and gen.max_tokens_field != "max_tokens":
-        return APIError(400, message.replace("max_tokens", gen.max_tokens_field), gen.max_tokens_field)
-    return APIError(400, message, exc.param)
+    async def prompts(self) -> dict[str, list[int]]:
+        return {name: await self.state.encode_prompt(prompt, name) for name, prompt in self.gen.prompts.items()}
 
 
 def _failure(out: RequestOutput) -> APIError:
@@ -242,8 +244,8 @@ class _Replies:
 class _ChunkWriter:
     """Writes one request's deltas as OpenAI chunks over SSE."""
 
-    def __init__(self, state: ServerState, chunk_format: ChunkFormat, gen: GenerationRequest) -> None:
-        self.state, self.format, self.gen = state, chunk_format, gen
+    def __init__(self, state: ServerState, chunk_format: ChunkFormat, n: int, include_usage: bool) -> None:
+        self.state, self.format, self.n, self.include_usage = state, chunk_format, n, include_usage
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
 
     async def stream(self, request: web.Request, replies: _Replies, record: GenerationRecord) -> None:
@@ -257,7 +259,7 @@ class _ChunkWriter:
             pass  # the client went away; the caller aborts what is left of its requests
 
     async def _write_all(self, request: web.Request, replies: _Replies, record: GenerationRecord) -> None:
-        for chunk in self.format.role_chunks(self.gen.params.n):
+        for chunk in self.format.role_chunks(self.n):
             await send(request, self.response, sse_event(chunk))
         iterator = replies.__aiter__()
         heartbeat = _Heartbeat(request, self.response, self.state.heartbeat_seconds)
@@ -279,7 +281,7 @@ class _ChunkWriter:
                     await send(request, self.response, sse_event(chunk))
         finally:
             heartbeat.stop()
-        if replies.outputs and self.gen.include_usage:
+        if replies.outputs and self.include_usage:
             await send(request, self.response, sse_event(self.format.usage_chunk(*replies.outputs)))
         await send(request, self.response, sse_event(DONE))
         await self.response.write_eof()

@@ -62,7 +62,7 @@ class ResponseTurn:
         self.record: Response | None = None
         self.omitted = 0
 
-    def input_texts(self) -> list[str]:
+    async def input_texts(self) -> list[str]:
         return [text for _, text in self.req.inputs] + ([self.req.instructions] if self.req.instructions else [])
 
     def use_input_texts(self, texts: list[str]) -> None:
@@ -70,7 +70,7 @@ class ResponseTurn:
         instructions = texts[len(inputs)] if self.req.instructions else None
         self.req = dataclasses.replace(self.req, inputs=inputs, instructions=instructions)
 
-    async def prepare(self) -> tuple[list[int], int]:
+    async def prompts(self) -> dict[str, list[int]]:
         store, system = self.state.store, None
         if self.conversation is not None:
             history, system = await store.list_messages(self.conversation.id), self.conversation.system_prompt
@@ -83,7 +83,7 @@ class ResponseTurn:
         # Rendering a long history and tokenizing it is CPU work: off the event loop.
         render = functools.partial(render_history, trim=self.req.truncation == "auto", param="input")
         prompt, self.omitted = await self.state.off_loop(render, self.state, system, history, new, self.gen)
-        return prompt, self.omitted
+        return {"input": prompt}
 
     async def begin(self) -> Message:
         req = self.req

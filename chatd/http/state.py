@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import logging
 import sqlite3
@@ -16,11 +15,11 @@ import orjson
 from aiohttp import web
 
 from chatd.config import Config
-from chatd.engine import CacheScope, EngineClient, ModelInfo, Placement, StructuredOutput, Tokenizer
+from chatd.engine import EngineClient, ModelInfo, StructuredOutput, Tokenizer
 from chatd.http.errors import APIError
-from chatd.http.limits import Lease, Limits
+from chatd.http.limits import Limits
 from chatd.http.metrics import ServerMetrics
-from chatd.http.protocol import GenerationRequest, shown
+from chatd.http.protocol import shown
 from chatd.http.safety import Safety
 from chatd.http.tool_calls import ToolParser
 from chatd.http.tools import ToolRequest, ToolUse, tool_parser, tool_use
@@ -127,31 +126,9 @@ class ServerState:
         return tool_use(request, messages, self.tool_parser, tokenizer.template_takes_tools, tokenizer.added_token_ids,
                         reply_format)
 
-    async def check_structured(self, spec: StructuredOutput | None, tenant: Tenant) -> None:
-        """Compile a tenant's structured output before its request is queued, off the event loop (a
-        big schema takes a while); ParamError naming the field if it cannot be compiled."""
-        if spec is not None:
-            await self.off_loop(self.engine.check_structured, spec, tenant.id)
-
     async def off_loop(self, function: Callable[..., T], *args) -> T:
         """Run CPU work on text (templates, tokenizing) in the tokenizing threads."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, function, *args)
-
-    def cache_scope(self, tenant: Tenant, prompt: list[int]) -> CacheScope:
-        """The prefix-cache scope of a tenant's prompt.
-
-        With auth on and scope "tenant", blocks are salted by tenant: nobody can learn from
-        cached_tokens or timing what another tenant sent. A prompt that begins with a shared
-        system prompt leaves those blocks unsalted, so everyone shares them on purpose.
-        """
-        if not self.config.auth.enabled or self.config.cache.prefix_cache_scope == "global":
-            return CacheScope()
-        shared = 0
-        for prefix in self.shared_prefixes:
-            common = _common_prefix_length(prefix, prompt)
-            if common >= len(prefix) - 1:  # the last token may merge with what follows it
-                shared = max(shared, common)
-        return CacheScope(tenant.id, shared)
 
     @property
     def heartbeat_seconds(self) -> float:
@@ -210,34 +187,6 @@ class ServerState:
         if tenant is not None:
             self.limits.check_model(tenant, model if model is not None else self.model_name)
 
-    # -- admission under the tenant's tier ---------------------------------------------------------
-
-    def precheck(self, tenant: Tenant, gen: GenerationRequest) -> None:
-        """Refuse now what the tier's limits would refuse whatever the prompt's length, before the
-        prompt is rendered and tokenized: a refused flood costs no tokenizing."""
-        priority = self.limits.placement(tenant, gen.priority).priority
-        self.limits.precheck(tenant, priority, lambda: self.engine.stats().queued_prefill_rate)
-
-    def admit(self, tenant: Tenant, gen: GenerationRequest, prompts: list[list[int]],
-              arrived_at: float | None = None) -> tuple[Lease, Placement]:
-        """Admit a tokenized request under its tenant's tier, or refuse it (429, 503, 400: limits.py).
-        Caps its reply length at the tier's ceiling (the ceiling, within the context window, when it
-        names none). Returns its lease, which the caller releases when generation ends, and
-        its placement among the engine's requests (its class and fair share)."""
-        ceiling = self.limits.max_tokens(tenant, gen.params.max_tokens, gen.max_tokens_field)
-        longest = max(map(len, prompts))
-        if gen.params.max_tokens is None and ceiling is not None:
-            ceiling = max(1, min(ceiling, self.max_model_len - longest))
-        if ceiling != gen.params.max_tokens:
-            gen.params = dataclasses.replace(gen.params, max_tokens=ceiling)
-        max_tokens, n = gen.params.max_tokens, gen.params.n
-        reserved = sum(len(p) + n * (max_tokens if max_tokens is not None else self.max_model_len - len(p))
-                       for p in prompts)
-        placement = self.limits.placement(tenant, gen.priority)
-        lease = self.limits.admit(tenant, sum(map(len, prompts)), reserved, placement.priority,
-                                  lambda: self.engine.stats().queued_prefill_rate, gen.max_tokens_field, arrived_at)
-        return lease, placement
-
     def model_card(self, name: str | None = None) -> dict:
         """The model as OpenAI describes one, under `name` (default: the served name); `root` is the served name."""
         return {
@@ -267,14 +216,6 @@ class ServerState:
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
-
-
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 STATE = web.AppKey("state", ServerState)

@@ -37,10 +37,12 @@ from typing import Protocol
 from aiohttp import web
 
 from chatd.engine import CompletionOutput, FinishReason, RequestOutput
+from chatd.http import pipeline
 from chatd.http.errors import APIError, error_body
 from chatd.http.history import render_turn
 from chatd.http.limits import Lease
 from chatd.http.openai_format import ChunkFormat, finish_reason, merged_with
+from chatd.http.pipeline import Generation
 from chatd.http.protocol import GenerationRequest, TurnRequest
 from chatd.http.request_log import GenerationRecord, RequestLog
 from chatd.http.state import ServerState
@@ -131,24 +133,15 @@ class ReplyEvents(Protocol):
         """The last events, once the reply is saved as `message` (complete, partial or error)."""
 
 
-class TurnJob(Protocol):
-    """One kind of turn: what it renders, what rows it writes, how its reply is told and saved."""
+class TurnJob(Generation, Protocol):
+    """One kind of turn: what it renders (as the pipeline's Generation: its texts, its one prompt
+    from its history), what rows it writes, how its reply is told and saved."""
 
-    gen: GenerationRequest
     busy_key: str | None  # a conversation id: at most one turn under way in it (None: no such limit)
     stored: bool  # whether its reply has a row (saved as it grows, and finished through the ledger)
     named_events: bool  # whether its stream names each event (`event:` lines)
-    endpoint: str  # what its usage event is billed as
     route: str  # its label in the per-request metrics (metrics.ROUTES)
-
-    def input_texts(self) -> list[str]:
-        """What the client sent for this turn, as texts for the safety pipeline's input check."""
-
-    def use_input_texts(self, texts: list[str]) -> None:
-        """The checked texts (masked where a policy redacts) in place of what was sent."""
-
-    async def prepare(self) -> tuple[list[int], int]:
-        """The prompt, and how many of the oldest messages it left out to fit the window."""
+    omitted: int  # once its prompt is rendered: how many of the oldest messages it left out to fit the window
 
     async def begin(self) -> Message:
         """Write the turn's rows; the reply's (empty, `partial`) message. LookupError: its conversation is gone."""
@@ -223,17 +216,13 @@ class Turns:
         lease = None
         try:
             try:
-                state.precheck(tenant, job.gen)
                 # Before any row is written: a refused message is kept only in the audit trail.
-                job.use_input_texts(await state.safety.check_input(tenant, job.endpoint, job.input_texts(), request_id,
-                                                                  job.busy_key))
-                prompt, omitted = await job.prepare()
-                await state.check_structured(job.gen.params.structured, tenant)
-                lease, placement = state.admit(tenant, job.gen, [prompt])
-                results = state.engine.generate(prompt, job.gen.params, placement, state.cache_scope(tenant, prompt))
+                launched = await pipeline.start(state, tenant, job, request_id, conversation_id=job.busy_key)
             except BaseException as exc:
                 _fail(started, exc)
                 raise
+            lease, results = launched.admitted.lease, launched.handles[0]
+            [prompt] = launched.prompts.values()
             try:
                 assistant = await job.begin()
             except BaseException as exc:
@@ -244,8 +233,8 @@ class Turns:
                                          assistant.id)
             reply = ReplyStream(assistant.conversation_id, assistant.id, results.request_id, job.named_events)
             self._replies[assistant.id] = reply
-            events = job.events(assistant, omitted)
-            started.set_result((reply, omitted))
+            events = job.events(assistant, job.omitted)
+            started.set_result((reply, job.omitted))
             await self._generate_reply(tenant, job, prompt, assistant, reply, events, results, lease, record)
         except (APIError, LookupError, ValueError):
             pass  # the handler answers these
@@ -340,17 +329,19 @@ class MessageTurn:
         self.state, self.tenant, self.conversation, self.turn = state, tenant, conversation, turn
         self.gen = turn.gen
         self.busy_key = conversation.id
+        self.omitted = 0
 
-    def input_texts(self) -> list[str]:
+    async def input_texts(self) -> list[str]:
         return [self.turn.content]
 
     def use_input_texts(self, texts: list[str]) -> None:
         self.turn.content = texts[0]
 
-    async def prepare(self) -> tuple[list[int], int]:
+    async def prompts(self) -> dict[str, list[int]]:
         history = await self.state.store.list_messages(self.conversation.id)
         # Rendering a long history and tokenizing it is CPU work: off the event loop.
-        return await self.state.off_loop(render_turn, self.state, self.conversation, history, self.turn)
+        prompt, self.omitted = await self.state.off_loop(render_turn, self.state, self.conversation, history, self.turn)
+        return {"content": prompt}
 
     async def begin(self) -> Message:
         _, assistant = await self.state.store.start_turn(self.tenant.id, self.conversation.id, self.turn.content)
