@@ -110,6 +110,7 @@ ROUTES = [
     ("GET", "/health", status.health),
     ("GET", "/ready", status.ready),
     ("GET", "/metrics", status.metrics),
+    ("GET", "/version", status.version),
     ("GET", "/openapi.json", openapi.openapi_document),
     ("POST", "/v1/moderations", moderation.moderations),
     ("POST", "/v1/appeals", moderation.create_appeal),

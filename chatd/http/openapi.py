@@ -156,6 +156,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/health"): {"response": ref("Health"), "statuses": {503: ref("Health")}},
     ("GET", "/ready"): {"response": ref("Ready"), "statuses": {503: ref("Ready")}},
     ("GET", "/metrics"): {"response": STRING, "content_type": "text/plain"},
+    ("GET", "/version"): {"response": {"type": "object", "properties": {"version": STRING}, "required": ["version"]}},
     ("POST", "/tokenize"): {
         "request": Fields(TOKENIZE_FIELDS, overrides={"prompt": {"type": "string"}}, exactly_one_of=("prompt", "messages")),
         "response": ref("Tokenized"),

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta, timezone
 
 from aiohttp import web
 
+import chatd
 from chatd.http.auth import TENANT
 from chatd.http.errors import APIError
 from chatd.http.state import STATE, ServerState
@@ -111,6 +112,11 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "engine stopped", "error": problem}, status=503)
     return web.json_response({"status": "ok", "phase": "draining" if state.draining_until is not None else "serving",
                               "compiled_steps": state.engine.compile_state(), "store": _store_status(state)})
+
+
+async def version(request: web.Request) -> web.Response:
+    """The chatd release serving (vLLM's route of the same name: deployment tools read it)."""
+    return web.json_response({"version": chatd.__version__})
 
 
 async def ready(request: web.Request) -> web.Response:

@@ -265,6 +265,7 @@ WHOLE = [
     ("GET", "/v1/usage", None),
     ("GET", "/health", None),
     ("GET", "/ready", None),
+    ("GET", "/version", None),
     ("POST", "/tokenize", {"messages": MESSAGES}),
     ("POST", "/detokenize", {"tokens": [1, 2, 3]}),
 ]
