@@ -61,7 +61,7 @@ class ChunkFormat:
             stream = self._tool_streams.setdefault(c.index, self.tool_parser.stream())
             content, calls = stream.feed(c.text) if c.text else ("", [])
             if c.finish_reason is not None:
-                rest, more = stream.finish(cut=finish == "length")
+                rest, more = stream.finish(cut=finish in CUT_SHORT)
                 content, calls = content + rest, calls + more
             delta = {"content": content} if content else {}
             if calls:
@@ -97,7 +97,7 @@ def whole_response(state: ServerState, outputs: list[RequestOutput], response_id
         if chat:
             message = {"role": "assistant", "content": c.text}
             if tool_parser is not None:
-                content, calls = tool_parser.parse(c.text, cut=finish == "length")
+                content, calls = tool_parser.parse(c.text, cut=finish in CUT_SHORT)
                 message["content"] = content if calls else content or ""  # a cut reply's half call is no content
                 if calls:
                     message["tool_calls"] = [tool_call_json(call) for call in calls]
@@ -127,6 +127,11 @@ def _tool_call_delta(delta: ToolCallDelta) -> dict:
         return {"index": delta.index, "id": delta.id, "type": "function",
                 "function": {"name": delta.name, "arguments": delta.arguments}}
     return {"index": delta.index, "function": {"arguments": delta.arguments}}
+
+
+# Finish reasons of a reply stopped by something other than the model: the token budget, or the
+# output check. A tool call it was writing is half written; its markup never reaches `content`.
+CUT_SHORT = ("length", "content_filter")
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:

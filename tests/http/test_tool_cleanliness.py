@@ -118,14 +118,15 @@ CUT = {
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("cut_by", [FinishReason.LENGTH, FinishReason.CONTENT_FILTER], ids=["max_tokens", "output check"])
 @pytest.mark.parametrize("case", CUT)
-async def test_a_reply_cut_by_max_tokens_shows_no_call_markup(serve, case, stream):
+async def test_a_reply_cut_short_shows_no_call_markup(serve, case, cut_by, stream):
     family, text, content, calls = CUT[case]
     engine, client = await serve(family)
     engine.replies.append(text)
-    engine.finish_reason = FinishReason.LENGTH
+    engine.finish_reason = cut_by
     got_content, got_calls, finish = await reply(client, stream)
-    assert finish == "length"
+    assert finish == cut_by.value
     assert got_content == ((content or "") if stream else content)  # a stream's content is its deltas joined
     assert [(name, json.loads(arguments)) for name, arguments in got_calls] == calls
 
