@@ -361,9 +361,12 @@ async def _stream(request: web.Request, state: ServerState, turns: Turns, reply:
                   cancel_on_leave: bool) -> web.StreamResponse:
     """Follow a reply from event `after`. A stored one goes on and is saved when its follower leaves;
     with `cancel_on_leave` (store=false: nobody can come back for it) it is stopped."""
-    response, whole = await stream_events(request, reply.follow(after, state.heartbeat_seconds))
-    if not whole and cancel_on_leave:
-        turns.cancel_reply(reply.message_id)
+    whole = False
+    try:
+        response, whole = await stream_events(request, reply.follow(after, state.heartbeat_seconds))
+    finally:  # also when aiohttp cancels the handler of a client that went away
+        if not whole and cancel_on_leave:
+            turns.cancel_reply(reply.message_id)
     return response
 
 

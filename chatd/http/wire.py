@@ -141,12 +141,12 @@ async def stream_events(request: web.Request, events: AsyncIterator[bytes],
     try:
         async for event in events:
             await send(request, response, event)
+        await response.write_eof()  # a client gone by now is as one gone earlier, not a server error
     except SlowClient as exc:
         drop_slow_client(request, exc)
         return response, False
     except ConnectionError:
         return response, False
-    await response.write_eof()
     return response, True
 
 

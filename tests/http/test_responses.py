@@ -6,6 +6,7 @@ that writes nothing, and tenants that cannot reach each other's responses."""
 from __future__ import annotations
 
 import random
+import re
 import sqlite3
 import time
 from array import array
@@ -349,6 +350,30 @@ def test_store_false_keeps_no_text_but_is_billed(server):
     while usage_requests(server) < before + 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert usage_requests(server) == before + 2
+
+
+def responses_ended(server, reason: str) -> float:
+    """How many Responses replies have ended for this reason (`/metrics`, all tenants)."""
+    text = httpx.get(f"{server['url']}/metrics", timeout=10).text
+    pattern = rf'^chatd:request_success_total{{[^}}]*finished_reason="{reason}"[^}}]*route="responses"[^}}]*}} (\S+)$'
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+
+def test_a_store_false_stream_whose_client_leaves_stops_generating(server):
+    """Nobody can come back for it, so its reply is aborted, not generated to its end for no one."""
+    aborted, finished = responses_ended(server, "abort"), responses_ended(server, "length")
+    body = {"model": "demo", "input": unique("Go on for a long time."), "stream": True, "store": False,
+            "max_output_tokens": 400, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {server['keys']['alice']}"}
+    with httpx.stream("POST", f"{server['url']}/v1/responses", json=body, headers=headers, timeout=30) as answer:
+        for line in answer.iter_lines():
+            if "response.output_text.delta" in line:
+                break  # it is generating; the client leaves
+    deadline = time.monotonic() + 30
+    while responses_ended(server, "abort") == aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert responses_ended(server, "abort") == aborted + 1
+    assert responses_ended(server, "length") == finished  # not run to its 400 tokens
 
 
 # -- bad input ------------------------------------------------------------------------------------
