@@ -9,15 +9,12 @@ written with messages.py's functions. It knows nothing of HTTP.
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiosqlite
 import orjson
 
-from chatd.store.database import whole
+from chatd.store.database import Database, whole
 from chatd.store.messages import insert_messages, new_message
 from chatd.store.records import Conversation, new_id
 
@@ -25,14 +22,8 @@ from chatd.store.records import Conversation, new_id
 _CONVERSATION_COLUMNS = "id, tenant_id, model, title, system_prompt, metadata, created_at, updated_at"
 
 
-class Conversations:
+class Conversations(Database):
     """Store methods for a tenant's conversations."""
-
-    # Provided by Store.
-    _clock: Callable[[], float]
-    _fetch: Callable[..., Awaitable[list[sqlite3.Row]]]
-    _write: Callable[[str, tuple], Awaitable[int]]
-    _transaction: Callable[[], contextlib.AbstractAsyncContextManager[aiosqlite.Connection]]
 
     @whole
     async def create_conversation(self, tenant_id: str, *, model: str, title: str | None = None,

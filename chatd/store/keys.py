@@ -14,12 +14,11 @@ import hmac
 import re
 import secrets
 import sqlite3
-from collections.abc import Awaitable, Callable
 
 import aiosqlite
 
 from chatd.config import TIER_NAME  # which tiers exist is the config's to say; a name's spelling is checked here
-from chatd.store.database import whole
+from chatd.store.database import Database, whole
 from chatd.store.records import ApiKey, Tenant, new_id
 
 LOCAL_TENANT = "local"  # id and name of the one user while auth is off
@@ -29,14 +28,8 @@ KEY_PATTERN = re.compile(r"chatd_([0-9a-f]{12})_([A-Za-z0-9_-]+)")  # chatd_<key
 _API_KEY_COLUMNS = "k.id, k.tenant_id, t.name, t.tier, k.created_at, k.revoked_at, k.last_used_at"
 
 
-class KeyRing:
+class KeyRing(Database):
     """Store methods for tenants and their API keys."""
-
-    # Provided by Store.
-    _clock: Callable[[], float]
-    _fetch: Callable[..., Awaitable[list[sqlite3.Row]]]
-    _write: Callable[[str, tuple], Awaitable[int]]
-    _transaction: Callable[[], contextlib.AbstractAsyncContextManager[aiosqlite.Connection]]
 
     @whole
     async def local_tenant(self, tier: str) -> Tenant:

@@ -10,15 +10,14 @@ as given (int32s, native byte order), for the next turn's prompt.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sqlite3
 from array import array
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import aiosqlite
 
-from chatd.store.database import whole
+from chatd.store.database import Database, whole
 from chatd.store.records import Message, new_id
 from chatd.store.usage import INSERT_USAGE
 
@@ -30,14 +29,8 @@ _INSERT_MESSAGE = (f"INSERT INTO messages (position, response_id, {MESSAGE_COLUM
                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 
 
-class Messages:
+class Messages(Database):
     """Store methods for a conversation's messages: turns, and items."""
-
-    # Provided by Store.
-    _clock: Callable[[], float]
-    _fetch: Callable[..., Awaitable[list[sqlite3.Row]]]
-    _write: Callable[[str, tuple], Awaitable[int]]
-    _transaction: Callable[[], contextlib.AbstractAsyncContextManager[aiosqlite.Connection]]
 
     async def list_messages(self, conversation_id: str) -> list[Message]:
         """A conversation's messages in order (check the conversation is the caller's first)."""

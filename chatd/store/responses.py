@@ -10,16 +10,13 @@ It knows nothing of HTTP.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sqlite3
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiosqlite
 import orjson
 
-from chatd.store.database import whole
+from chatd.store.database import Database, whole
 from chatd.store.messages import MESSAGE_COLUMNS, insert_messages, message_from_row, new_message, next_position
 from chatd.store.records import Message, Response, new_id
 
@@ -28,14 +25,8 @@ _RESPONSE_COLUMNS = ("id, tenant_id, conversation_id, previous_response_id, outp
                      "instructions, request, created_at")
 
 
-class Responses:
+class Responses(Database):
     """Store methods for responses and the messages they added."""
-
-    # Provided by Store.
-    _clock: Callable[[], float]
-    _fetch: Callable[..., Awaitable[list[sqlite3.Row]]]
-    _write: Callable[[str, tuple], Awaitable[int]]
-    _transaction: Callable[[], contextlib.AbstractAsyncContextManager[aiosqlite.Connection]]
 
     @whole
     async def create_response(self, tenant_id: str, *, model: str, stored: bool, inputs: list[tuple[str, str]] = (),

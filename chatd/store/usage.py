@@ -8,22 +8,15 @@ It knows nothing of prices or tiers: it keeps the tokens and the cost it is give
 
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import Awaitable, Callable
-
+from chatd.store.database import Database
 from chatd.store.records import Usage
 
 INSERT_USAGE = ("INSERT INTO usage_events (tenant_id, endpoint, model, conversation_id, message_id, prompt_tokens, "
                 "cached_tokens, completion_tokens, cost, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 
 
-class UsageLog:
+class UsageLog(Database):
     """Store methods that record what requests used and sum it per tenant."""
-
-    # Provided by Store.
-    _clock: Callable[[], float]
-    _fetch: Callable[..., Awaitable[list[sqlite3.Row]]]
-    _write: Callable[[str, tuple], Awaitable[int]]
 
     async def record_usage(self, tenant_id: str, *, endpoint: str, model: str, prompt_tokens: int,
                            cached_tokens: int, completion_tokens: int, cost: float,
