@@ -25,26 +25,33 @@ def parse_new_conversation(body: Any, limits: ConversationsConfig) -> dict:
     """Validate a POST /v1/conversations body; returns model, title, system_prompt and metadata."""
     body = {} if body is None else _object(body)
     _check_fields(body, {"model", "title", "system_prompt", "metadata"})
+    return {"model": _get(body, "model", str, None), "title": _title(body, limits),
+            "system_prompt": _system_prompt(body, limits), "metadata": _metadata(body, limits)}
+
+
+def parse_conversation_update(body: Any, limits: ConversationsConfig) -> dict:
+    """Validate a POST /v1/conversations/{id} body: the fields given of `title`, `system_prompt`
+    (null clears either) and `metadata`. A new system prompt applies from the next turn on."""
+    body = _object(body)
+    _check_fields(body, {"title", "system_prompt", "metadata"})
+    fields = {}
+    if "title" in body:
+        fields["title"] = _title(body, limits)
+    if "system_prompt" in body:
+        fields["system_prompt"] = _system_prompt(body, limits)
+    if "metadata" in body:
+        fields["metadata"] = _metadata(body, limits)
+    if not fields:
+        raise APIError(400, "give title, system_prompt or metadata to change", None)
+    return fields
+
+
+def _system_prompt(body: dict, limits: ConversationsConfig) -> str | None:
     system_prompt = _get(body, "system_prompt", str, None)
     if system_prompt is not None and len(system_prompt) > limits.max_message_chars:
         raise APIError(400, f"system_prompt has {len(system_prompt)} characters; the limit is {limits.max_message_chars}",
                        "system_prompt")
-    return {"model": _get(body, "model", str, None), "title": _title(body, limits), "system_prompt": system_prompt,
-            "metadata": _metadata(body, limits)}
-
-
-def parse_conversation_update(body: Any, limits: ConversationsConfig) -> dict:
-    """Validate a POST /v1/conversations/{id} body: the fields given of `title` (null clears it) and `metadata`."""
-    body = _object(body)
-    _check_fields(body, {"title", "metadata"})
-    fields = {}
-    if "title" in body:
-        fields["title"] = _title(body, limits)
-    if "metadata" in body:
-        fields["metadata"] = _metadata(body, limits)
-    if not fields:
-        raise APIError(400, "give title or metadata to change", None)
-    return fields
+    return system_prompt
 
 
 def _title(body: dict, limits: ConversationsConfig) -> str | None:

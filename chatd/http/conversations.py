@@ -94,11 +94,15 @@ async def get_conversation(request: web.Request) -> web.Response:
 
 
 async def update_conversation(request: web.Request) -> web.Response:
-    """Rename a conversation or replace its metadata (POST, as OpenAI's conversation update)."""
+    """Rename a conversation, change its system prompt or replace its metadata (POST, as OpenAI's
+    conversation update); a new system prompt passes the input check as one given at creation."""
     state, tenant = request.app[STATE], request[TENANT]
     state.check_store_writable()
     fields = parse_conversation_update(await read_json(request), state.config.conversations)
     conversation_id = request.match_info["conversation_id"]
+    if fields.get("system_prompt"):
+        [fields["system_prompt"]] = await state.safety.check_input(tenant, "conversations", [fields["system_prompt"]],
+                                                                  request[REQUEST_ID])
     conversation = await state.store.update_conversation(tenant.id, conversation_id, **fields)
     if conversation is None:
         raise conversation_not_found(conversation_id)

@@ -72,9 +72,9 @@ class Conversations(Database):
         return [_conversation(row) for row in rows[:limit]], len(rows) > limit
 
     async def update_conversation(self, tenant_id: str, conversation_id: str, **fields: Any) -> Conversation | None:
-        """Change a live conversation's `title` and/or `metadata` (replaced whole, as OpenAI's update does);
-        None if it is missing, deleted or someone else's."""
-        unknown = set(fields) - {"title", "metadata"}
+        """Change a live conversation's `title`, `system_prompt` and/or `metadata` (replaced whole, as
+        OpenAI's update does); None if it is missing, deleted or someone else's."""
+        unknown = set(fields) - {"title", "system_prompt", "metadata"}
         if unknown:
             raise ValueError(f"cannot update {sorted(unknown)} of a conversation")
         if "metadata" in fields:

@@ -179,6 +179,31 @@ async def test_a_conversation_is_renamed_by_its_own_tenant_only(server):
         assert got["title"] is None and got["metadata"] == {"n": 2}
 
 
+async def test_a_system_prompt_is_changed_by_its_own_tenant_only_and_rules_the_next_turn(server):
+    url = server["url"]
+    async with aiohttp.ClientSession() as session:
+        created = await new_conversation(session, server, system_prompt="Be brief.", metadata={"temperature": "0.2"})
+        path = f"{url}/v1/conversations/{created['id']}"
+        status, error = await call(session, "POST", path, json={"system_prompt": "Obey bob."}, headers=headers(server, "bob"))
+        assert status == 404 and error["error"]["code"] == "not_found"
+        status, error = await call(session, "POST", path, json={"system_prompt": "x" * 2001}, headers=headers(server))
+        assert status == 400 and error["error"]["param"] == "system_prompt" and "2000" in error["error"]["message"]
+        status, error = await call(session, "POST", path, json={"system_prompt": 7}, headers=headers(server))
+        assert status == 400 and error["error"]["param"] == "system_prompt"
+        status, changed = await call(session, "POST", path, json={"system_prompt": "Answer in French."}, headers=headers(server))
+        assert status == 200 and changed["system_prompt"] == "Answer in French." and changed["metadata"] == {"temperature": "0.2"}
+        status, reply = await post(session, server, created["id"], "hi", max_completion_tokens=2)
+        assert status == 200, reply
+        with_new = reply["usage"]["prompt_tokens"]
+        status, cleared = await call(session, "POST", path, json={"system_prompt": None}, headers=headers(server))
+        assert status == 200 and cleared["system_prompt"] is None
+        status, got = await call(session, "GET", path, headers=headers(server, "alice"))
+        assert got["system_prompt"] is None and got["title"] == created["title"]
+        created_with_it = await new_conversation(session, server, system_prompt="Answer in French.")
+        status, reply = await post(session, server, created_with_it["id"], "hi", max_completion_tokens=2)
+        assert reply["usage"]["prompt_tokens"] == with_new  # the same prompt as a conversation created with it
+
+
 async def test_listing_is_newest_first_with_a_cursor(server):
     url = server["url"]
     async with aiohttp.ClientSession() as session:
