@@ -38,8 +38,8 @@ class Conversations(Database):
             await conn.execute(f"INSERT INTO conversations ({_CONVERSATION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                                (conversation.id, tenant_id, model, title, system_prompt,
                                 orjson.dumps(conversation.metadata).decode(), now, now))
-            await insert_messages(conn, conversation.id, None, 0, [new_message(conversation.id, role, text, now)
-                                                                   for role, text in items])
+            await insert_messages(conn, conversation.id, None, 0, [new_message(conversation.id, *item, now=now)
+                                                                   for item in items])
         return conversation
 
     async def get_conversation(self, tenant_id: str, conversation_id: str) -> Conversation | None:

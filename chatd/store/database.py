@@ -80,6 +80,9 @@ MIGRATIONS: list[list[str]] = [
     ["ALTER TABLE messages ADD COLUMN token_ids BLOB"],
     # 5: the safety pipeline's decisions and their appeals (its SQL lives in moderation.py).
     MODERATION_MIGRATION,
+    # 6: tool items (OpenAI's function_call and function_call_output), one row each like any item:
+    # the call's ids as a JSON object, its arguments or its output as the content. NULL: a message.
+    ["ALTER TABLE messages ADD COLUMN call TEXT"],
 ]
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import orjson
 
 from chatd.store.db import Store, check_status
+from chatd.store.messages import Call
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class ReplyWrite:
     endpoint: str  # the usage event's: "conversations" or "responses"
     finished_at: float
     token_ids: tuple[int, ...] | None = None  # the reply's tokens as generated
+    calls: tuple[Call, ...] = ()  # the tool calls it made
 
     kind = "finished reply"
 
@@ -144,13 +146,13 @@ class Ledger:
     def finish_turn(self, tenant_id: str, message_id: str, *, content: str, status: str, finish_reason: str | None,
                     prompt_tokens: int, cached_tokens: int, completion_tokens: int, cost: float,
                     model: str, endpoint: str = "conversations",
-                    token_ids: Sequence[int] | None = None) -> asyncio.Future[bool]:
+                    token_ids: Sequence[int] | None = None, calls: Sequence[Call] = ()) -> asyncio.Future[bool]:
         """Queue a finished reply with its usage (as Store.finish_turn), stamped now; returns at once,
         with a future as record_usage's. ValueError at once for a status outside db.STATUSES."""
         check_status(status)  # the caller's bug, told to it now rather than logged later
         return self._queue(ReplyWrite(tenant_id, message_id, content, status, finish_reason, prompt_tokens, cached_tokens,
                                       completion_tokens, cost, model, endpoint, self._clock(),
-                                      tuple(token_ids) if token_ids else None))
+                                      tuple(token_ids) if token_ids else None, tuple(calls)))
 
     def report_failure(self, exc: BaseException) -> None:
         """Another write failed (a turn's start, say): if it means the store cannot write now, the
@@ -299,4 +301,6 @@ def _log_crash(task: asyncio.Task) -> None:
 def _json(write: UsageWrite | ReplyWrite) -> str:
     fields = dataclasses.asdict(write)
     fields.pop("token_ids", None)  # the text and the usage are what an operator reconciles; ids only speed up a next turn
+    if not fields.get("calls", True):
+        fields.pop("calls")  # a reply that made no tool calls
     return orjson.dumps(fields).decode()

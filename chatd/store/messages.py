@@ -14,8 +14,10 @@ import dataclasses
 import sqlite3
 from array import array
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import aiosqlite
+import orjson
 
 from chatd.store.database import Database, whole
 from chatd.store.records import Message, new_id
@@ -24,9 +26,22 @@ from chatd.store.usage import INSERT_USAGE
 STATUSES = ("complete", "partial", "error")  # an assistant message stays "partial" if the server dies mid-reply
 # In the order of Message's fields, so a row becomes a record with `message_from_row(row)`.
 MESSAGE_COLUMNS = ("id, conversation_id, role, content, status, finish_reason, prompt_tokens, cached_tokens, "
-                   "completion_tokens, cost, created_at, updated_at, token_ids")
+                   "completion_tokens, cost, created_at, updated_at, token_ids, call")
 _INSERT_MESSAGE = (f"INSERT INTO messages (position, response_id, {MESSAGE_COLUMNS}) "
-                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+
+
+class Call(NamedTuple):
+    """A tool call a reply made, as the reply's stream named it."""
+
+    item_id: str  # its item's id ("fc_..."; the reply's own id when the reply is only calls)
+    call_id: str  # the id its output answers ("call_...")
+    name: str
+    arguments: str  # JSON text
+
+
+# An item a client adds: (role, text), or (role, text, call) for a tool item (Message.call's shape).
+Item = tuple[str, str] | tuple[str, str, dict | None]
 
 
 class Messages(Database):
@@ -50,8 +65,8 @@ class Messages(Database):
     async def start_turn(self, tenant_id: str, conversation_id: str, content: str) -> tuple[Message, Message]:
         """Add the user's message and an empty `partial` assistant reply, or LookupError and nothing."""
         now = self._clock()
-        user = new_message(conversation_id, "user", content, now)
-        reply = new_message(conversation_id, "assistant", "", now, status="partial")
+        user = new_message(conversation_id, "user", content, now=now)
+        reply = new_message(conversation_id, "assistant", "", now=now, status="partial")
         async with self._transaction() as conn:
             position = await next_position(conn, tenant_id, conversation_id)
             await insert_messages(conn, conversation_id, None, position, [user, reply])
@@ -67,23 +82,32 @@ class Messages(Database):
     async def finish_turn(self, tenant_id: str, message_id: str, *, content: str, status: str,
                           finish_reason: str | None, prompt_tokens: int, cached_tokens: int,
                           completion_tokens: int, cost: float, model: str, endpoint: str = "conversations",
-                          finished_at: float | None = None, token_ids: Sequence[int] | None = None) -> Message:
+                          finished_at: float | None = None, token_ids: Sequence[int] | None = None,
+                          calls: Sequence[Call] = ()) -> Message:
         """Write the finished reply and its usage event together, both stamped `finished_at`
         (default: now). token_ids: the reply's tokens as generated, kept for the next turn's prompt.
+        calls: the tool calls it made, each written as its own item right after the reply's (any
+        later items move down); a call named by the reply's own id is the reply's row itself (a
+        reply that is only calls), which then carries the usage.
 
         When the message is gone (its conversation purged mid-reply) the usage is still recorded,
         then LookupError is raised.
         """
         check_status(status)
         now = self._clock() if finished_at is None else finished_at
+        own = calls[0] if calls and calls[0].item_id == message_id else None
+        if own is not None:
+            content, calls = own.arguments, calls[1:]
         async with self._transaction() as conn:
             await conn.execute(
                 "UPDATE messages SET content = ?, status = ?, finish_reason = ?, prompt_tokens = ?, cached_tokens = ?, "
-                "completion_tokens = ?, cost = ?, updated_at = ?, token_ids = ? WHERE id = ?",
+                "completion_tokens = ?, cost = ?, updated_at = ?, token_ids = ?, call = ? WHERE id = ?",
                 (content, status, finish_reason, prompt_tokens, cached_tokens, completion_tokens, cost, now,
-                 _pack_ids(token_ids), message_id))
+                 _pack_ids(token_ids), _pack_call(own and {"call_id": own.call_id, "name": own.name}), message_id))
             rows = await conn.execute_fetchall(f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,))
             conversation_id = rows[0][1] if rows else None
+            if rows and calls:
+                await _insert_calls(conn, message_id, calls, status, now)
             await conn.execute(INSERT_USAGE, (tenant_id, endpoint, model, conversation_id, message_id,
                                               prompt_tokens, cached_tokens, completion_tokens, cost, now))
         if not rows:
@@ -93,10 +117,10 @@ class Messages(Database):
     # --- items: a conversation's messages as OpenAI's Conversations API names them ---
 
     @whole
-    async def add_items(self, tenant_id: str, conversation_id: str, items: list[tuple[str, str]]) -> list[Message]:
-        """Append complete messages (role, text) to the tenant's live conversation, or LookupError and nothing."""
+    async def add_items(self, tenant_id: str, conversation_id: str, items: Sequence[Item]) -> list[Message]:
+        """Append complete items (role, text[, call]) to the tenant's live conversation, or LookupError and nothing."""
         now = self._clock()
-        messages = [new_message(conversation_id, role, text, now) for role, text in items]
+        messages = [new_message(conversation_id, *item, now=now) for item in items]
         async with self._transaction() as conn:
             position = await next_position(conn, tenant_id, conversation_id)
             await insert_messages(conn, conversation_id, None, position, messages)
@@ -135,16 +159,18 @@ def check_status(status: str) -> None:
         raise ValueError(f"status must be one of {', '.join(STATUSES)}; got {status!r}")
 
 
-def new_message(conversation_id: str | None, role: str, content: str, now: float,
+def new_message(conversation_id: str | None, role: str, content: str, call: dict | None = None, *, now: float,
                 status: str = "complete") -> Message:
-    """A message not yet written, with a fresh id and no usage."""
-    return Message(new_id("msg_", 12), conversation_id, role, content, status, None, 0, 0, 0, 0.0, now, now)
+    """An item not yet written, with a fresh id (named as OpenAI names its kind) and no usage."""
+    prefix = "msg_" if call is None else "fco_" if role == "tool" else "fc_"
+    return Message(new_id(prefix, 12), conversation_id, role, content, status, None, 0, 0, 0, 0.0, now, now, None, call)
 
 
 def message_from_row(row: sqlite3.Row) -> Message:
-    """A row read with MESSAGE_COLUMNS as a Message (its token ids unpacked)."""
-    *head, token_ids = row
-    return Message(*head, tuple(array("i", token_ids)) if token_ids is not None else None)
+    """A row read with MESSAGE_COLUMNS as a Message (its token ids and call unpacked)."""
+    *head, token_ids, call = row
+    return Message(*head, tuple(array("i", token_ids)) if token_ids is not None else None,
+                   orjson.loads(call) if call is not None else None)
 
 
 async def next_position(conn: aiosqlite.Connection, tenant_id: str, conversation_id: str) -> int:
@@ -162,9 +188,32 @@ async def insert_messages(conn: aiosqlite.Connection, conversation_id: str | Non
                           position: int, messages: list[Message]) -> None:
     """Write `messages` at `position`, `position + 1`, ... (of the response `response_id`, if any). Runs
     inside a transaction."""
-    await conn.executemany(_INSERT_MESSAGE, [(position + i, response_id, *dataclasses.astuple(m)[:-1], _pack_ids(m.token_ids))
-                                             for i, m in enumerate(messages)])
+    if not messages:
+        return
+    await conn.executemany(_INSERT_MESSAGE, [(position + i, response_id, *dataclasses.astuple(m)[:-2], _pack_ids(m.token_ids),
+                                              _pack_call(m.call)) for i, m in enumerate(messages)])
+
+
+async def _insert_calls(conn: aiosqlite.Connection, message_id: str, calls: Sequence[Call], status: str,
+                        now: float) -> None:
+    """Write a reply's calls right after it, moving any later items of its conversation down (items
+    a client added while the reply was being generated). Runs inside finish_turn's transaction."""
+    [(conversation_id, response_id, position)] = await conn.execute_fetchall(
+        "SELECT conversation_id, response_id, position FROM messages WHERE id = ?", (message_id,))
+    if conversation_id is not None:
+        # Two steps, so that no two rows ever share a position while they move.
+        await conn.execute("UPDATE messages SET position = -position - 1 - ? WHERE conversation_id = ? AND position > ?",
+                           (len(calls), conversation_id, position))
+        await conn.execute("UPDATE messages SET position = -position - 1 WHERE conversation_id = ? AND position < 0",
+                           (conversation_id,))
+    rows = [Message(c.item_id, conversation_id, "assistant", c.arguments, status, None, 0, 0, 0, 0.0, now, now, None,
+                    {"call_id": c.call_id, "name": c.name}) for c in calls]
+    await insert_messages(conn, conversation_id, response_id, position + 1, rows)
 
 
 def _pack_ids(token_ids: Sequence[int] | None) -> bytes | None:
     return array("i", token_ids).tobytes() if token_ids else None
+
+
+def _pack_call(call: dict | None) -> str | None:
+    return orjson.dumps(call).decode() if call is not None else None

@@ -66,6 +66,16 @@ class Message:
     created_at: float
     updated_at: float
     token_ids: tuple[int, ...] | None = None  # a reply's tokens as generated (None: only its text is known)
+    # A tool item's call: {"call_id", "name"} for a function call (its content is the arguments as
+    # JSON text, its role assistant), {"call_id"} for a call's output (its role tool). None: a message.
+    call: dict[str, str] | None = None
+
+    @property
+    def kind(self) -> str:
+        """Its item type, as OpenAI names it: message, function_call or function_call_output."""
+        if self.call is None:
+            return "message"
+        return "function_call_output" if self.role == "tool" else "function_call"
 
 
 @dataclass(frozen=True)

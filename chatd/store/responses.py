@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import sqlite3
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
 from chatd.store.database import Database, whole
-from chatd.store.messages import MESSAGE_COLUMNS, insert_messages, message_from_row, new_message, next_position
+from chatd.store.messages import MESSAGE_COLUMNS, Item, insert_messages, message_from_row, new_message, next_position
 from chatd.store.records import Message, Response, new_id
 
 # In the order of Response's fields, so a row becomes a record with `_response(row)`.
@@ -29,11 +30,11 @@ class Responses(Database):
     """Store methods for responses and the messages they added."""
 
     @whole
-    async def create_response(self, tenant_id: str, *, model: str, stored: bool, inputs: list[tuple[str, str]] = (),
+    async def create_response(self, tenant_id: str, *, model: str, stored: bool, inputs: Sequence[Item] = (),
                               conversation_id: str | None = None, previous_response_id: str | None = None,
                               instructions: str | None = None,
                               request: dict[str, Any] | None = None) -> tuple[Response, Message | None]:
-        """Record a new response. Stored, it gets its input items (role, text) and an empty
+        """Record a new response. Stored, it gets its input items (role, text[, call]) and an empty
         `partial` output message, in its conversation when it has one (LookupError and nothing if
         that is not the tenant's live conversation); a store=false one keeps only its record."""
         now = self._clock()
@@ -43,12 +44,12 @@ class Responses(Database):
         async with self._transaction() as conn:
             if stored:
                 position = 0 if conversation_id is None else await next_position(conn, tenant_id, conversation_id)
-                output = new_message(conversation_id, "assistant", "", now, status="partial")
+                output = new_message(conversation_id, "assistant", "", now=now, status="partial")
                 response = dataclasses.replace(response, output_message_id=output.id)
             await conn.execute(f"INSERT INTO responses ({_RESPONSE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                                (*dataclasses.astuple(response)[:-2], orjson.dumps(response.request).decode(), now))
             if stored:
-                messages = [new_message(conversation_id, role, text, now) for role, text in inputs] + [output]
+                messages = [new_message(conversation_id, *item, now=now) for item in inputs] + [output]
                 await insert_messages(conn, conversation_id, response.id, position, messages)
             if conversation_id is not None:
                 await conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))

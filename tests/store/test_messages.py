@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from chatd.store.messages import Call
 from chatd.store.records import Usage
 from tests.store.factories import START, finish, make_tenant, read_sql, row_counts
 
@@ -140,3 +141,37 @@ async def test_a_message_is_found_only_in_its_own_conversation(store):
     assert await store.get_message(second.id, item.id) is None
     assert not await store.delete_item(second.id, item.id)
     assert [m.id for m in await store.list_messages(first.id)] == [item.id]
+
+
+# --- tool items ---
+
+async def test_a_reply_that_calls_tools_is_followed_by_one_item_per_call_and_keeps_later_items_after(store):
+    alice = await make_tenant(store)
+    conversation = await store.create_conversation(alice, model="m")
+    _, reply = await store.start_turn(alice, conversation.id, "weather in Paris and Rome?")
+    [late] = await store.add_items(alice, conversation.id, [("user", "added while the reply ran")])
+    calls = [Call("fc_a", "call_1", "weather", '{"city": "Paris"}'), Call("fc_b", "call_2", "weather", '{"city": "Rome"}')]
+    await store.finish_turn(alice, reply.id, content="Looking.", status="complete", finish_reason="tool_calls",
+                            prompt_tokens=10, cached_tokens=0, completion_tokens=30, cost=0.0, model="m", calls=calls)
+    items = await store.list_messages(conversation.id)
+    assert [(m.id, m.kind, m.content) for m in items[1:]] == [
+        (reply.id, "message", "Looking."), ("fc_a", "function_call", '{"city": "Paris"}'),
+        ("fc_b", "function_call", '{"city": "Rome"}'), (late.id, "message", "added while the reply ran")]
+    assert items[2].call == {"call_id": "call_1", "name": "weather"}
+    assert [m.completion_tokens for m in items[1:4]] == [30, 0, 0]  # the usage stays on the reply
+
+    [output] = await store.add_items(alice, conversation.id, [("tool", "18 C", {"call_id": "call_1"})])
+    assert output.id.startswith("fco_") and output.kind == "function_call_output"
+    assert (await store.get_message(conversation.id, output.id)) == output
+
+
+async def test_a_reply_that_is_only_calls_is_its_first_call(store):
+    alice = await make_tenant(store)
+    conversation = await store.create_conversation(alice, model="m")
+    _, reply = await store.start_turn(alice, conversation.id, "weather?")
+    calls = [Call(reply.id, "call_1", "weather", "{}"), Call("fc_b", "call_2", "time", "{}")]
+    done = await store.finish_turn(alice, reply.id, content="", status="complete", finish_reason="tool_calls",
+                                   prompt_tokens=5, cached_tokens=0, completion_tokens=9, cost=0.0, model="m", calls=calls)
+    assert (done.kind, done.content, done.call, done.completion_tokens) == (
+        "function_call", "{}", {"call_id": "call_1", "name": "weather"}, 9)
+    assert [m.id for m in await store.list_messages(conversation.id)][1:] == [reply.id, "fc_b"]

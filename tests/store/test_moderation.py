@@ -11,6 +11,7 @@ import pytest
 
 from chatd.store import database
 from chatd.store.db import SCHEMA_VERSION, Store
+from chatd.store.moderation import MODERATION_MIGRATION
 from chatd.store.records import ModerationEvent
 from tests.store.factories import START, FakeClock, make_tenant, read_sql, user_version
 
@@ -208,11 +209,16 @@ async def test_the_events_outlive_a_purged_conversation(store, clock):
 async def test_a_file_from_before_moderation_events_is_migrated_and_keeps_its_data(tmp_path, monkeypatch):
     path = tmp_path / "chatd.db"
     with monkeypatch.context() as old_chatd:  # the chatd before this schema version
-        old_chatd.setattr(database, "MIGRATIONS", database.MIGRATIONS[:-1])
+        before = database.MIGRATIONS.index(MODERATION_MIGRATION)
+        old_chatd.setattr(database, "MIGRATIONS", database.MIGRATIONS[:before])
         async with await Store.open(path) as store:
             key, record = await store.create_key("alice", "paid")
-            conversation = await store.create_conversation(record.tenant_id, model="m", items=[("user", "hi")])
-        assert user_version(path) == SCHEMA_VERSION - 1
+            conversation = await store.create_conversation(record.tenant_id, model="m")
+        with sqlite3.connect(path) as conn:  # a message as that chatd wrote it (today's store writes later columns)
+            conn.execute("INSERT INTO messages (id, conversation_id, position, role, content, status, created_at, "
+                         "updated_at) VALUES ('msg_1', ?, 0, 'user', 'hi', 'complete', 0, 0)", (conversation.id,))
+        conn.close()
+        assert user_version(path) == 1 + before
         assert not read_sql(path, "SELECT 1 FROM sqlite_master WHERE name = 'moderation_events'")
 
     async with await Store.open(path, clock=FakeClock()) as store:
