@@ -16,6 +16,7 @@ Public names (the rest is internal; `chatd.http` imports only these):
     EngineStats      counters for metrics                                      core/scheduler.py
     STAGES           the stages of a step's host work, timed                   core/stage_times.py
     Tokenizer        chat template, tokens, incremental detokenizer            tokenizer.py
+    Embedder         an embedding model beside the chat model, on its thread   embeddings.py
 
 Reading order, following one request in:
 
@@ -54,6 +55,7 @@ engine is built.
 from chatd.engine.async_engine import AsyncEngine, EngineClient, EngineUnavailable, RequestHandle, RequestStream
 from chatd.engine.core.scheduler import EngineStats
 from chatd.engine.core.stage_times import STAGES
+from chatd.engine.embeddings import Embedder
 from chatd.engine.engine import LLMEngine
 from chatd.engine.engine_process import EngineProcess
 from chatd.engine.llm import LLM
@@ -82,6 +84,7 @@ __all__ = [
     "AsyncEngine",
     "CacheScope",
     "CompletionOutput",
+    "Embedder",
     "EngineClient",
     "EngineProcess",
     "EngineStats",
