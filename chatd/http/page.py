@@ -2,8 +2,9 @@
 
 The page holds no data, so it needs no API key; the calls it makes to /v1/ carry the key the user
 typed (kept in the browser's localStorage). Markdown is rendered by vendored, pinned copies of
-marked and DOMPurify (static/vendor/README.md), and the page's Content-Security-Policy lets
-only its own files run: HTML a model writes is sanitized, and would not execute even if it were not.
+marked and DOMPurify, code blocks coloured by highlight.js (static/vendor/README.md), and the
+page's Content-Security-Policy lets only its own files run: HTML a model writes is sanitized, and
+would not execute even if it were not. Downloads (export) are blob: links the page makes itself.
 
 It knows nothing of the API it calls: the JavaScript does (static/api.js).
 """

@@ -84,12 +84,13 @@ async def browser():
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def open_chat(browser, tmp_path):
-    """open_chat(viewport, auth) -> a Chat: a server of its own and a fresh browser context on it.
+    """open_chat(viewport, auth, settings) -> a Chat: a server of its own (`settings`: more of its
+    config) and a fresh browser context on it.
     Afterwards the page must have thrown nothing and the CSP refused nothing."""
     opened: list[tuple[Chat, object]] = []
 
-    async def open_chat(viewport: dict = DESKTOP, auth: bool = False) -> Chat:
-        config = build_config({"auth": {"enabled": auth}})
+    async def open_chat(viewport: dict = DESKTOP, auth: bool = False, settings: dict | None = None) -> Chat:
+        config = build_config({"auth": {"enabled": auth}, **(settings or {})})
         state = await make_server_state(ScriptedChatEngine(pause=0.02), tmp_path / f"server{len(opened)}", config)
         server = TestServer(create_app(state), host="127.0.0.1")
         await server.start_server()
@@ -201,7 +202,7 @@ async def test_conversations_are_listed_newest_first_opened_renamed_and_deleted(
     await titles.nth(1).click()  # opening one shows its messages and its system prompt
     await expect(page.locator("#title")).to_have_text("first chat")
     assert await chat.user_messages() == ["first chat"]
-    assert await page.locator("#about-system").text_content() == "Answer like a pirate."
+    assert await page.locator("#system-prompt").input_value() == "Answer like a pirate."
 
     # Renaming asks for the new title (a prompt dialog); the sidebar, the header and the API agree.
     page.once("dialog", lambda dialog: dialog.accept("Pirate talk"))
@@ -217,7 +218,7 @@ async def test_conversations_are_listed_newest_first_opened_renamed_and_deleted(
     await expect(page.locator("#conversations li")).to_have_count(1)
     await page.locator("#conversations li", has_text="Pirate talk").locator(".delete").click()  # the open one
     await expect(page.locator("#title")).to_have_text("New chat")
-    assert await page.locator("#conversations li").count() == 0 and await page.locator("#setup").is_visible()
+    assert await page.locator("#conversations li").count() == 0 and await page.locator("#system-prompt").is_visible()
     assert (await chat.api("/v1/conversations"))["data"] == []
 
 

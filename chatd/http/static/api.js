@@ -11,14 +11,19 @@ export const apiKey = {
   set: (key) => (key ? localStorage.setItem(KEY_STORAGE, key) : localStorage.removeItem(KEY_STORAGE)),
 };
 
-/** An error chatd answered, in OpenAI's shape: its message, and its code (null for most). */
+/** An error chatd answered, in OpenAI's shape: its message, its code (null for most), and the
+ * seconds its Retry-After header asks to wait (null without one). Status 0: no answer at all. */
 export class ApiError extends Error {
-  constructor(status, error) {
+  constructor(status, error, retryAfter = null) {
     super(error?.message || `the server answered ${status}`);
     this.status = status;
     this.code = error?.code || null;
+    this.retryAfter = retryAfter;
   }
 }
+
+/** What fetch throws when nothing answered (the server is down, or the network is). */
+const unreachable = () => new ApiError(0, {message: `cannot reach the chatd server at ${location.origin}`, code: "unreachable"});
 
 const path = (...parts) => "/v1/conversations/" + parts.map(encodeURIComponent).join("/");
 
@@ -29,7 +34,12 @@ async function request(method, url, {body, headers = {}, signal} = {}) {
     init.body = JSON.stringify(body);
     init.headers["Content-Type"] = "application/json";
   }
-  const response = await fetch(url, init);
+  let response;
+  try {
+    response = await fetch(url, init);
+  } catch (error) {
+    throw signal?.aborted ? error : unreachable();
+  }
   if (!response.ok) {
     let error = null;
     try {
@@ -37,7 +47,8 @@ async function request(method, url, {body, headers = {}, signal} = {}) {
     } catch {
       // not chatd's JSON (a proxy's page): the status says enough
     }
-    throw new ApiError(response.status, error);
+    const retryAfter = Number(response.headers.get("Retry-After")) || null;
+    throw new ApiError(response.status, error, retryAfter);
   }
   return response;
 }
@@ -51,20 +62,28 @@ export const api = {
   conversations: (after) => call("GET", "/v1/conversations?limit=50" + (after ? `&after=${encodeURIComponent(after)}` : "")),
   conversation: (id) => call("GET", path(id)),
   createConversation: (fields) => call("POST", "/v1/conversations", fields),
-  renameConversation: (id, title) => call("POST", path(id), {title}),
+  /** Change some of a conversation's `title`, `system_prompt` and `metadata` (which is replaced whole). */
+  updateConversation: (id, fields) => call("POST", path(id), fields),
   deleteConversation: (id) => call("DELETE", path(id)),
+  deleteItem: (conversationId, itemId) => call("DELETE", path(conversationId, "items", itemId)),
+  /** Copy messages into a conversation: `items` as [{role, content}], at most 20 a call. */
+  addItems: (conversationId, items) => call("POST", path(conversationId, "items"),
+    {items: items.map(({role, content}) => ({type: "message", role, content}))}),
+  /** How many tokens `text` is for the served model's own tokenizer. */
+  countTokens: (model, text) => call("POST", "/tokenize", {model, prompt: text}).then((answer) => answer.count),
   /** Stop a reply being generated; resolves to the message as saved (its usage included). */
   cancelReply: (conversationId, messageId) => call("POST", path(conversationId, "messages", messageId, "cancel")),
 };
 
 /**
- * Send a user message and follow its reply. `onChunk` gets each chat.completion.chunk (the first
- * one's id is the reply's message id). Resolves to how the reply ended: `{done: true}`, or
- * `{error}` with chatd's error (its code says why: reply_cancelled, reply_interrupted...).
+ * Send a user message and follow its reply; `sampling` adds fields such as temperature, top_p and
+ * max_completion_tokens. `onChunk` gets each chat.completion.chunk (the first one's id is the
+ * reply's message id). Resolves to how the reply ended: `{done: true}`, or `{error}` with chatd's
+ * error (its code says why: reply_cancelled, reply_interrupted...).
  */
-export async function sendMessage(conversationId, content, {signal, onChunk}) {
+export async function sendMessage(conversationId, content, {signal, onChunk, sampling = {}}) {
   const response = await request("POST", path(conversationId, "messages"), {
-    body: {content, stream: true, stream_options: {include_usage: true}},
+    body: {...sampling, content, stream: true, stream_options: {include_usage: true}},
     signal,
   });
   return follow(conversationId, null, response, signal, onChunk);
@@ -97,7 +116,8 @@ async function follow(conversationId, messageId, response, signal, onChunk) {
       }
     } catch (error) {
       // The page let go of it, or the server refused it (a 404: the conversation is gone).
-      if (signal?.aborted || error instanceof ApiError) throw error;
+      // No answer at all (status 0) is a dropped connection like any other: try again.
+      if (signal?.aborted || (error instanceof ApiError && error.status !== 0)) throw error;
     }
     if (messageId === null) break; // nothing to pick up: the reply never began
     response = null; // the connection ended before the reply did: pick it up after the last event

@@ -1,17 +1,23 @@
 // The chat page: conversations in the sidebar (newest first), the open one, and its reply as it
-// streams in, with a Stop button and the time to first token and tokens/s under each reply. A
-// reload in the middle of a reply picks it up again. It reaches chatd only through api.js and
-// shows model text only through render.js.
+// streams in, with a Stop button (or Escape) and the time to first token and tokens/s under each
+// reply; every message shows its token count. A reload in the middle of a reply picks it up
+// again. Editing a message (or regenerating the last reply) replaces the conversation's tail from
+// that message on: there are no branches. It reaches chatd only through api.js, shows model text
+// only through render.js, and builds messages in messages.js and settings in settings.js.
 
 import {api, apiKey, resumeReply, sendMessage} from "./api.js";
-import {markdownPainter, renderMarkdown} from "./render.js";
+import {downloadJson, downloadMarkdown} from "./export.js";
+import {addActions, addMessage, copyText, editInPlace, seconds, shownMessages, tokens} from "./messages.js";
+import {describe, keyAdvice, showError} from "./notice.js";
+import {markdownPainter} from "./render.js";
+import {invalidSampling, sampling, showSettings, summarize, systemPrompt, withSampling} from "./settings.js";
 
 const $ = (id) => document.getElementById(id);
 
 const page = {
   conversations: [], // the caller's, newest first, as far as listed
   hasMore: false,
-  current: null, // the open conversation with its messages; null for a new chat
+  current: null, // the open conversation with its messages as opened; null for a new chat
   reply: null, // the reply streaming into the open conversation: {conversationId, messageId, controller, cancelling}
 };
 
@@ -22,6 +28,8 @@ const ENDINGS = {
   conversation_deleted: "the conversation was deleted",
   connection_lost: "the connection to the server was lost",
 };
+// How a reply that ended on its own, but not at its natural end, is labelled, by finish_reason.
+const FINISHES = {length: "cut at the token limit", content_filter: "stopped by the content filter"};
 
 // -- starting: the key, the models, the conversations ---------------------------------------
 
@@ -31,10 +39,10 @@ async function connect() {
   try {
     fillModels((await api.models()).data);
   } catch (error) {
-    if (error.status !== 401) return showError(error.message);
+    if (error.status !== 401) return showError(describe(error), connect);
     $("key-form").hidden = false; // auth is on: nothing can be shown without a key
     $("api-key").focus();
-    return showError(apiKey.get() ? "The server refused this API key." : "This server needs an API key (`chatd keys create`).");
+    return showError(keyAdvice(error, apiKey.get() !== ""));
   }
   $("key-form").hidden = !apiKey.get();
   await loadConversations(false);
@@ -46,7 +54,10 @@ async function connect() {
 }
 
 function fillModels(models) {
+  const chosen = $("model").value;
   $("model").replaceChildren(...models.map((model) => new Option(model.id, model.id)));
+  if (chosen) $("model").value = chosen;
+  summarize(page.current);
 }
 
 async function loadConversations(older) {
@@ -55,7 +66,7 @@ async function loadConversations(older) {
     page.conversations = older ? [...page.conversations, ...list.data] : list.data;
     page.hasMore = list.has_more;
   } catch (error) {
-    showError(error.message);
+    showError(describe(error), () => loadConversations(older));
   }
   renderSidebar();
 }
@@ -80,16 +91,15 @@ function renderSidebar() {
 
 // -- opening, starting and deleting conversations --------------------------------------------
 
-/** Show an empty chat; `clear`: also empty the system prompt (false at start, where a user may
- * already be typing in it while the page loads its conversations). */
+/** Show an empty chat; `clear`: also empty its settings (false at start, where a user may
+ * already be typing a system prompt while the page loads its conversations). */
 function newChat(clear = true) {
   leaveReply();
   page.current = null;
   history.replaceState(null, "", location.pathname);
   $("title").textContent = "New chat";
-  $("setup").hidden = false;
-  if (clear) $("system-prompt").value = "";
-  $("about").hidden = true;
+  $("export").hidden = true;
+  showSettings(null, clear);
   $("messages").replaceChildren();
   renderSidebar();
   closeSidebar();
@@ -105,7 +115,8 @@ async function openConversation(id) {
     conversation = await api.conversation(id);
   } catch (error) {
     newChat();
-    return showError(error.status === 404 ? "That conversation no longer exists." : error.message);
+    if (error.status === 404) return showError("That conversation no longer exists.");
+    return showError(describe(error), () => openConversation(id));
   }
   page.current = conversation;
   history.replaceState(null, "", `#${id}`);
@@ -119,19 +130,21 @@ async function openConversation(id) {
 
 function showConversation(conversation) {
   $("title").textContent = titleOf(conversation);
-  $("setup").hidden = true;
-  $("about").hidden = false;
-  $("about").querySelector("summary").textContent = `Model: ${conversation.model}` + (conversation.system_prompt ? " · system prompt" : "");
-  $("about-system").textContent = conversation.system_prompt || "No system prompt.";
+  $("export").hidden = false;
+  showSettings(conversation);
   const shown = conversation.messages.filter((m, i, all) => !(i === all.length - 1 && m.role === "assistant" && m.status === "partial"));
   $("messages").replaceChildren();
   for (const message of shown) {
     const bubble = addMessage(message.role, message.content);
-    if (message.role === "assistant") {
-      bubble.stats.textContent = message.status === "complete" ? `${message.usage.completion_tokens} tokens` : "";
-      if (message.status !== "complete") ending(bubble, message.status === "error" ? "generation failed" : "incomplete");
-    }
+    const ending = message.role !== "assistant" ? null
+      : message.status === "error" ? "generation failed"
+        : message.status !== "complete" ? "incomplete" : FINISHES[message.finish_reason] || null;
+    // A reply chatd generated has its usage; a message or an item added through the API is counted.
+    const generated = message.usage?.completion_tokens;
+    if (generated) bubble.setStats([tokens(generated)], ending);
+    else countTokens(bubble, ending);
   }
+  refreshActions();
   renderSidebar();
   scrollToEnd(true);
 }
@@ -140,11 +153,11 @@ async function renameConversation(conversation) {
   const title = prompt("Rename the conversation", conversation.title || "");
   if (title === null || !title.trim()) return;
   try {
-    const renamed = await api.renameConversation(conversation.id, title.trim());
+    const renamed = await api.updateConversation(conversation.id, {title: title.trim()});
     page.conversations = page.conversations.map((c) => (c.id === renamed.id ? renamed : c));
     if (page.current?.id === renamed.id) $("title").textContent = titleOf(renamed);
   } catch (error) {
-    return showError(error.message);
+    return showError(describe(error));
   }
   renderSidebar();
 }
@@ -154,11 +167,28 @@ async function deleteConversation(conversation) {
   try {
     await api.deleteConversation(conversation.id);
   } catch (error) {
-    if (error.status !== 404) return showError(error.message);
+    if (error.status !== 404) return showError(describe(error));
   }
   page.conversations = page.conversations.filter((c) => c.id !== conversation.id);
   if (page.current?.id === conversation.id) newChat();
   else renderSidebar();
+}
+
+/** Save the settings panel into the open conversation (a new chat takes them when it is made). */
+async function saveSettings() {
+  summarize(page.current);
+  const invalid = invalidSampling();
+  if (invalid) return showError(invalid);
+  if (page.current === null) return;
+  const fields = {metadata: withSampling(page.current.metadata)};
+  if (systemPrompt() !== (page.current.system_prompt || null)) fields.system_prompt = systemPrompt();
+  try {
+    page.current = {...page.current, ...(await api.updateConversation(page.current.id, fields))};
+  } catch (error) {
+    return showError(describe(error), saveSettings);
+  }
+  showError(null);
+  $("settings-note").textContent = "Saved: applies from the next message.";
 }
 
 // -- sending and following replies -----------------------------------------------------------
@@ -167,32 +197,47 @@ async function send(event) {
   event.preventDefault();
   const content = $("input").value.trim();
   if (!content || page.reply) return;
+  const invalid = invalidSampling();
+  if (invalid) return showError(invalid);
   showError(null);
-  if (page.current === null) {
-    const fields = {model: $("model").value, title: content.split("\n")[0].slice(0, 40)};
-    const systemPrompt = $("system-prompt").value.trim();
-    if (systemPrompt) fields.system_prompt = systemPrompt;
-    try {
-      const conversation = await api.createConversation(fields);
-      page.current = {...conversation, messages: []};
-      page.conversations.unshift(conversation);
-    } catch (error) {
-      return showError(error.message);
-    }
-    history.replaceState(null, "", `#${page.current.id}`);
-    showConversation(page.current);
-  }
-  const conversationId = page.current.id;
+  if (page.current === null && !(await startConversation(content))) return;
   $("input").value = "";
-  addMessage("user", content);
+  await turn(content);
+}
+
+async function startConversation(content) {
+  const fields = {model: $("model").value, title: content.split("\n")[0].slice(0, 40), metadata: withSampling({})};
+  if (systemPrompt()) fields.system_prompt = systemPrompt();
+  try {
+    const conversation = await api.createConversation(fields);
+    page.current = {...conversation, messages: []};
+    page.conversations.unshift(conversation);
+  } catch (error) {
+    showError(describe(error), () => $("composer").requestSubmit());
+    return false;
+  }
+  history.replaceState(null, "", `#${page.current.id}`);
+  showConversation(page.current);
+  return true;
+}
+
+/** Post `content` as the next user message and show it and its reply. A message the server
+ * refused is taken off the screen and put back in the composer, with a Retry. */
+async function turn(content) {
+  const conversationId = page.current.id;
+  const user = addMessage("user", content);
   const bubble = addMessage("assistant");
-  const sentAt = performance.now();
-  const ended = await followReply(conversationId, bubble, sentAt, (handlers) => sendMessage(conversationId, content, handlers));
+  refreshActions();
+  const ended = await followReply(conversationId, bubble, performance.now(),
+    (handlers) => sendMessage(conversationId, content, {...handlers, sampling: sampling()}));
   if (ended === "refused") {
-    bubble.element.previousElementSibling.remove();
+    user.element.remove();
     bubble.element.remove();
     $("input").value = content;
+  } else if (ended !== "left") {
+    countTokens(user);
   }
+  refreshActions();
 }
 
 /** Show a reply as it streams into `bubble`; with `sentAt` (not a resumed reply) also how fast it came. */
@@ -201,7 +246,6 @@ async function followReply(conversationId, bubble, sentAt, open) {
   page.reply = reply;
   setStreaming(true);
   const painter = markdownPainter(bubble.content);
-  let text = "";
   let firstTokenAt = null;
   let usage = null;
   let finishReason = null;
@@ -216,20 +260,20 @@ async function followReply(conversationId, bubble, sentAt, open) {
         }
         for (const choice of chunk.choices) {
           if (choice.delta?.content) {
-            text += choice.delta.content;
+            bubble.text += choice.delta.content;
             firstTokenAt ??= performance.now();
           }
           finishReason = choice.finish_reason || finishReason;
         }
         usage = chunk.usage || usage;
         const atEnd = nearEnd();
-        painter.update(text);
+        painter.update(bubble.text);
         scrollToEnd(atEnd);
       },
     });
   } catch (error) {
     if (reply.controller.signal.aborted) return "left"; // the page moved on; the reply goes on on the server
-    showError(error.message);
+    showError(describe(error), () => $("composer").requestSubmit());
     return "refused";
   } finally {
     if (page.reply === reply) {
@@ -245,14 +289,12 @@ async function followReply(conversationId, bubble, sentAt, open) {
   }
   const parts = [];
   if (sentAt !== null && firstTokenAt !== null) parts.push(`first token ${seconds(firstTokenAt - sentAt)}`);
-  const tokens = usage?.completion_tokens;
-  if (tokens) parts.push(`${tokens} tokens`);
-  if (sentAt !== null && firstTokenAt !== null && tokens > 1 && endedAt > firstTokenAt) {
-    parts.push(`${((tokens - 1) / ((endedAt - firstTokenAt) / 1000)).toFixed(1)} tokens/s`);
+  const generated = usage?.completion_tokens;
+  if (generated) parts.push(tokens(generated));
+  if (sentAt !== null && firstTokenAt !== null && generated > 1 && endedAt > firstTokenAt) {
+    parts.push(`${((generated - 1) / ((endedAt - firstTokenAt) / 1000)).toFixed(1)} tokens/s`);
   }
-  bubble.stats.textContent = parts.join(" · ");
-  if (ended.error) ending(bubble, ENDINGS[ended.error.code] || `failed: ${ended.error.message}`);
-  else if (finishReason === "length") ending(bubble, "cut at the token limit");
+  bubble.setStats(parts, ended.error ? ENDINGS[ended.error.code] || `failed: ${ended.error.message}` : FINISHES[finishReason]);
   return ended.error ? "ended" : "done";
 }
 
@@ -264,7 +306,7 @@ async function stop() {
   try {
     await reply.cancelling;
   } catch (error) {
-    showError(error.message);
+    showError(describe(error));
   }
 }
 
@@ -281,32 +323,59 @@ function setStreaming(on) {
   $("send").hidden = on;
   $("stop").hidden = !on;
   $("stop").disabled = true; // until the reply's id is known
+  $("messages").classList.toggle("streaming", on);
+}
+
+// -- copy, edit, regenerate -------------------------------------------------------------------
+
+function refreshActions() {
+  addActions({copy, edit, regenerate});
+}
+
+async function copy(bubble) {
+  const copied = await copyText(bubble.text);
+  bubble.actions.querySelector(".copy").textContent = copied ? "Copied" : "Copy failed";
+}
+
+async function edit(bubble) {
+  if (page.reply) return;
+  const text = await editInPlace(bubble);
+  if (text !== null) await resend(bubble.index(), text);
+}
+
+async function regenerate(bubble) {
+  const question = shownMessages()[bubble.index() - 1];
+  if (!page.reply && question?.role === "user") await resend(question.index(), question.text);
+}
+
+/** Replace the conversation's tail from the message at `index` on (on the server too) with `text` and its reply. */
+async function resend(index, text) {
+  showError(null);
+  try {
+    const {messages} = await api.conversation(page.current.id);
+    const onScreen = shownMessages().slice(index);
+    if (messages[index]?.role !== "user" || messages[index].content !== onScreen[0]?.text) {
+      await openConversation(page.current.id); // changed elsewhere (another tab): show it as it is now
+      return showError("The conversation changed since it was shown; here it is as it is now.");
+    }
+    for (const message of messages.slice(index).reverse()) await api.deleteItem(page.current.id, message.id);
+    for (const bubble of onScreen) bubble.element.remove();
+  } catch (error) {
+    return showError(describe(error), () => resend(index, text));
+  }
+  await turn(text);
 }
 
 // -- elements ---------------------------------------------------------------------------------
 
-/** A message in the open conversation: user text as typed, assistant text as markdown. */
-function addMessage(role, content = null) {
-  const element = document.createElement("div");
-  element.className = `message ${role}`;
-  const body = document.createElement("div");
-  body.className = "content";
-  const stats = document.createElement("div");
-  stats.className = "stats";
-  element.append(body, stats);
-  if (role === "user") body.textContent = content;
-  else if (content === null) element.classList.add("waiting");
-  else renderMarkdown(body, content);
-  $("messages").append(element);
-  return {element, content: body, stats};
-}
-
-function ending(bubble, label) {
-  const note = document.createElement("span");
-  note.className = "ended";
-  note.textContent = label;
-  if (bubble.stats.textContent) bubble.stats.append(" · ");
-  bubble.stats.append(note);
+/** Show `bubble`'s token count, by the server's tokenizer; a count that cannot be had is left out. */
+async function countTokens(bubble, ending = null) {
+  bubble.setStats([], ending);
+  try {
+    bubble.setStats([tokens(await api.countTokens(page.current.model, bubble.text))], ending);
+  } catch {
+    // the count is a nicety: the message stands without it
+  }
 }
 
 function button(className, label, onClick) {
@@ -320,15 +389,6 @@ function button(className, label, onClick) {
 
 function titleOf(conversation) {
   return conversation.title || `Chat of ${new Date(conversation.created_at * 1000).toLocaleString()}`;
-}
-
-function seconds(ms) {
-  return ms < 1000 ? `${Math.round(ms)} ms` : `${(ms / 1000).toFixed(2)} s`;
-}
-
-function showError(message) {
-  $("error").hidden = !message;
-  $("error").textContent = message || "";
 }
 
 function nearEnd() {
@@ -354,6 +414,12 @@ $("input").addEventListener("keydown", (event) => {
     $("composer").requestSubmit();
   }
 });
+document.addEventListener("keydown", (event) => {
+  if (event.key === "Escape" && page.reply) {
+    event.preventDefault();
+    stop();
+  }
+});
 $("stop").addEventListener("click", stop);
 $("new-chat").addEventListener("click", () => newChat());
 $("older").addEventListener("click", () => loadConversations(true));
@@ -361,6 +427,10 @@ $("menu").addEventListener("click", () => {
   $("scrim").hidden = !$("app").classList.toggle("sidebar-open");
 });
 $("scrim").addEventListener("click", closeSidebar);
+$("settings-form").addEventListener("submit", (event) => event.preventDefault());
+$("settings-form").addEventListener("change", saveSettings);
+$("export-json").addEventListener("click", () => exportConversation(downloadJson));
+$("export-markdown").addEventListener("click", () => exportConversation(downloadMarkdown));
 $("key-form").addEventListener("submit", (event) => {
   event.preventDefault();
   apiKey.set($("api-key").value.trim());
@@ -373,5 +443,13 @@ $("forget-key").addEventListener("click", () => {
   newChat();
   connect();
 });
+
+async function exportConversation(download) {
+  try {
+    download(await api.conversation(page.current.id)); // as saved now, the replies since it was opened included
+  } catch (error) {
+    showError(describe(error), () => exportConversation(download));
+  }
+}
 
 connect();

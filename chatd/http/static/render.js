@@ -3,16 +3,22 @@
 // only inert markup of what marked made: no <script>, no on* handlers, no javascript: links. The
 // page's Content-Security-Policy (page.py) would stop a script that got through anyway.
 //
+// Code blocks are coloured by highlight.js (vendor/) after sanitizing: it reads each block's text
+// (never its markup) and its output is sanitized again, keeping only <span class>.
+//
 // Raw HTML is escaped rather than only sanitized because parsing it at all, even into DOMPurify's
 // inert document, makes Chromium (156.0.8078.108) report each on* attribute as a CSP violation.
 
-/* global marked, DOMPurify */
+/* global marked, DOMPurify, hljs */
 
 const SANITIZE = {
   USE_PROFILES: {html: true},
   FORBID_TAGS: ["style", "form", "input", "button", "textarea", "select"],
   FORBID_ATTR: ["style"],
 };
+
+const HIGHLIGHTED = {ALLOWED_TAGS: ["span"], ALLOWED_ATTR: ["class"]};
+const AUTO_DETECT_CHARS = 20_000; // guessing a block's language tries every grammar: only for short blocks
 
 const ESCAPES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"};
 const escapeHtml = (text) => text.replace(/[&<>"']/g, (c) => ESCAPES[c]);
@@ -25,6 +31,19 @@ export function renderMarkdown(element, text) {
     link.target = "_blank";
     link.rel = "noopener noreferrer";
   }
+  for (const code of element.querySelectorAll("pre > code")) highlight(code);
+}
+
+function highlight(code) {
+  const source = code.textContent;
+  const language = [...code.classList].find((name) => name.startsWith("language-"))?.slice(9);
+  let result;
+  if (language && hljs.getLanguage(language)) result = hljs.highlight(source, {language, ignoreIllegals: true});
+  else if (!language && source.length <= AUTO_DETECT_CHARS) result = hljs.highlightAuto(source);
+  else return;
+  code.innerHTML = DOMPurify.sanitize(result.value, HIGHLIGHTED);
+  code.classList.add("hljs");
+  if (result.language) code.dataset.language = result.language;
 }
 
 /** Repaint `element` with the latest text at most once a frame, however fast the deltas come. */
