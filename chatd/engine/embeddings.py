@@ -172,7 +172,8 @@ class Embedder:
             while not self._jobs.empty():
                 jobs.append(self._jobs.get_nowait())
             stopping = None in jobs
-            self._run([job for job in jobs if job is not None])
+            # A job whose caller gave up (its future cancelled) before it started is dropped.
+            self._run([job for job in jobs if job is not None and job.future.set_running_or_notify_cancel()])
 
     def _run(self, jobs: list[_Job]) -> None:
         if not jobs:
@@ -196,6 +197,10 @@ class Embedder:
         for batch in self._batches(order, inputs):
             vectors[batch] = self._forward([inputs[i] for i in batch])
         return vectors
+
+    def shorten(self, vectors: np.ndarray, dimensions: int) -> np.ndarray:
+        """The first `dimensions` of each vector, renormalized when this model normalizes (OpenAI's `dimensions`)."""
+        return shorten(vectors, dimensions, self.pooling.normalize)
 
     def _batches(self, order: list[int], inputs: list[list[int]]) -> list[list[int]]:
         """Indices in length order, cut where the padded batch would pass max_batch_tokens."""

@@ -14,7 +14,7 @@ import uuid
 
 from aiohttp import web
 
-from chatd.http import completions, conversations, moderation, openapi, page, responses, status, tokens
+from chatd.http import completions, conversations, embeddings, moderation, openapi, page, responses, status, tokens
 from chatd.http.auth import TENANT, auth_middleware
 from chatd.http.cors import Cors
 from chatd.http.request_log import request_log_middleware
@@ -85,6 +85,7 @@ RESPONSE = "/v1/responses/{response_id}"
 ROUTES = [
     ("POST", "/v1/chat/completions", completions.chat_completions),
     ("POST", "/v1/completions", completions.completions),
+    ("POST", "/v1/embeddings", embeddings.embeddings),
     ("GET", "/v1/models", status.models),
     ("GET", "/v1/models/{model:.+}", status.model),  # .+: ids like Qwen/Qwen3-8B hold a slash
     ("GET", "/v1/usage", status.usage),

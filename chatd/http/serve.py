@@ -29,7 +29,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from chatd.config import Config, StoreConfig, store_path
-from chatd.engine import AsyncEngine, EngineProcess, LLMEngine, SamplingParams, Tokenizer
+from chatd.engine import AsyncEngine, Embedder, EngineProcess, LLMEngine, SamplingParams, Tokenizer
 from chatd.http.app import create_app
 from chatd.http.starting import Startup, starting_app
 from chatd.http.state import ServerState
@@ -154,11 +154,24 @@ async def _serve(config: Config, store: Store, ledger: Ledger, listening: Listen
                  build_engine: Callable[[Config], LLMEngine]) -> None:
     # The guard model first: on a GPU the main engine then sizes its KV pool from what the guard left.
     guard_engine, guard = await _start_guard(config)
+    embedder = None
     try:
-        await _serve_with(config, store, ledger, listening, stop, guard, build_engine)
+        embedder = await _load_embedder(config)  # before the engine too: it sizes its KV pool from what is left
+        await _serve_with(config, store, ledger, listening, stop, guard, embedder, build_engine)
     finally:
+        if embedder is not None:
+            embedder.stop()
         if guard_engine is not None:
             await guard_engine.stop()
+
+
+async def _load_embedder(config: Config) -> Embedder | None:
+    """[embeddings] model, loaded on a thread (the port answers meanwhile), or none when it is empty."""
+    settings = config.embeddings
+    if not settings.model:
+        return None
+    return await asyncio.to_thread(Embedder.load, settings.model, settings.embedding_device, settings.embedding_dtype,
+                                   settings.served_name, settings.max_batch_tokens)
 
 
 async def _start_guard(config: Config) -> tuple[AsyncEngine | None, GuardModel | None]:
@@ -193,7 +206,8 @@ def guard_engine_config(config: Config) -> Config:
 
 
 async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: Listening, stop: asyncio.Event | None,
-                      guard: GuardModel | None, build_engine: Callable[[Config], LLMEngine]) -> None:
+                      guard: GuardModel | None, embedder: Embedder | None,
+                      build_engine: Callable[[Config], LLMEngine]) -> None:
     # Loaded on the engine thread, where all of the server's torch work runs (see async_engine.py),
     # or in a process of its own (engine_process.py) that the engine thread drives.
     startup = listening.startup
@@ -209,6 +223,10 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
     startup.mark("loaded", f"steps {async_engine.compile_state()}")
     startup.phase = "warming up"
     names = config.server.model_name or (model.name,)
+    if embedder is not None and embedder.name in names:
+        await async_engine.stop()
+        raise ValueError(f"the embedding model and the chat model are both served as {embedder.name!r}; give one "
+                         "another name ([embeddings] served_name or [server] model_name)")
     state = ServerState(
         engine=async_engine,
         tokenizer=tokenizer,
@@ -220,6 +238,7 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
         ledger=ledger,
         config=config,
         guard=guard,
+        embedder=embedder,
     )
     state.shared_prefixes = await state.off_loop(_shared_prefixes, tokenizer, config.cache.shared_system_prompts)
     app = create_app(state, config.server.max_body_bytes)
@@ -299,6 +318,8 @@ async def _warm_up(engine: AsyncEngine, state: ServerState) -> None:
         pass
     with contextlib.suppress(ValueError):  # a model without a chat template serves completions only
         await state.off_loop(state.tokenizer.encode_chat, [{"role": "user", "content": "hi"}])
+    if state.embedder is not None:
+        await asyncio.wrap_future(state.embedder.submit(state.embedder.encode(["hi"])))
 
 
 async def _purge_forever(store: Store, config: StoreConfig) -> None:

@@ -15,7 +15,7 @@ import orjson
 from aiohttp import web
 
 from chatd.config import Config
-from chatd.engine import EngineClient, ModelInfo, StructuredOutput, Tokenizer
+from chatd.engine import Embedder, EngineClient, ModelInfo, StructuredOutput, Tokenizer
 from chatd.http.errors import APIError
 from chatd.http.limits import Limits
 from chatd.http.metrics import ServerMetrics
@@ -51,6 +51,7 @@ class ServerState:
     draining_until: float | None = None  # on SIGTERM: the loop time the grace period ends; new requests get 503
     num_in_flight: int = 0  # requests whose handlers have not returned (app.py's draining_middleware counts them)
     guard: GuardModel | None = None  # [safety] guard_model, on its own engine (serve.py starts it)
+    embedder: Embedder | None = None  # [embeddings] model, on its own thread (serve.py loads it); None: off
     metrics: ServerMetrics = field(init=False)
     limits: Limits = field(init=False)  # the tiers' buckets, bounds and load shedding
     safety: Safety = field(init=False)  # input checks, output windows, moderation, the audit trail

@@ -16,6 +16,7 @@ from aiohttp import web
 
 import chatd
 from chatd.http.auth import TENANT
+from chatd.http.embeddings import model_card as embedding_card
 from chatd.http.errors import APIError
 from chatd.http.state import STATE, ServerState
 from chatd.http.wire import json_response
@@ -30,13 +31,19 @@ async def models(request: web.Request) -> web.Response:
     """
     state, tenant = request.app[STATE], request[TENANT]
     names = [name for name in state.model_names if state.limits.may_use(tenant, name)]  # what the tier may use
-    return json_response({"object": "list", "data": [state.model_card(name) for name in names]})
+    cards = [state.model_card(name) for name in names]
+    if state.embedder is not None and state.limits.may_use(tenant, state.embedder.name):
+        cards.append(embedding_card(state.embedder))  # OpenAI lists every model, embedding models too
+    return json_response({"object": "list", "data": cards})
 
 
 async def model(request: web.Request) -> web.Response:
     """One model's card by any of its names (`client.models.retrieve`); 404 model_not_found otherwise."""
     state = request.app[STATE]
     name = request.match_info["model"]
+    if state.embedder is not None and name == state.embedder.name:
+        state.limits.check_model(request[TENANT], name)
+        return json_response(embedding_card(state.embedder))
     state.check_model(name, request[TENANT])
     return json_response(state.model_card(name))
 

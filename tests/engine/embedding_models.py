@@ -26,13 +26,13 @@ def _st_folder(root: Path, hf_dir: Path, pooling: str, normalize: bool) -> Path:
 
 def build_bert(root: Path, pooling: str = "mean", normalize: bool = True, max_length: int = 64) -> Path:
     """A 2-layer BERT (hidden 32) with a WordPiece tokenizer of ~100 entries; returns its ST folder."""
-    import torch
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
     root.mkdir(parents=True, exist_ok=True)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *LETTERS, *("##" + c for c in LETTERS)]
-    (root / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(root / "vocab.txt"), model_max_length=max_length)
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    vocab = list(dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *LETTERS,
+                                *("##" + c for c in LETTERS)]))
+    tokenizer = BertTokenizer(vocab={token: i for i, token in enumerate(vocab)}, model_max_length=max_length)
     torch.manual_seed(0)
     config = BertConfig(vocab_size=len(vocab), hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=64, max_position_embeddings=max_length)
@@ -50,7 +50,7 @@ def build_qwen3(root: Path) -> Path:
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3Model
 
     root.mkdir(parents=True, exist_ok=True)
-    vocab = {token: i for i, token in enumerate(["<|endoftext|>", "<unk>", *WORDS, *LETTERS])}
+    vocab = {token: i for i, token in enumerate(dict.fromkeys(["<|endoftext|>", "<unk>", *WORDS, *LETTERS]))}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>",

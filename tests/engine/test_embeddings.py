@@ -4,12 +4,13 @@ changes nothing), token ids, Matryoshka shortening, the worker thread."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import numpy as np
 import pytest
 
-from chatd.engine.embeddings import Embedder, Pooling, locate_embedding_model, read_pooling, shorten
+from chatd.engine.embeddings import Embedder, Pooling, _Job, locate_embedding_model, read_pooling, shorten
 from tests.engine.embedding_models import build_bert, build_qwen3
 
 TEXTS = ["the paged attention cache", "a", "query key value vector search embedding server request tenant and the batch",
@@ -84,7 +85,9 @@ def test_the_worker_thread_answers_each_job_its_own_rows(embedder):
 
 def test_limits_and_sizes(kind, embedder):
     assert embedder.max_input_tokens == (128 if kind == "qwen3" else 64)
-    assert embedder.vocab_size == len(embedder.tokenizer)
+    assert embedder.vocab_size == embedder.model.config.vocab_size > 60
+    tokens = embedder.encode(["the paged cache" + ("" if kind == "qwen3" else " xyz")])[0]  # xyz: x ##y ##z
+    assert embedder.tokenizer.unk_token_id not in tokens  # words and word pieces, not unknowns
     assert embedder.dimensions == 32
 
 
@@ -131,3 +134,13 @@ def test_the_packaged_all_minilm_l6_v2_matches_sentence_transformers():
     assert embedder.name == "all-MiniLM-L6-v2" and ours.shape == (3, 384) and embedder.max_input_tokens == 256
     assert cosines(ours, reference(locate_embedding_model("default"), texts)).min() >= 0.9999
     assert ours[0] @ ours[1] > ours[0] @ ours[2]  # meaning, not noise: eating is nearer riding than KV caches
+
+
+def test_a_job_cancelled_before_it_runs_is_dropped_and_the_thread_goes_on(embedder):
+    tokens = embedder.encode(TEXTS)
+    embedder.stop()  # no thread now: what is queued waits for the next submit to start one
+    gave_up = concurrent.futures.Future()
+    gave_up.cancel()  # its client left while it waited
+    embedder._jobs.put(_Job([tokens[0]], gave_up))
+    got = embedder.submit(tokens).result(timeout=30)
+    assert cosines(got, embedder.embed(tokens)).min() >= 0.99999
