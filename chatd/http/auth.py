@@ -32,6 +32,9 @@ from chatd.store.db import Tenant
 
 TENANT = web.RequestKey("tenant", Tenant) if hasattr(web, "RequestKey") else "tenant"
 
+# Where the one shared key comes from, said in its 401s (the chat page shows it to whoever must type it).
+SHARED_KEY_HINT = "the key given to `chatd serve --api-key` or CHATD_API_KEY"
+
 # Routes outside /v1/ that still need the caller's key (vLLM serves these at the root too).
 GUARDED_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize"})
 
@@ -48,10 +51,10 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     state = request.app[STATE]
     auth = state.config.auth
     if auth.api_key:
-        key = _bearer_key(request, "the key given to `chatd serve --api-key` or CHATD_API_KEY")
+        key = _bearer_key(request, SHARED_KEY_HINT)
         # Constant time: how long a wrong key takes says nothing of how much of it was right.
         if not hmac.compare_digest(key.encode("utf-8", "surrogatepass"), auth.api_key.encode()):
-            raise APIError(401, "invalid API key", None, "invalid_api_key")
+            raise APIError(401, f"invalid API key ({SHARED_KEY_HINT})", None, "invalid_api_key")
         request[TENANT] = state.local_tenant
     elif auth.enabled:
         tenant = await state.store.authenticate(_bearer_key(request, "create one with `chatd keys create`"))

@@ -46,6 +46,7 @@ def test_a_missing_or_wrong_key_is_a_401_on_every_guarded_route(server, key):
         error = response.json()["error"]
         assert (error["type"], error["code"]) == ("authentication_error", "invalid_api_key")
         assert ("missing API key" if not key else "invalid API key") in error["message"]
+        assert "`chatd serve --api-key` or CHATD_API_KEY" in error["message"]  # which key to send (the page shows it)
     with pytest.raises(openai.AuthenticationError) as err:
         sdk(server, key or "unused").chat.completions.create(model="demo", messages=MESSAGES, max_tokens=2)
     assert err.value.code == "invalid_api_key"
