@@ -237,14 +237,26 @@ async def test_with_auth_on_the_page_asks_for_a_key_and_keeps_it_in_the_browser(
     assert [c["title"] for c in (await chat.api("/v1/conversations", key))["data"]] == ["hello with a key"]
 
 
-async def test_on_a_phone_the_sidebar_slides_in(open_chat):
+async def test_on_a_phone_nothing_scrolls_sideways_and_the_sidebar_slides_in(open_chat):
     chat = await open_chat(viewport=PHONE)
     await chat.page.goto(chat.url)
+    chat.engine.replies.append("A long line:\n\n```python\nx = [" + ", ".join(map(str, range(80))) + "]\n```\n\n"
+                               + "| a | b | c | d | e |\n|---|---|---|---|---|\n| " + " | ".join(["wide-cell-" * 3] * 5) + " |")
     await chat.send("hello from a phone")
     await chat.reply_done()
     sidebar = chat.page.locator("#sidebar")
     await expect(sidebar).not_to_be_in_viewport()
-    assert (await chat.page.locator("#composer").bounding_box())["width"] <= PHONE["width"]
+    # The page itself never scrolls sideways: a long code line or table scrolls in its own box.
+    assert await chat.page.evaluate("document.scrollingElement.scrollWidth <= innerWidth")
+    for part in ("#composer", "#input", "#send", ".message.assistant .actions", "#export"):
+        box = await chat.page.locator(part).bounding_box()
+        assert box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"], part
+    await chat.page.click("#settings-summary")  # the settings open without widening the page
+    await expect(chat.page.locator("#max-tokens")).to_be_in_viewport()
+    assert await chat.page.evaluate("document.scrollingElement.scrollWidth <= innerWidth")
+    await chat.page.click("#settings-summary")
+    await chat.send("and a second message")
+    await chat.reply_done(2)
     await chat.page.click("#menu")
     await expect(sidebar).to_be_in_viewport(ratio=1)
     await chat.page.click("#new-chat")  # and it slides away again
