@@ -118,13 +118,15 @@ async def chat(open_chat) -> Chat:
 async def test_a_reply_streams_in_as_markdown_with_its_speed_under_it(chat):
     chat.engine.pause = 0.04
     chat.engine.replies.append("Paged attention keeps the **KV cache** in blocks:\n\n- no fragmentation\n- prefixes are shared\n\n"
-                               "```python\nblocks = cache.allocate(seq)\n```\n\nSo a turn costs only its *new* tokens.")
+                               "```python\ndef admit(seq):\n    blocks = cache.allocate(seq, num_tokens=16)  # shared prefixes first\n"
+                               "    return len(blocks) > 0\n```\n\nSo a turn costs only its *new* tokens.")
     await chat.send("How does chatd keep the KV cache?")
     await chat.reply_started()  # on screen while it is still being generated
     reply = await chat.reply_done()
     assert await reply.locator("strong").inner_text() == "KV cache"
     assert await reply.locator("li").all_inner_texts() == ["no fragmentation", "prefixes are shared"]
-    assert "cache.allocate(seq)" in await reply.locator("pre code").inner_text()
+    assert "cache.allocate(seq, num_tokens=16)" in await reply.locator("pre code").inner_text()
+    assert await reply.locator("pre code .hljs-keyword").all_inner_texts() == ["def", "return"]  # highlighted
     stats = await reply.locator(".stats").inner_text()
     assert "first token" in stats and "tokens/s" in stats and "tokens ·" in stats, stats
     # The conversation was made for it, titled by the message, and the sidebar lists it.

@@ -96,7 +96,7 @@ async def test_editing_a_message_replaces_the_conversation_from_it_on(chat):
     await chat.send("second question")
     await chat.reply_done(2)
     await chat.page.locator(".message.user").first.locator(".actions .edit").click()
-    editor = chat.page.locator(".message.user textarea.edit")
+    editor = chat.page.locator(".message.user textarea.editor")
     assert await editor.input_value() == "first question"
     await editor.fill("first question, better put")
     await editor.press("Enter")

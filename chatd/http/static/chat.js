@@ -125,6 +125,7 @@ async function openConversation(id) {
   // A reply that is still `partial` may be under way (or was cut short): follow it from its start.
   if (last?.role === "assistant" && last.status === "partial") {
     await followReply(conversation.id, addMessage("assistant"), null, (handlers) => resumeReply(conversation.id, last.id, handlers));
+    refreshActions();
   }
 }
 

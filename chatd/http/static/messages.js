@@ -78,7 +78,7 @@ export function addActions(handlers) {
 export function editInPlace(bubble) {
   return new Promise((resolve) => {
     const field = document.createElement("textarea");
-    field.className = "edit";
+    field.className = "editor";
     field.value = bubble.text;
     field.rows = Math.min(12, bubble.text.split("\n").length + 1);
     const done = (text) => {
