@@ -23,10 +23,11 @@ from aiohttp import web
 
 import chatd
 from chatd.engine import MAX_LOGPROBS
-from chatd.http import moderation, responses
+from chatd.http import embeddings, moderation, responses
 from chatd.http.auth import is_guarded
 from chatd.http.items import MAX_PAGE
-from chatd.http.openapi_bodies import FIELD_SCHEMAS, KEPT_METADATA, Fields, UndocumentedError, body_schema
+from chatd.http.openapi_bodies import (FIELD_SCHEMAS, KEPT_METADATA, NOT_EMPTY_STRING, TOKEN_IDS, Fields,
+                                      UndocumentedError, body_schema)
 from chatd.http.openapi_components import COMPONENTS, COUNT, STRING, Schema, object_, ref
 from chatd.http.protocol import CHAT_FIELDS, COMPLETION_FIELDS, TURN_FIELDS, UNSUPPORTED
 from chatd.http.state import STATE
@@ -93,6 +94,22 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
             "store": {"const": False, "description": "not supported: conversations are stored by /v1/conversations"},
         }, description=REFUSED),
         "response": ref("TextCompletion"), "stream": or_error(ref("TextCompletionChunk")),
+    },
+    ("POST", "/v1/embeddings"): {
+        "request": Fields(embeddings.FIELDS, ("input",), {
+            "input": {"anyOf": [NOT_EMPTY_STRING, {"type": "array", "items": NOT_EMPTY_STRING, "minItems": 1},
+                                TOKEN_IDS, {"type": "array", "items": TOKEN_IDS, "minItems": 1}],
+                      "description": "a text, texts, the model's own token ids (its special tokens included, as "
+                                     "/tokenize would not add them), or lists of them; at most [embeddings] "
+                                     "max_inputs (2048) entries, each at most the model's input length (never cut)"},
+            "model": {"type": "string", "description": "the embedding model's served name ([embeddings] served_name)"},
+            "encoding_format": {"enum": list(embeddings.ENCODINGS), "default": "float",
+                                "description": "base64: float32 little-endian bytes"},
+            "dimensions": {"type": "integer", "minimum": 1, "description": "keep the first N numbers, renormalized "
+                                                                          "(meaningful for Matryoshka-trained models)"},
+            "user": {"type": "string", "description": "accepted, not used"},
+        }),
+        "response": ref("EmbeddingList"),
     },
     ("GET", "/v1/models"): {"response": ref("ModelList")},
     ("GET", "/v1/models/{model}"): {"response": ref("Model")},

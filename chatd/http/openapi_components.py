@@ -194,6 +194,13 @@ COMPONENTS: dict[str, Schema] = {
                        "in_flight_requests": COUNT, "max_tokens": nullable(COUNT)},
                    "required": ["limited"]},
     }),
+    "EmbeddingList": object_({
+        "object": {"const": "list"}, "model": STRING,
+        "data": {"type": "array", "items": object_({
+            "object": {"const": "embedding"}, "index": COUNT,
+            "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}},
+                                    {"type": "string", "description": "base64 of float32 little-endian numbers"}]}})},
+        "usage": object_({"prompt_tokens": COUNT, "total_tokens": COUNT})}),
     "Tokenized": object_({"tokens": {"type": "array", "items": COUNT}, "count": COUNT, "max_model_len": COUNT}),
     "Detokenized": object_({"prompt": {"type": "string"}}),
     "Health": {"anyOf": [object_({"status": {"const": "ok"}, "store": STORE_STATUS}),

@@ -134,6 +134,23 @@ def test_a_key_is_needed_and_the_model_is_listed(server):
     assert card.id == "tiny-embed" and card.model_extra["chatd"]["dimensions"] == 32
 
 
+def test_replies_match_the_documented_schema(server):
+    from jsonschema import Draft202012Validator
+
+    document = httpx.get(server["url"] + "/openapi.json").json()
+    operation = document["paths"]["/v1/embeddings"]["post"]
+    schema = operation["responses"]["200"]["content"]["application/json"]["schema"]
+    replies = Draft202012Validator({**schema, "components": document["components"]})
+    bodies = Draft202012Validator({**operation["requestBody"]["content"]["application/json"]["schema"],
+                                   "components": document["components"]})
+    for body in ({"input": TEXTS, "model": "tiny-embed"}, {"input": [[2, 5, 3]], "encoding_format": "base64"},
+                 {"input": "a", "dimensions": 4, "user": "u1"}):
+        bodies.validate(body)
+        response = httpx.post(server["url"] + "/v1/embeddings", json=body, timeout=30,
+                              headers={"Authorization": f"Bearer {server['keys']['bob']}"})
+        replies.validate(response.json())
+
+
 # -- in-process: each bad request named ------------------------------------------------------
 
 
