@@ -21,7 +21,8 @@ from tests.factories import ScriptedChatEngine, close_server_state, make_server_
 from tests.http.serving import tenants_server
 
 TEXTS = ["the paged attention cache", "a", "query key value vector search embedding server request tenant"]
-TIERS = "[tiers.tiny]\nrequests_per_minute = 1\n"  # a tenant that may send one request a minute
+# carol may send one request a minute, dave 16 tokens a minute; embeddings cost $1 per million tokens.
+TIERS = "[tiers.tiny]\nrequests_per_minute = 1\n[tiers.sip]\ntokens_per_minute = 16\n[prices.tiny-embed]\ninput = 1.0\n"
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +40,10 @@ def reference(folder):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, folder):
-    """chatd serve with auth on: alice and bob (paid, unlimited), carol (one request a minute)."""
+    """chatd serve with auth on: alice and bob (paid, unlimited), carol and dave (limited, TIERS)."""
     config = f'[embeddings]\nmodel = "{folder}"\nserved_name = "tiny-embed"\n{TIERS}'
-    with tenants_server(tmp_path_factory.mktemp("embeddings"), config, ("alice", "bob", "carol"), {"carol": "tiny"}) as s:
+    with tenants_server(tmp_path_factory.mktemp("embeddings"), config, ("alice", "bob", "carol", "dave"),
+                        {"carol": "tiny", "dave": "sip"}) as s:
         yield s
 
 
@@ -114,6 +116,7 @@ def test_each_tenant_sees_only_its_own_usage(server):
         after_alice = usage("alice")
     assert after_alice["input_tokens"] - before_alice["input_tokens"] == reply.usage.prompt_tokens
     assert after_alice["output_tokens"] == before_alice["output_tokens"]
+    assert after_alice["cost"] - before_alice["cost"] == pytest.approx(reply.usage.prompt_tokens / 1e6)
     assert usage("bob")["input_tokens"] == before_bob["input_tokens"]
 
 
@@ -124,6 +127,14 @@ def test_a_rate_limited_tenant_gets_429_while_another_is_served(server):
         carol.embeddings.create(model="tiny-embed", input="a")
     assert refused.value.response.headers["Retry-After"]
     assert client(server, "alice").embeddings.create(model="tiny-embed", input="a").data
+
+
+def test_input_tokens_come_from_the_token_bucket(server):
+    dave = client(server, "dave")  # 16 tokens a minute
+    first = dave.embeddings.create(model="tiny-embed", input=TEXTS[2])
+    assert 8 < first.usage.prompt_tokens <= 16  # the second cannot fit what is left
+    with pytest.raises(openai.RateLimitError, match="tokens"):
+        dave.embeddings.create(model="tiny-embed", input=TEXTS[2])
 
 
 def test_a_key_is_needed_and_the_model_is_listed(server):
