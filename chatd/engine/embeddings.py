@@ -85,7 +85,10 @@ def locate_embedding_model(path: str) -> Path:
     if path != "default":
         from chatd.engine.models.loader import resolve_model_path
 
-        return resolve_model_path(path)
+        try:
+            return resolve_model_path(path)
+        except ValueError as exc:  # it names model.path, the chat model's setting
+            raise ValueError(str(exc).replace("model.path", "embeddings.model", 1)) from None
     spec = importlib.util.find_spec(DEFAULT_EMBEDDING_PACKAGE)
     folder = Path(next(iter(spec.submodule_search_locations))) / "model" if spec and spec.submodule_search_locations else None
     if folder is None or not (folder / "config.json").is_file():

@@ -144,3 +144,9 @@ def test_a_job_cancelled_before_it_runs_is_dropped_and_the_thread_goes_on(embedd
     embedder._jobs.put(_Job([tokens[0]], gave_up))
     got = embedder.submit(tokens).result(timeout=30)
     assert cosines(got, embedder.embed(tokens)).min() >= 0.99999
+
+
+def test_a_model_that_is_neither_a_folder_nor_on_the_hub_is_named_by_its_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="embeddings.model .*no-such-folder.* is neither a local folder"):
+        locate_embedding_model(str(tmp_path / "no-such-folder"))
