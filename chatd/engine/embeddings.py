@@ -112,7 +112,8 @@ class Embedder:
         self.max_input_tokens = max_input_tokens  # a longer input is refused, never cut
         self.max_batch_tokens = max_batch_tokens  # padded tokens in one forward pass
         self.dimensions = int(model.config.hidden_size)
-        self.vocab_size = len(tokenizer)
+        # Ids past either are not tokens (the tokenizer's) or have no vector (the model's embedding rows).
+        self.vocab_size = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
         self.left_padding = pooling.mode == "lasttoken" or tokenizer.padding_side == "left"
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -122,7 +123,6 @@ class Embedder:
     def load(cls, path: str, device: str = "auto", dtype: str = "auto", name: str = "",
              max_batch_tokens: int = 16384) -> Embedder:
         """Load a folder or hub id (or "default") onto a device; ValueError naming what is wrong with it."""
-        import torch
         from transformers import AutoModel, AutoTokenizer
 
         from chatd.engine.models.loader import resolve_dtype
