@@ -16,14 +16,14 @@ from aiohttp import web
 
 from chatd.http.auth import TENANT
 from chatd.http.conversation_request import parse_conversation_update, parse_new_conversation
-from chatd.http.errors import REQUEST_ID, APIError
-from chatd.http.items import item_json, item_page, page_params, parse_items
-from chatd.http.openai_format import token_usage
+from chatd.http.errors import REQUEST_ID, APIError, error_body
+from chatd.http.items import Item, item_json, item_page, page_params, parse_items
+from chatd.http.openai_format import ChunkFormat, token_usage
 from chatd.http.protocol import json_body, parse_turn, shown
 from chatd.http.request_log import REQUEST_LOG
 from chatd.http.state import STATE, ServerState
-from chatd.http.turns import TURNS, MessageTurn, ReplyStream, conversation_not_found, stored_reply
-from chatd.http.wire import json_response, read_json, stream_events
+from chatd.http.turns import TURNS, MessageTurn, ReplyStream, conversation_not_found
+from chatd.http.wire import DONE, json_response, read_json, stream_events
 from chatd.store.db import Conversation, Message, Tenant
 
 MAX_NEW_ITEMS = 20  # items one request may add, as OpenAI's Conversations API allows
@@ -46,17 +46,17 @@ async def create_conversation(request: web.Request) -> web.Response:
     return json_response(_conversation_json(conversation))
 
 
-async def _checked_items(state: ServerState, request: web.Request, tenant, items: list[tuple[str, str]],
-                         conversation_id: str | None = None) -> list[tuple[str, str]]:
+async def _checked_items(state: ServerState, request: web.Request, tenant, items: list[Item],
+                         conversation_id: str | None = None) -> list[Item]:
     """Items as the safety pipeline's input check leaves them (they reach the model with the next
     turn); a refusal is raised before anything is written."""
-    texts = await state.safety.check_input(tenant, "conversations", [text for _, text in items], request[REQUEST_ID],
+    texts = await state.safety.check_input(tenant, "conversations", [text for _, text, _ in items], request[REQUEST_ID],
                                            conversation_id)
-    return [(role, text) for (role, _), text in zip(items, texts)]
+    return [(role, text, call) for (role, _, call), text in zip(items, texts)]
 
 
-def parse_conversation(body, state: ServerState) -> tuple[list[tuple[str, str]], dict]:
-    """A `POST /v1/conversations` body: its first items (role, text), and the fields
+def parse_conversation(body, state: ServerState) -> tuple[list[Item], dict]:
+    """A `POST /v1/conversations` body: its first items (role, text, call), and the fields
     parse_new_conversation takes (model, title, system_prompt, metadata)."""
     items = []
     if isinstance(body, dict) and "items" in body:
@@ -231,11 +231,12 @@ def _live(turns, message: Message) -> bool:
     return reply is not None and not reply.done
 
 
-def _check_item_sizes(state: ServerState, items: list[tuple[str, str]]) -> None:
+def _check_item_sizes(state: ServerState, items: list[Item]) -> None:
     limit = state.config.conversations.max_message_chars
-    for i, (_, text) in enumerate(items):
+    for i, (role, text, call) in enumerate(items):
         if len(text) > limit:
-            raise APIError(400, f"items[{i}] has {len(text)} characters; the limit is {limit}", f"items[{i}].content")
+            where = f"items[{i}].{'content' if call is None else 'output' if role == 'tool' else 'arguments'}"
+            raise APIError(400, f"items[{i}] has {len(text)} characters; the limit is {limit}", where)
 
 
 async def _own_item(state: ServerState, conversation: Conversation, item_id: str) -> Message:
@@ -312,3 +313,22 @@ def _message_json(m: Message) -> dict:
 
 def _message_usage(m: Message) -> dict:
     return token_usage(m.prompt_tokens, m.completion_tokens, m.cached_tokens)
+
+
+def stored_reply(state: ServerState, message: Message) -> ReplyStream:
+    """A finished reply rebuilt from its row: role, the whole text, the end (or why it is incomplete)."""
+    reply = ReplyStream(message.conversation_id, message.id)
+    fmt = ChunkFormat(state, message.id, int(message.created_at), True, False, {"conversation_id": message.conversation_id})
+    reply.publish(fmt.role_chunks(1)[0])
+    finish = message.finish_reason if message.status == "complete" else None
+    if message.content or finish:
+        delta = {"content": message.content} if message.content else {}
+        reply.publish(fmt.chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]))
+    if message.status == "complete":
+        reply.publish(DONE)
+    elif message.status == "partial":
+        reply.publish(error_body(503, "this reply was cut short and is incomplete", None, "reply_interrupted"))
+    else:
+        reply.publish(error_body(500, "generation of this reply failed"))
+    reply.finish(message)
+    return reply

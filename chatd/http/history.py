@@ -8,8 +8,13 @@ HTTP streams or the store beyond the records it is given.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import orjson
+
 from chatd.http.errors import APIError
 from chatd.http.protocol import GenerationRequest, TurnRequest
+from chatd.http.tools import described_in_messages
 from chatd.http.state import ServerState
 from chatd.store.records import Conversation, Message
 
@@ -26,13 +31,56 @@ def past_messages(history: list[Message]) -> list[Message]:
     return [m for m in history if m.role != "assistant" or (m.status != "error" and m.content)]
 
 
-def template_message(message: Message) -> dict:
-    """A stored message as the chat template takes it: developer is the system role."""
-    return {"role": "system" if message.role == "developer" else message.role, "content": message.content}
+def template_messages(items: list[tuple[str, str, dict | None]]) -> tuple[list[dict], list[int]]:
+    """Items (role, text, call) as the chat template takes messages: developer is the system role, a
+    call joins the assistant message before it (or starts one) as one of its `tool_calls`, an output
+    is a `tool` message. Also, for each message, the index of the item it began with."""
+    messages: list[dict] = []
+    starts: list[int] = []
+    for i, (role, text, call) in enumerate(items):
+        if call is not None and role == "assistant":
+            shaped = {"id": call["call_id"], "type": "function", "function": {"name": call["name"], "arguments": _json(text)}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(shaped)
+                continue
+            message = {"role": "assistant", "content": "", "tool_calls": [shaped]}
+        elif call is not None:
+            message = {"role": "tool", "content": text, "tool_call_id": call["call_id"]}
+        else:
+            message = {"role": "system" if role == "developer" else role, "content": text}
+        messages.append(message)
+        starts.append(i)
+    return messages, starts
+
+
+def _json(text: str):
+    """Call arguments as templates write them (`tojson`): the object where the text parses."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
+
+
+@dataclass(frozen=True)
+class Tools:
+    """What a turn renders of its tools: those offered, and whether the template renders them (else
+    they, and any calls and outputs in the history, are written into the messages as text)."""
+
+    offered: list[dict]
+    template_takes_tools: bool
+
+    def render(self, messages: list[dict]) -> tuple[list[dict], list[dict] | None, int]:
+        """The messages and tools to render, and how many messages were put in front."""
+        if self.template_takes_tools:
+            return messages, self.offered or None, 0
+        if self.offered or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            described = described_in_messages(messages, self.offered)
+            return described, None, len(described) - len(messages)
+        return messages, None, 0
 
 
 def render_history(state: ServerState, system_prompt: str | None, history: list[Message], new: list[dict],
-                   gen: GenerationRequest, *, trim: bool, param: str) -> tuple[list[int], int]:
+                   gen: GenerationRequest, *, trim: bool, param: str, tools: Tools | None = None) -> tuple[list[int], int]:
     """The prompt for `new` messages after a stored history, and how many of the oldest messages
     had to be left out to fit the window (always 0 when `trim` is off: then too long is a 400).
 
@@ -47,14 +95,17 @@ def render_history(state: ServerState, system_prompt: str | None, history: list[
     state.check_text_size(sum(len(m["content"]) for m in new) + len(system_prompt or ""), param)
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     kept = past_messages(history)
-    past = [template_message(m) for m in kept]
+    past, starts = template_messages([(m.role, m.content, m.call) for m in kept])
+    tools = tools or Tools([], state.tokenizer.template_takes_tools)
 
     def encode(dropped: int) -> list[int]:
+        messages, shown, shift = tools.render(system + past[dropped:] + new)
         # Replies go in as the ids the model generated where that is exact: the prompt then
         # starts with the very tokens the last turn left in the prefix cache.
-        replies = {len(system) + i: m.token_ids for i, m in enumerate(kept[dropped:]) if m.token_ids}
+        replies = {shift + len(system) + i: kept[starts[dropped + i]].token_ids
+                   for i, m in enumerate(past[dropped:]) if kept[starts[dropped + i]].token_ids and "tool_calls" not in m}
         try:
-            return state.tokenizer.encode_chat(system + past[dropped:] + new, reply_ids=replies)
+            return state.tokenizer.encode_chat(messages, tools=shown, reply_ids=replies)
         except ValueError as exc:
             raise APIError(400, f"cannot render this conversation with the model's chat template: {exc}", param) from exc
 

@@ -5,13 +5,16 @@ stored: responses.py does both.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from chatd.http import structured
 from chatd.http.errors import APIError
-from chatd.http.items import parse_items
+from chatd.http.items import Item, parse_items
 from chatd.http.protocol import SERVICE_TIERS, GenerationRequest, _get, _object, _request, _request_metadata, shown
 from chatd.http.state import ServerState
+from chatd.http.tools import ToolRequest, parse_tools
 
 # The request fields chatd reads; the sampling ones are chatd's extras beyond OpenAI's.
 SAMPLING = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos", "priority",
@@ -22,7 +25,7 @@ RESPONSE_FIELDS = {
     "tool_choice", "parallel_tool_calls", "include", "reasoning", "background",
 }
 # Fields of OpenAI's that would change the answer, and what chatd would have to support for them.
-UNSUPPORTED = {"prompt": "stored prompts", "max_tool_calls": "tool calling", "top_logprobs": "logprobs on responses",
+UNSUPPORTED = {"prompt": "stored prompts", "max_tool_calls": "a cap on tool calls", "top_logprobs": "logprobs on responses",
                "context_management": "context management", "prompt_cache_retention": "prompt cache retention"}
 MAX_INPUT_ITEMS = 2048
 
@@ -31,7 +34,7 @@ MAX_INPUT_ITEMS = 2048
 class ResponseRequest:
     """A validated `POST /v1/responses` body."""
 
-    inputs: list[tuple[str, str]]  # (role, text)
+    inputs: list[Item]  # (role, text, call)
     gen: GenerationRequest
     instructions: str | None
     store: bool
@@ -52,7 +55,7 @@ def parse_response(body, state: ServerState) -> ResponseRequest:
     if body.get("input") is None:
         raise APIError(400, "input is required: a string or a list of items", "input")
     inputs = parse_items(body["input"], "input", allow_string=True, limit=min(MAX_INPUT_ITEMS, state.config.server.max_messages))
-    _check_tools(body)
+    tools = parse_response_tools(body)
     if _get(body, "background", bool, False):
         raise APIError(400, "background responses are not supported by chatd; stream, or wait for the response", "background")
     if _get(body, "include", list, []):
@@ -96,22 +99,58 @@ def parse_response(body, state: ServerState) -> ResponseRequest:
     gen = _request({k: body[k] for k in SAMPLING if k in body}, [], max_output_tokens, None, state.model.sampling_defaults,
                    output_format=output_format)
     gen.max_tokens_field = "max_output_tokens"
+    gen.tools = tools
     _request_metadata(body)  # as OpenAI: at most 16 string values under short keys
     metadata = _get(body, "metadata", dict, {})
     echo = {"max_output_tokens": max_output_tokens, "temperature": gen.params.temperature, "top_p": gen.params.top_p,
             "metadata": metadata, "user": gen.user, "truncation": truncation,
             "text": {"format": text.get("format") or {"type": "text"}, "verbosity": verbosity or "medium"},
             "parallel_tool_calls": _get(body, "parallel_tool_calls", bool, True),
-            "tool_choice": body.get("tool_choice") or "auto",
+            "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
             "safety_identifier": body.get("safety_identifier"), "prompt_cache_key": body.get("prompt_cache_key")}
     return ResponseRequest(inputs, gen, instructions, store, truncation, previous, conversation, echo)
 
 
-def _check_tools(body: dict) -> None:
-    tools = _get(body, "tools", list, [])
-    if tools:
-        raise APIError(400, "tools are not supported on responses by chatd yet (tool calling); "
-                            "/v1/chat/completions takes them", "tools")
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("none", "auto"):
-        raise APIError(400, f"tool_choice {shown(choice)} needs tools, which chatd does not support", "tool_choice")
+# What a function tool of the Responses API may hold (it is chat's `function` object, flattened).
+TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
+
+
+def parse_response_tools(body: dict) -> ToolRequest | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` in the Responses API's shapes (a function
+    tool is flat: `{"type": "function", "name": ...}`), checked as chat's are; 400s name the
+    Responses field."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if isinstance(tools, list):
+        tools = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        if set(choice) - {"type", "name"}:
+            raise APIError(400, "tool_choice naming a function is {'type': 'function', 'name': ...}", "tool_choice")
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    elif isinstance(choice, dict):
+        raise APIError(400, f"tool_choice {shown(choice)} is not supported: give none, auto, required, or "
+                            "{'type': 'function', 'name': ...}", "tool_choice")
+    try:
+        return parse_tools({"tools": tools, "tool_choice": choice, "parallel_tool_calls": body.get("parallel_tool_calls")})
+    except APIError as exc:  # chat's names, where the Responses API has flat tools
+        flat = re.compile(r"(tools\[\d+\])\.function\b")
+        raise APIError(exc.status, flat.sub(r"\1", exc.message).replace("{'type': 'function', 'function': {...}}",
+                                                                          "{'type': 'function', 'name': ...}"),
+                       flat.sub(r"\1", exc.param) if exc.param else exc.param, exc.code) from None
+
+
+def _chat_tool(tool: Any, where: str) -> Any:
+    """A Responses function tool as chat's (`{"type": "function", "function": {...}}`); a built-in
+    tool (web search, file search, ...) is refused by name."""
+    if not isinstance(tool, dict):
+        return tool  # parse_tools says what it must be
+    kind = tool.get("type")
+    if kind != "function":
+        raise APIError(400, f"{where}.type {shown(kind)} is not supported: chatd runs no built-in tools; give function "
+                            "tools ({'type': 'function', 'name': ..., 'parameters': {...}})", f"{where}.type")
+    if "function" in tool:
+        raise APIError(400, f"{where} is a chat completions tool; the Responses API's is flat: "
+                            "{'type': 'function', 'name': ..., 'parameters': {...}}", f"{where}.function")
+    extra = sorted(set(tool) - TOOL_KEYS)
+    if extra:
+        raise APIError(400, f"{where} has fields chatd does not support: {', '.join(extra)}", f"{where}.{extra[0]}")
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}

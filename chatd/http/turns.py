@@ -10,7 +10,7 @@ client goes away the reply still finishes and is saved. The task publishes the r
 events into a ReplyStream with numbered ids; any number of clients follow it, and a client that
 reconnects with `Last-Event-ID` gets what it missed, then the live rest. Finished streams stay
 replayable for `stream_replay_seconds`; after that (or after a restart) a reconnect gets the
-stored message in one piece (`stored_reply`).
+stored message in one piece (conversations.py's `stored_reply`).
 
 Rows: the user message and an empty `partial` assistant message are committed together before
 generation starts; the assistant text is saved every second while it grows and the row is
@@ -48,6 +48,7 @@ from chatd.http.request_log import GenerationRecord, RequestLog
 from chatd.http.state import ServerState
 from chatd.http.wire import DONE, sse_event
 from chatd.store.db import Conversation, Message, Tenant
+from chatd.store.messages import Call, call_rows
 
 log = logging.getLogger("chatd.http")
 
@@ -65,6 +66,7 @@ class ReplyStream:
         self.error_param: str | None = None  # the request field at fault, when the request caused it
         self.events: list[bytes] = []
         self.message: Message | None = None  # the reply as saved, once it has ended
+        self.calls: list[Message] = []  # the tool calls it made after its own row, as saved
         self._changed = asyncio.Event()
 
     @property
@@ -128,6 +130,10 @@ class ReplyEvents(Protocol):
 
     def delta(self, out: RequestOutput) -> list[dict]:
         """The events for one (merged) delta of the engine's output."""
+
+    def saved(self, output: CompletionOutput | None, finish: str | None) -> tuple[str, list[Call]]:
+        """What the reply saves once it has ended (`finish`: how, as OpenAI names it): its text, and
+        the tool calls it made (their rows follow the reply's; a call named by the reply's id is it)."""
 
     def closing(self, message: Message, merged: RequestOutput | None, reply: ReplyStream) -> list[dict | bytes]:
         """The last events, once the reply is saved as `message` (complete, partial or error)."""
@@ -278,6 +284,11 @@ class Turns:
             lease.release(len(prompt) + completion)
             try:
                 await asyncio.shield(self._finish_reply(tenant, job, prompt, assistant, reply, events, merged, error))
+            except Exception:  # a bug there must still end the stream: its followers would wait forever
+                log.exception("reply %s could not be finished", assistant.id)
+                if not reply.done:
+                    reply.publish(error_body(500, "this reply could not be finished"))
+                    reply.finish(dataclasses.replace(assistant, status="error"))
             finally:
                 record.finished(state.metrics, [merged], error, message_id=assistant.id)
 
@@ -295,20 +306,24 @@ class Turns:
         output = merged.outputs[0] if merged is not None and merged.outputs else None
         cached = merged.num_cached_tokens if merged is not None else 0
         completion = len(output.token_ids) if output is not None else 0
+        finish = finish_reason(output.finish_reason) if output is not None else None
+        content, calls = events.saved(output, finish) if status != "error" else ("", [])
+        if finish == "stop" and calls:
+            finish = "tool_calls"
         fields = dict(
-            content=output.text if output is not None else "", status=status,
-            finish_reason=finish_reason(output.finish_reason) if status == "complete" else None,
+            content=content, status=status, finish_reason=finish if status == "complete" else None,
             prompt_tokens=len(prompt), cached_tokens=cached, completion_tokens=completion,
             cost=state.cost(len(prompt), cached, completion),
         )
-        message = dataclasses.replace(assistant, **fields, updated_at=time.time())
+        message, reply.calls = call_rows(dataclasses.replace(assistant, **fields, updated_at=time.time()), calls)
         # The reply and its usage are written together before its stream ends, so a client that reads
         # the conversation next sees it. If the store cannot write now (a full disk) the ledger keeps
         # it and writes it later; the stream ends at once, with the message as it will be saved.
         if job.stored:
-            reply_ids = _reply_token_ids(state, job.gen, output) if status != "error" else None
+            # A reply that called tools is rendered from its calls next turn: its ids would not be exact.
+            reply_ids = _reply_token_ids(state, job.gen, output) if status != "error" and not calls else None
             await state.ledger.finish_turn(tenant.id, assistant.id, model=state.model_name, endpoint=job.endpoint,
-                                           token_ids=reply_ids, **fields)
+                                           token_ids=reply_ids, calls=calls, **fields)
         else:
             state.ledger.record_usage(tenant.id, endpoint=job.endpoint, model=state.model_name, cost=fields["cost"],
                                       prompt_tokens=len(prompt), cached_tokens=cached, completion_tokens=completion)
@@ -371,6 +386,9 @@ class ChatEvents:
         chunk = self.format.delta_chunk(out)
         return [] if chunk is None else [chunk]
 
+    def saved(self, output: CompletionOutput | None, finish: str | None) -> tuple[str, list[Call]]:
+        return (output.text if output is not None else ""), []
+
     def closing(self, message: Message, merged: RequestOutput | None, reply: ReplyStream) -> list[dict | bytes]:
         if message.status == "error":
             return [reply.failure().body()]
@@ -411,25 +429,6 @@ async def _save_partial(state: ServerState, message_id: str, merged: RequestOutp
     except Exception as exc:
         if not state.store_failed(exc):
             raise  # (a full store only skips it: the finished reply reaches the file through the ledger)
-
-
-def stored_reply(state: ServerState, message: Message) -> ReplyStream:
-    """A finished reply rebuilt from its row: role, the whole text, the end (or why it is incomplete)."""
-    reply = ReplyStream(message.conversation_id, message.id)
-    fmt = ChunkFormat(state, message.id, int(message.created_at), True, False, {"conversation_id": message.conversation_id})
-    reply.publish(fmt.role_chunks(1)[0])
-    finish = message.finish_reason if message.status == "complete" else None
-    if message.content or finish:
-        delta = {"content": message.content} if message.content else {}
-        reply.publish(fmt.chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]))
-    if message.status == "complete":
-        reply.publish(DONE)
-    elif message.status == "partial":
-        reply.publish(error_body(503, "this reply was cut short and is incomplete", None, "reply_interrupted"))
-    else:
-        reply.publish(error_body(500, "generation of this reply failed"))
-    reply.finish(message)
-    return reply
 
 
 def conversation_not_found(conversation_id: str) -> APIError:

@@ -206,9 +206,22 @@ async def _insert_calls(conn: aiosqlite.Connection, message_id: str, calls: Sequ
                            (len(calls), conversation_id, position))
         await conn.execute("UPDATE messages SET position = -position - 1 WHERE conversation_id = ? AND position < 0",
                            (conversation_id,))
-    rows = [Message(c.item_id, conversation_id, "assistant", c.arguments, status, None, 0, 0, 0, 0.0, now, now, None,
-                    {"call_id": c.call_id, "name": c.name}) for c in calls]
+    rows = [_call_row(c, conversation_id, status, now) for c in calls]
     await insert_messages(conn, conversation_id, response_id, position + 1, rows)
+
+
+def call_rows(reply: Message, calls: Sequence[Call]) -> tuple[Message, list[Message]]:
+    """A finished reply's rows as finish_turn writes them: its own (the first call's, when the reply
+    is only calls) and one for each call after it."""
+    if calls and calls[0].item_id == reply.id:
+        first, calls = calls[0], calls[1:]
+        reply = dataclasses.replace(reply, content=first.arguments, call={"call_id": first.call_id, "name": first.name})
+    return reply, [_call_row(c, reply.conversation_id, reply.status, reply.updated_at) for c in calls]
+
+
+def _call_row(call: Call, conversation_id: str | None, status: str, now: float) -> Message:
+    return Message(call.item_id, conversation_id, "assistant", call.arguments, status, None, 0, 0, 0, 0.0, now, now,
+                   None, {"call_id": call.call_id, "name": call.name})
 
 
 def _pack_ids(token_ids: Sequence[int] | None) -> bytes | None:

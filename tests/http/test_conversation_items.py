@@ -149,7 +149,11 @@ def test_bad_items_are_refused_by_field_and_write_nothing(server):
     conversation = sdk.conversations.create(items=[message("user", "only me")])
     rows = count_rows(server)
     cases = [
-        ([{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}], "items[0].type", "tool calling"),
+        ([{"type": "function_call", "call_id": "c1", "name": "f", "arguments": 5}], "items[0].arguments", "string"),
+        ([{"type": "function_call", "call_id": "", "name": "f", "arguments": "{}"}], "items[0].call_id", "non-empty"),
+        ([{"type": "function_call_output", "call_id": "c1", "output": {"x": 1}}], "items[0].output", "string"),
+        ([{"type": "function_call_output", "call_id": "c" * 300, "output": "1"}], "items[0].call_id", "256"),
+        ([{"type": "custom_tool_call", "call_id": "c1", "name": "f", "input": ""}], "items[0].type", "custom tools"),
         ([message("user", "ok"), {"type": "reasoning", "id": "rs_1", "summary": []}], "items[1].type", "reasoning"),
         ([{"type": "message", "role": "user",
            "content": [{"type": "input_image", "image_url": "https://example.com/a.png", "detail": "auto"}]}],

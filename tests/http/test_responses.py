@@ -390,7 +390,10 @@ def test_bad_input_is_refused_and_writes_nothing(server):
         (openai.BadRequestError, {"conversation": {}}, "conversation"),  # not: no conversation at all
         (openai.BadRequestError, {"conversation": {"id": None}}, "conversation"),
         (openai.BadRequestError, {"conversation": "conv_x", "store": False}, "store"),  # it would add nothing there
-        (openai.BadRequestError, {"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        (openai.BadRequestError, {"tools": [{"type": "web_search"}]}, "tools[0].type"),  # chatd runs no built-in tools
+        (openai.BadRequestError, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].function"),
+        (openai.BadRequestError, {"tools": [{"type": "function", "name": "no spaces"}]}, "tools[0].name"),
+        (openai.BadRequestError, {"tool_choice": "required"}, "tool_choice"),  # no tools to choose from
         (openai.BadRequestError, {"text": {"format": {"type": "json_schema", "name": "bad name!", "schema": {}}}},
          "text.format.name"),
         (openai.BadRequestError, {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
@@ -398,7 +401,8 @@ def test_bad_input_is_refused_and_writes_nothing(server):
         (openai.BadRequestError, {"max_output_tokens": MAX_MODEL_LEN}, "max_output_tokens"),
         (openai.BadRequestError, {"extra_body": {"bogus": 1}}, "bogus"),
         (openai.BadRequestError, {"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},
-         "input[0].type"),
+         "input[0].call_id"),  # it answers no call
+        (openai.BadRequestError, {"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     ]
     for kind, fields, param in cases:
         with pytest.raises(kind) as error:
