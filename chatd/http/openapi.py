@@ -26,12 +26,13 @@ from chatd.engine import MAX_LOGPROBS
 from chatd.http import embeddings, moderation, responses
 from chatd.http.auth import is_guarded
 from chatd.http.items import MAX_PAGE
-from chatd.http.openapi_bodies import (FIELD_SCHEMAS, KEPT_METADATA, NOT_EMPTY_STRING, TOKEN_IDS, Fields,
+from chatd.http.openapi_bodies import (FIELD_SCHEMAS, KEPT_METADATA, NOT_EMPTY_STRING, RESPONSE_TOOL, TOKEN_IDS, Fields,
                                       UndocumentedError, body_schema)
 from chatd.http.openapi_components import COMPONENTS, COUNT, STRING, Schema, object_, ref
 from chatd.http.protocol import CHAT_FIELDS, COMPLETION_FIELDS, TURN_FIELDS, UNSUPPORTED
 from chatd.http.state import STATE
 from chatd.http.tokens import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
+from chatd.http.tools import MAX_TOOLS
 
 Route = tuple[str, str, Callable]  # (method, path, handler), as app.ROUTES lists them
 
@@ -125,8 +126,11 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/conversations"): {"response": ref("ConversationList"), "query": PAGE},
     ("GET", CONVERSATION_PATH): {"response": ref("ConversationWithMessages")},
     ("POST", CONVERSATION_PATH): {
-        "request": Fields({"title", "metadata"}, overrides={"metadata": {**KEPT_METADATA, "description": "replaces it"}},
-                          at_least_one_of=("title", "metadata"), description="title: null clears it"),
+        "request": Fields({"title", "metadata", "system_prompt"},
+                          overrides={"metadata": {**KEPT_METADATA, "description": "replaces it"},
+                                     "system_prompt": {"type": ["string", "null"], "description": "from the next turn on"}},
+                          at_least_one_of=("title", "metadata", "system_prompt"),
+                          description="title or system_prompt: null clears it"),
         "response": ref("Conversation"),
     },
     ("DELETE", CONVERSATION_PATH): {"response": ref("ConversationDeleted")},
@@ -152,9 +156,13 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                       "description": "false: keep only a record that it existed (it cannot be retrieved or continued)"},
             "service_tier": {"enum": list(responses.SERVICE_TIERS), "description": "accepted; the response says default"},
             "stream_options": {"type": "object", "description": "only with stream: true; accepted, not used"},
-            "tools": {"type": "array", "maxItems": 0, "description": "not supported on responses yet: only an empty list"},
-            "tool_choice": {"enum": ["none", "auto"], "description": "there are no tools to call"},
-            "parallel_tool_calls": {"type": "boolean", "description": "accepted; there are no tools"},
+            "tools": {"type": "array", "items": RESPONSE_TOOL, "maxItems": MAX_TOOLS,
+                      "description": "function tools; each call is a function_call output item"},
+            "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]},
+                                      {"type": "object", "properties": {"type": {"const": "function"}, "name": {"type": "string"}},
+                                       "required": ["type", "name"], "additionalProperties": False}],
+                            "default": "auto"},
+            "parallel_tool_calls": {"type": "boolean", "default": True, "description": "false: at most one call"},
         }, description=RESPONSE_REFUSED),
         "response": ref("Response"), "stream": ref("ResponseStreamEvent"), "events": SSE_NAMED,
     },

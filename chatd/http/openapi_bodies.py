@@ -17,7 +17,7 @@ from chatd.http.chat_messages import ROLES
 from chatd.http.conversation_request import MAX_METADATA_DEPTH
 from chatd.http.conversations import MAX_NEW_ITEMS
 from chatd.http.items import ROLES as ITEM_ROLES
-from chatd.http.items import TEXT_PARTS
+from chatd.http.items import MAX_CALL_ID_CHARS, TEXT_PARTS
 from chatd.http.openapi_components import JSON_SCHEMA_FORMAT, STRING, TEXT_FORMAT, Schema, nullable, object_
 from chatd.http.protocol import (
     MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS, MAX_PROMPTS, MAX_STOP, SERVICE_TIERS, VERBOSITIES,
@@ -45,6 +45,11 @@ MESSAGE = {
     "required": ["role"],
     "additionalProperties": False,
 }
+RESPONSE_TOOL = {"type": "object", "properties": {  # the Responses API's: chat's function, flat
+    "type": {"const": "function", "description": "chatd runs no built-in tools"},
+    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+    "parameters": {"type": "object", "description": "a JSON schema; a call's arguments always validate against it"},
+    "strict": {"type": "boolean"}}, "required": ["type", "name"], "additionalProperties": False}
 FUNCTION_TOOL = {"type": "object", "properties": {
     "type": {"const": "function"},
     "function": {"type": "object", "properties": {
@@ -64,10 +69,10 @@ ITEM_PART = {
     "required": ["type", "text"],
     "additionalProperties": False,
 }
-INPUT_ITEM = {
+MESSAGE_ITEM = {
     "type": "object",
     "properties": {
-        "type": {"const": "message", "description": "chatd takes message items only (no tool calls, reasoning, references)"},
+        "type": {"const": "message", "description": "may be left out"},
         "role": {"enum": list(ITEM_ROLES), "description": "developer is read as system"},
         "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": ITEM_PART}],
                     "description": "a string, or text parts (joined)"},
@@ -77,6 +82,27 @@ INPUT_ITEM = {
     "required": ["role", "content"],
     "additionalProperties": False,
 }
+ACCEPTED_BACK = {"description": "accepted back, ignored"}
+CALL_ID = {"type": "string", "minLength": 1, "maxLength": MAX_CALL_ID_CHARS}
+CALL_ITEM = {  # a call the model made, sent back as it came (a client that keeps its own history)
+    "type": "object",
+    "properties": {"type": {"const": "function_call"}, "call_id": CALL_ID,
+                   "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                   "arguments": {"type": "string", "description": "JSON text"}, "id": ACCEPTED_BACK,
+                   "status": ACCEPTED_BACK},
+    "required": ["type", "call_id", "name", "arguments"],
+    "additionalProperties": False,
+}
+OUTPUT_ITEM = {  # a call's result
+    "type": "object",
+    "properties": {"type": {"const": "function_call_output"}, "call_id": {**CALL_ID, "description": "the call it answers"},
+                   "output": {"anyOf": [{"type": "string"}, {"type": "array", "items": ITEM_PART}]},
+                   "id": ACCEPTED_BACK, "status": ACCEPTED_BACK},
+    "required": ["type", "call_id", "output"],
+    "additionalProperties": False,
+}
+INPUT_ITEM = {"anyOf": [MESSAGE_ITEM, CALL_ITEM, OUTPUT_ITEM],
+              "description": "a message, a function call, or a call's output (no built-in tools, reasoning, references)"}
 # A conversation's metadata (conversation_request._metadata): any object, kept and returned.
 KEPT_METADATA = {"type": "object", "description": f"any JSON object, at most the server's `max_metadata_bytes` as JSON "
                                                   f"and {MAX_METADATA_DEPTH} levels deep; kept and returned"}
@@ -145,10 +171,11 @@ FIELD_SCHEMAS: dict[str, Schema] = {
     "title": {"type": "string", "description": "at most the server's `max_title_chars`"},
     "system_prompt": {"type": "string", "description": "the conversation's system message, before every turn"},
     "items": {"type": "array", "items": INPUT_ITEM, "minItems": 1, "maxItems": MAX_NEW_ITEMS,
-              "description": "messages added in order; each at most the server's `max_message_chars`"},
+              "description": "items added in order; each at most the server's `max_message_chars`"},
     "input": {"anyOf": [NOT_EMPTY_STRING, {"type": "array", "items": INPUT_ITEM, "minItems": 1,
                                            "maxItems": responses.MAX_INPUT_ITEMS}],
-              "description": "a user message, or message items (at most the server's `max_messages`)"},
+              "description": "a user message, or items (at most the server's `max_messages`); a function_call_output "
+                             "answers a call made before it, in the history or in this input"},
     "instructions": {"type": "string", "description": "this response's system message; not carried to the next"},
     "max_output_tokens": {"type": "integer", "minimum": 1, "description": "the reply's length limit in tokens"},
     "previous_response_id": {"type": "string", "description": "continue this stored, finished response's chain"},

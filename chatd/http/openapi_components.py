@@ -106,6 +106,7 @@ CONVERSATION_MESSAGE = {
 MESSAGES_OMITTED = object_({"messages_omitted": {**COUNT, "description": "the oldest messages left out of the prompt"}})
 # Items (items.item_json): a message with one text part, output_text for the assistant's.
 INPUT_TEXT = object_({"type": {"const": "input_text"}, "text": STRING})
+ITEM_STATUS = {"enum": ["completed", "in_progress", "incomplete"]}
 OUTPUT_TEXT = object_({"type": {"const": "output_text"}, "text": STRING, "annotations": NOTHING, "logprobs": NOTHING})
 
 # responses.py's shapes: its `response` object (response_object) and its stream's events (ResponseEvents).
@@ -116,12 +117,17 @@ RESPONSE = {
     "error": nullable(object_({"code": {"const": "server_error"}, "message": STRING})),
     "incomplete_details": nullable(object_({"reason": {"const": "max_output_tokens"}})),
     "instructions": nullable(STRING), "max_output_tokens": nullable(COUNT), "model": STRING,
-    "output": {"type": "array", "items": ref("ConversationItem"), "maxItems": 1,
-               "description": "the reply's message; empty until it begins"},
+    "output": {"type": "array", "items": ref("ConversationItem"),
+               "description": "the reply's message, or the function calls it made (after its text, if any); empty "
+                              "until it begins"},
     "parallel_tool_calls": {"type": "boolean"}, "previous_response_id": nullable(STRING),
     "conversation": nullable(object_({"id": STRING})),
     "temperature": nullable({"type": "number"}), "top_p": nullable({"type": "number"}),
-    "tool_choice": {"enum": ["none", "auto"]}, "tools": NOTHING,
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]},
+                              object_({"type": {"const": "function"}, "name": STRING})]},
+    "tools": {"type": "array", "items": object_({"type": {"const": "function"}, "name": STRING,
+                                                 "description": nullable(STRING), "parameters": nullable({"type": "object"}),
+                                                 "strict": {"type": "boolean"}})},
     "text": object_({"format": TEXT_FORMAT, "verbosity": {"enum": list(VERBOSITIES)}}, ["format"]),
     "truncation": {"enum": ["auto", "disabled"]},
     "reasoning": object_({"effort": {"type": "null"}, "summary": {"type": "null"}}),
@@ -132,7 +138,8 @@ RESPONSE = {
                       "output_deleted": {"type": "boolean", "description": "its output item was deleted from its "
                                                                            "conversation"}}),
 }
-AT_PART = {"item_id": STRING, "output_index": {"const": 0}, "content_index": {"const": 0}}
+AT_PART = {"item_id": STRING, "output_index": COUNT, "content_index": {"const": 0}}
+AT_CALL = {"item_id": STRING, "output_index": COUNT}
 
 
 def _event(kind: str, **properties: Schema) -> Schema:
@@ -147,12 +154,14 @@ def _response_as(*statuses: str) -> Schema:
 RESPONSE_EVENTS = [
     _event("response.created", response=_response_as("in_progress")),
     _event("response.in_progress", response=_response_as("in_progress")),
-    _event("response.output_item.added", output_index={"const": 0}, item=ref("ConversationItem")),
+    _event("response.output_item.added", output_index=COUNT, item=ref("ConversationItem")),
     _event("response.content_part.added", **AT_PART, part=OUTPUT_TEXT),
     _event("response.output_text.delta", **AT_PART, delta=STRING, logprobs=NOTHING),
     _event("response.output_text.done", **AT_PART, text=STRING, logprobs=NOTHING),
     _event("response.content_part.done", **AT_PART, part=OUTPUT_TEXT),
-    _event("response.output_item.done", output_index={"const": 0}, item=ref("ConversationItem")),
+    _event("response.function_call_arguments.delta", **AT_CALL, delta=STRING),
+    _event("response.function_call_arguments.done", **AT_CALL, name=STRING, arguments=STRING),
+    _event("response.output_item.done", output_index=COUNT, item=ref("ConversationItem")),
     _event("response.completed", response=_response_as("completed")),
     _event("response.incomplete", response=_response_as("incomplete", "cancelled")),
     _event("response.failed", response=_response_as("failed")),
@@ -218,12 +227,19 @@ COMPONENTS: dict[str, Schema] = {
                                          object_({"conversation_id": STRING, "chatd": MESSAGES_OMITTED}, ["conversation_id"])],
                                "description": "a chat completion chunk whose id is the reply's message id; the first "
                                               "says how many messages were left out"},
-    "ConversationItem": object_({
-        "type": {"const": "message"}, "id": STRING, "status": {"enum": ["completed", "in_progress", "incomplete"]},
-        "role": {"enum": list(ITEM_ROLES)},
-        "content": {"type": "array", "items": {"anyOf": [INPUT_TEXT, OUTPUT_TEXT]}, "maxItems": 1,
-                    "description": "one text part (output_text for the assistant's); none in response.output_item.added"},
-    }),
+    "ConversationItem": {"oneOf": [
+        object_({
+            "type": {"const": "message"}, "id": STRING, "status": ITEM_STATUS, "role": {"enum": list(ITEM_ROLES)},
+            "content": {"type": "array", "items": {"anyOf": [INPUT_TEXT, OUTPUT_TEXT]}, "maxItems": 1,
+                        "description": "one text part (output_text for the assistant's); none in "
+                                       "response.output_item.added"},
+        }),
+        object_({"type": {"const": "function_call"}, "id": STRING, "status": ITEM_STATUS, "call_id": STRING,
+                 "name": STRING, "arguments": {"type": "string", "description": "JSON text; \"\" in "
+                                                                                "response.output_item.added"}}),
+        object_({"type": {"const": "function_call_output"}, "id": STRING, "status": ITEM_STATUS, "call_id": STRING,
+                 "output": STRING}),
+    ], "description": "a message, a function call the model made, or a call's output"},
     "ConversationItemList": _page("ConversationItem"),
     "Response": object_(RESPONSE),
     "ResponseUsage": object_({"input_tokens": COUNT, "input_tokens_details": object_({"cached_tokens": COUNT}),

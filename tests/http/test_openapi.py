@@ -17,7 +17,8 @@ from types import SimpleNamespace
 from chatd.config import Config, ConversationsConfig
 from chatd.engine import ParamError
 from chatd.engine.models.demo import build_demo_model
-from chatd.http import app, conversation_request, conversations, items, openapi, openapi_bodies, protocol, responses
+from chatd.http import (app, conversation_request, conversations, items, openapi, openapi_bodies, protocol,
+                        response_request, responses)
 from chatd.http.conversations import MAX_NEW_ITEMS
 from chatd.http.errors import APIError
 from chatd.http.openapi_components import ref
@@ -143,7 +144,10 @@ def test_every_field_a_parser_allows_has_a_schema():
 
 
 def test_item_schemas_take_the_keys_items_py_takes():
-    assert set(openapi_bodies.INPUT_ITEM["properties"]) == items.MESSAGE_KEYS
+    assert set(openapi_bodies.MESSAGE_ITEM["properties"]) == items.MESSAGE_KEYS
+    assert set(openapi_bodies.CALL_ITEM["properties"]) == items.CALL_KEYS
+    assert set(openapi_bodies.OUTPUT_ITEM["properties"]) == items.OUTPUT_KEYS
+    assert set(openapi_bodies.RESPONSE_TOOL["properties"]) == response_request.TOOL_KEYS
     assert set(openapi_bodies.ITEM_PART["properties"]) == items.PART_KEYS
     assert openapi_bodies.FIELD_SCHEMAS["items"]["maxItems"] == MAX_NEW_ITEMS
 
@@ -387,6 +391,21 @@ def test_response_routes_match_their_documented_schemas(server, served):
     in_conversation = exchange(server, served, "POST", "/v1/responses",
                                {"input": "hi", "conversation": {"id": conversation["id"]}, "max_output_tokens": 2})
     assert in_conversation["conversation"] == {"id": conversation["id"]}
+    tools = [{"type": "function", "name": "pick", "description": "Pick one", "parameters": {
+        "type": "object", "properties": {"x": {"enum": ["a", "b"]}}, "required": ["x"], "additionalProperties": False}}]
+    picked = exchange(server, served, "POST", "/v1/responses", {
+        "input": "Pick.", "tools": tools, "tool_choice": {"type": "function", "name": "pick"}, "max_output_tokens": 60,
+        "conversation": conversation["id"]})
+    [made] = picked["output"]
+    assert made["type"] == "function_call" and picked["tools"][0]["name"] == "pick"
+    answered = exchange(server, served, "POST", "/v1/responses", {
+        "input": [{"type": "function_call_output", "call_id": made["call_id"], "output": "a"}], "tools": tools,
+        "max_output_tokens": 2, "conversation": conversation["id"]})
+    items_at = f"/v1/conversations/{conversation['id']}/items?order=asc"
+    kinds = [item["type"] for item in exchange(server, served, "GET", items_at)["data"]]
+    assert kinds[-4:] == ["message", "function_call", "function_call_output", "message"]
+    given = exchange(server, served, "GET", f"/v1/responses/{answered['id']}/input_items")["data"]
+    assert [item["type"] for item in given] == ["function_call_output"]
     not_kept = exchange(server, served, "POST", "/v1/responses", {"input": "hi", "store": False, "max_output_tokens": 2})
     assert not_kept["store"] is False
     assert exchange(server, served, "DELETE", at) == {"id": first["id"], "object": "response", "deleted": True}
@@ -409,14 +428,19 @@ def test_each_streamed_response_event_matches_the_documented_events(server, serv
             completed = events
             break
     assert completed, "no seed gave a reply that ends before max_output_tokens"
-    for events in (incomplete, completed):
+    tools = [{"type": "function", "name": "pick", "parameters": {
+        "type": "object", "properties": {"x": {"enum": ["a", "b"]}}, "required": ["x"], "additionalProperties": False}}]
+    called = streamed(server, served, "POST", "/v1/responses", {**body, "max_output_tokens": 60, "tools": tools,
+                                                                "tool_choice": "required", "parallel_tool_calls": False})
+    assert called[-1]["event"] == "response.completed"
+    for events in (incomplete, completed, called):
         assert all(e["event"] == e["data"]["type"] and int(e["id"]) == e["data"]["sequence_number"] + 1 for e in events)
         assert [e["data"]["sequence_number"] for e in events] == list(range(len(events)))
         assert all(e["data"] != "[DONE]" for e in events)  # Responses' streams carry none
     assert incomplete[-1]["event"] == "response.incomplete"
     kinds = served["components"]["schemas"]["ResponseStreamEvent"]["oneOf"]
     documented = {kind["properties"]["type"]["const"] for kind in kinds}
-    assert {e["event"] for e in incomplete + completed} == documented - {"response.failed"}
+    assert {e["event"] for e in incomplete + completed + called} == documented - {"response.failed"}
     # Retrieved as a stream: its events again, after the one given.
     response_id = completed[0]["data"]["response"]["id"]
     replayed = streamed(server, served, "GET", f"/v1/responses/{response_id}?stream=true&starting_after=1")
@@ -462,7 +486,8 @@ ERRORS = [
     ("GET", "/v1/responses/resp_nope", None, 404),
     ("GET", "/v1/responses/resp_nope/input_items", None, 404),
     ("DELETE", "/v1/responses/resp_nope", None, 404),
-    ("POST", "/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f"}]}, 400),
+    ("POST", "/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, 400),
+    ("POST", "/v1/responses", {"input": [{"type": "function_call_output", "output": "1"}]}, 400),
     ("POST", "/v1/responses", {"input": [{"type": "reasoning", "summary": []}]}, 400),
     ("POST", "/v1/responses", {"input": "hi", "truncation": "middle"}, 400),
     ("POST", "/v1/responses", {"input": "hi", "background": True}, 400),
