@@ -304,6 +304,8 @@ def _conversation_json(c: Conversation) -> dict:
 def _message_json(m: Message) -> dict:
     body = {"id": m.id, "object": "conversation.message", "role": m.role, "content": m.content, "status": m.status,
             "created_at": int(m.created_at)}
+    if m.call is not None:  # a function call (role assistant, its arguments as content) or its output (role tool)
+        body["call"] = m.call
     if m.role == "assistant":
         body["finish_reason"] = m.finish_reason
         body["usage"] = _message_usage(m)

@@ -93,11 +93,13 @@ CONVERSATION = {"id": STRING, "object": {"const": "conversation"}, "created_at":
                 "updated_at": UNIX_SECONDS, "model": STRING, "title": nullable(STRING),
                 "system_prompt": nullable(STRING), "metadata": {"type": "object"}}
 CONVERSATION_MESSAGE = {
-    **object_({"id": STRING, "object": {"const": "conversation.message"}, "role": {"enum": list(ITEM_ROLES)},
+    **object_({"id": STRING, "object": {"const": "conversation.message"}, "role": {"enum": [*ITEM_ROLES, "tool"]},
                "content": STRING, "status": {"enum": list(STATUSES), "description": "partial: cut short, or still "
                                                                                  "being generated"},
                "created_at": UNIX_SECONDS, "finish_reason": nullable(FINISH_REASON), "usage": ref("Usage"),
-               "cost": {"type": "number", "description": "USD"}},
+               "cost": {"type": "number", "description": "USD"},
+               "call": {**object_({"call_id": STRING, "name": STRING}, ["call_id"]),
+                        "description": "a function call (its arguments are the content) or, role tool, its output"}},
               ["id", "object", "role", "content", "status", "created_at"]),
     "if": {"properties": {"role": {"const": "assistant"}}},
     "then": {"required": ["finish_reason", "usage", "cost"]},

@@ -183,3 +183,19 @@ async def test_enter_sends_shift_enter_breaks_the_line_and_escape_stops_a_reply(
     reply = await chat.reply_done()
     assert "stopped" in await reply.locator(".stats .ended").inner_text()
     assert re.fullmatch(r"scripted-\d+", next(iter(chat.engine.aborted)))
+
+
+async def test_function_calls_and_their_outputs_show_as_tool_items(chat):
+    items = [{"type": "message", "role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "18 C and ```sunny```"},
+             {"type": "message", "role": "assistant", "content": "It is 18 C."}]
+    created = await call(chat, "POST", "/v1/conversations", {"title": "A tool round", "items": items})
+    await chat.page.reload()
+    await chat.page.locator(f"#conversations li[data-id='{created['id']}'] .open").click()
+    tools = chat.page.locator(".message.tool")
+    await expect(tools).to_have_count(2)
+    await expect(tools.nth(0).locator("strong")).to_have_text("Called get_weather")
+    await expect(tools.nth(0).locator("pre code")).to_have_text('{"city": "Paris"}')
+    await expect(tools.nth(1).locator("pre code")).to_have_text("18 C and ```sunny```")  # the fence held
+    await expect(chat.page.locator(".message")).to_have_count(4)

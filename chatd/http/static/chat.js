@@ -136,7 +136,7 @@ function showConversation(conversation) {
   const shown = conversation.messages.filter((m, i, all) => !(i === all.length - 1 && m.role === "assistant" && m.status === "partial"));
   $("messages").replaceChildren();
   for (const message of shown) {
-    const bubble = addMessage(message.role, message.content);
+    const bubble = message.call ? addMessage("tool", toolText(message)) : addMessage(message.role, message.content);
     const ending = message.role !== "assistant" ? null
       : message.status === "error" ? "generation failed"
         : message.status !== "complete" ? "incomplete" : FINISHES[message.finish_reason] || null;
@@ -148,6 +148,13 @@ function showConversation(conversation) {
   refreshActions();
   renderSidebar();
   scrollToEnd(true);
+}
+
+/** A function call or its output (items added through the Responses API) as markdown: the name and a code block. */
+function toolText(message) {
+  const fence = "`".repeat(Math.max(3, ...[...message.content.matchAll(/`+/g)].map((m) => m[0].length + 1)));
+  const title = message.role === "tool" ? "Tool result" : `Called \`${message.call.name}\``;
+  return `**${title}**\n\n${fence}\n${message.content}\n${fence}`;
 }
 
 async function renameConversation(conversation) {
