@@ -307,7 +307,8 @@ class Turns:
         cached = merged.num_cached_tokens if merged is not None else 0
         completion = len(output.token_ids) if output is not None else 0
         finish = finish_reason(output.finish_reason) if output is not None else None
-        content, calls = events.saved(output, finish) if status != "error" else ("", [])
+        # A failed reply keeps the text it had, as written (its calls, if any, were never finished).
+        content, calls = events.saved(output, finish) if status != "error" else (output.text if output else "", [])
         if finish == "stop" and calls:
             finish = "tool_calls"
         fields = dict(
