@@ -59,6 +59,9 @@ async def test_a_rate_limit_says_how_long_to_wait(open_chat):
 
 
 async def test_a_draining_server_is_a_503_with_its_wait_and_retry_sends_once_it_serves(chat):
+    # The page has loaded its model and conversation lists: the drain refuses the message, not those
+    # (a refused list load would put its own Retry on the button; seen once in CI).
+    await chat.page.wait_for_load_state("networkidle")
     chat.state.draining_until = asyncio.get_running_loop().time() + 30
     try:
         await chat.send("during the drain")
