@@ -120,6 +120,41 @@ class SchedulerConfig:
                              f"got {self.async_scheduling!r}")
 
 
+SPECULATIVE_METHODS = ("", "ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative/); vLLM's speculative_config names."""
+
+    method: str = ""  # "" (off), "ngram" (prompt lookup) or "draft_model" (a small model: `model`)
+    model: str = ""  # the draft model (local folder or hub id), sharing the served model's tokenizer
+    num_speculative_tokens: int = 3  # the most tokens a sequence guesses a step
+    prompt_lookup_min: int = 2  # ngram: the shortest n-gram looked up
+    prompt_lookup_max: int = 4  # ngram: the longest
+    disable_by_batch_size: int = 4  # no guessing while more sequences than this run
+    draft_kv_cache_gb: float = 0.5  # the draft model's own KV pool
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError("setting speculative.method must be one of \"\", \"ngram\", \"draft_model\", "
+                             f"got {self.method!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("setting speculative.model must name the draft model when speculative.method is \"draft_model\"")
+        if self.model and self.method != "draft_model":
+            raise ValueError(f"setting speculative.model is for speculative.method \"draft_model\" (method is {self.method!r})")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "disable_by_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"setting speculative.{name} must be 1 or more, got {getattr(self, name)}")
+        if self.num_speculative_tokens > 16:
+            raise ValueError(f"setting speculative.num_speculative_tokens must be at most 16, got {self.num_speculative_tokens}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"setting speculative.prompt_lookup_max must be at least prompt_lookup_min "
+                             f"({self.prompt_lookup_min}), got {self.prompt_lookup_max}")
+        if self.draft_kv_cache_gb <= 0:
+            raise ValueError(f"setting speculative.draft_kv_cache_gb must be more than 0, got {self.draft_kv_cache_gb}")
+
+
 # An origin as browsers send it in `Origin`: scheme://host[:port], nothing after.
 ORIGIN = re.compile(r"\*|[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
 # The least severe log lines `chatd serve` writes, as Python's logging names them (lower case).
@@ -380,6 +415,7 @@ class Config:
     conversations: ConversationsConfig = field(default_factory=ConversationsConfig)
     safety: SafetyConfig = field(default_factory=SafetyConfig)
     embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     prices: dict[str, Price] = field(default_factory=dict)  # served model name -> its price
     tiers: dict[str, TierConfig] = field(default_factory=lambda: dict(DEFAULT_TIERS))  # tier name -> its limits
     policies: dict[str, CategoryPolicy] = field(default_factory=lambda: dict(DEFAULT_POLICIES))  # category -> policy
@@ -399,6 +435,7 @@ SECTIONS: dict[str, type] = {
     "conversations": ConversationsConfig,
     "safety": SafetyConfig,
     "embeddings": EmbeddingsConfig,
+    "speculative": SpeculativeConfig,
 }
 
 

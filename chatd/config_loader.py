@@ -124,13 +124,19 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
 
 
 def config_from_options(base: Config | None = None, **options: Any) -> Config:
-    """Apply flat keyword options (`block_size=8`, `device="cpu"`) to the section that owns each."""
+    """Apply flat keyword options (`block_size=8`, `device="cpu"`) to the section that owns each;
+    `speculative_config={"method": "ngram", ...}` sets [speculative] (its keys as vLLM's LLM takes them)."""
     base = base or Config()
     values: dict[str, Any] = {name: dataclasses.asdict(getattr(base, name)) for name in SECTIONS}
     values["prices"] = {model: dataclasses.asdict(price) for model, price in base.prices.items()}
     values["tiers"] = {name: dataclasses.asdict(tier) for name, tier in base.tiers.items()}
     values["policies"] = {name: dataclasses.asdict(policy) for name, policy in base.policies.items()}
-    owners = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    owners = {f.name: name for name, cls in SECTIONS.items() if name != "speculative" for f in dataclasses.fields(cls)}
+    speculative = options.pop("speculative_config", None) or {}
+    unknown = set(speculative) - set(values["speculative"])
+    if unknown:
+        raise ValueError(f"unknown speculative_config key {sorted(unknown)[0]!r}; known: {', '.join(values['speculative'])}")
+    values["speculative"].update(speculative)
     for key, value in options.items():
         if key not in owners:
             raise ValueError(f"unknown engine option {key!r}; known: {', '.join(sorted(owners))}")

@@ -115,6 +115,7 @@ class LLMEngine:
         clock=time.monotonic,
         num_host_blocks: int = 0,
         compile_job=None,  # worker/compile_job.py: the runner's steps compiling on a thread, or None
+        speculator=None,  # speculative/: proposes tokens for decoding sequences to verify, or None
     ) -> None:
         self.runner = runner
         self.compile_job = compile_job
@@ -132,7 +133,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.drain_rate = DrainRate()
-        self.async_scheduling = _async_scheduling(scheduler_config.async_scheduling, runner)
+        self.speculator = speculator
+        # A verify step's kept tokens are known only once it is back: steps are not launched ahead.
+        self.async_scheduling = speculator is None and _async_scheduling(scheduler_config.async_scheduling, runner)
         self.in_flight: InFlight | None = None  # async scheduling: the step launched and not yet waited for
         self.times = StageTimes()  # schedule, wait, postprocess, detokenize (the runner times its own)
 
@@ -157,6 +160,7 @@ class LLMEngine:
             sampling_defaults=parts.sampling_defaults,
             num_host_blocks=parts.num_host_blocks,
             compile_job=parts.compile_job,
+            speculator=parts.speculator,
         )
 
     @property
@@ -296,6 +300,11 @@ class LLMEngine:
         if step.queued:  # requests were left waiting: this step ran at the pace the queue drains
             self.drain_rate.note(step.plan.num_prefill_tokens, self.clock() - step.started)
         seqs = self.scheduler.postprocess(step.plan, sampled.token_ids)
+        if self.speculator is not None:
+            self.runner.keep_draws(seqs)
+            # Guesses for the next step, before the grammars' next masks are computed (a guess is
+            # checked against its sequence's grammar, which a mask job would hold).
+            self.speculator.propose([s for s, _ in seqs if not s.is_finished], self.scheduler.num_running)
         if self.grammars is not None:  # the next masks, computed while this step's tokens are detokenized
             self.grammars.masks.compute(s.grammar for s, _ in seqs if s.grammar is not None and not s.is_finished)
         started = self.times.since("postprocess", started)
@@ -324,18 +333,17 @@ class LLMEngine:
             if request.queue_time is None:
                 request.queue_time = now - request.queued_at
 
-    def _detokenize(self, seqs: list[tuple[Sequence, int]], token_ids: list[int],
+    def _detokenize(self, seqs: list[tuple[Sequence, range]], token_ids: list[int],
                     logprobs: list[Logprob | None]) -> list[RequestOutput]:
-        """Each request's delta from its sequences' new tokens (each sequence with the index of its
-        token); requests that ended leave the engine."""
+        """Each request's delta from its sequences' new tokens (each sequence with the rows of its
+        tokens: more than one after a verify step); requests that ended leave the engine."""
         deltas: dict[str, RequestOutput] = {}
-        for seq, row in seqs:
-            token_id, logprob = token_ids[row], logprobs[row]
+        for seq, rows in seqs:
             request = self.requests.get(seq.request_id)
             if request is None:  # failed earlier in this loop
                 continue
             try:
-                delta = self._delta(request, seq, token_id, logprob)
+                delta = self._delta(request, seq, [token_ids[r] for r in rows], [logprobs[r] for r in rows])
             except GrammarFailed as exc:  # the client's grammar, not a bug: the client hears which field
                 log.warning("request %s: %s", seq.request_id, exc.message)
                 deltas[seq.request_id] = self._fail(request, exc.message, exc.param)
@@ -356,40 +364,57 @@ class LLMEngine:
                 out.outputs.sort(key=lambda o: o.index)
             out.num_cached_tokens = request.num_cached_tokens
             out.queue_time = request.queue_time
+            if self.speculator is not None:
+                out.num_draft_tokens = sum(s.num_draft_tokens for s in request.seqs)
+                out.num_accepted_tokens = sum(s.num_accepted_tokens for s in request.seqs)
             # A request ends with the step that ends its last choice.
             out.finished = any(o.finish_reason is not None for o in out.outputs) and request.finished
             if out.finished:
                 del self.requests[request_id]
         return list(deltas.values())
 
-    def _delta(self, request: Request, seq: Sequence, token_id: int, logprob: Logprob | None) -> CompletionOutput:
-        """A sampled token's delta: its text (held back while a stop string may be starting), and the end."""
-        if seq.index == 0 and len(seq.output_token_ids) == 1:
+    def _delta(self, request: Request, seq: Sequence, token_ids: list[int],
+               logprobs: list[Logprob | None]) -> CompletionOutput:
+        """A step's new tokens of a sequence as a delta: their text (held back while a stop string
+        may be starting), and the end. A stop string ends it at the token that completes it: tokens
+        a verify step kept after that one are dropped, as if never sampled."""
+        if seq.index == 0 and len(seq.output_token_ids) == len(token_ids):
             request.num_cached_tokens = seq.num_cached_tokens
         if seq.finish_reason == FinishReason.ERROR:  # only a failed grammar ends a sequence so: fail the request
             self.runner.release(seq)
             raise GrammarFailed(seq.params.structured.param, seq.grammar.error or "structured output could not be followed")
-        delta = CompletionOutput(seq.index, token_ids=[token_id], logprobs=None if logprob is None else [logprob])
+        delta = CompletionOutput(seq.index, token_ids=[], logprobs=None if logprobs[0] is None else [])
         detokenizer = request.detokenizers[seq.index]
-        # A stop token's own text is not part of the answer (a grammar's last token is).
-        stopped_by_token = seq.finish_reason == FinishReason.STOP and (
-            token_id in self.scheduler.eos_token_ids or token_id in seq.params.stop_token_ids)
-        if detokenizer is not None and not stopped_by_token:
-            delta.text, stop_string = detokenizer.step([token_id])
-            if stop_string is not None:  # wins over a length limit reached by the same token
-                seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_string
-                if not seq.is_finished:
-                    self.scheduler.finish(seq)
+        for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+            delta.token_ids.append(token_id)
+            if delta.logprobs is not None:
+                delta.logprobs.append(logprob)
+            # A stop token's own text is not part of the answer (a grammar's last token is); only
+            # a sequence's last token can have ended it.
+            stopped_by_token = i == len(token_ids) - 1 and seq.finish_reason == FinishReason.STOP and (
+                token_id in self.scheduler.eos_token_ids or token_id in seq.params.stop_token_ids)
+            if detokenizer is not None and not stopped_by_token:
+                text, stop_string = detokenizer.step([token_id])
+                delta.text += text
+                if stop_string is not None:  # wins over a length limit reached by the same token
+                    seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_string
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq)
+                    break
         if seq.finish_reason is not None:
             if detokenizer is not None and not isinstance(seq.stop_reason, str):
                 delta.text += detokenizer.flush()  # release text held back in case a stop string began
             delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
             self.runner.release(seq)
+            if self.speculator is not None:
+                self.speculator.release(seq)
         return delta
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.runner.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     def _fail(self, request: Request, message: str, param: str | None = None) -> RequestOutput:
         """End every choice of a request with an error output (`param`: the field at fault, if the request's)."""

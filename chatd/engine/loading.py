@@ -9,6 +9,7 @@ runner, which `worker/build.py` makes for every rank. Only `from_config` imports
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,8 @@ from chatd.engine.worker.parallel_worker import (
     rank_device,
     runner_facts,
 )
+from chatd.engine.speculative import Speculator, build_speculator
+from chatd.engine.speculative.draft_model import DraftModelProposer
 from chatd.engine.worker.runner import ModelRunner, kv_block_bytes
 
 log = logging.getLogger("chatd.engine")
@@ -61,6 +64,7 @@ class EngineParts:
     sampling_defaults: dict[str, float]  # what requests that leave a sampling field out get
     num_host_blocks: int = 0  # the host KV tier's size (0: off)
     compile_job: CompileJob | None = None  # steps compiling on a thread (compile_steps' background)
+    speculator: Speculator | None = None  # speculative decoding (speculative.method), or None
 
 
 def load_engine_parts(config: Config, background_compile: bool = False) -> EngineParts:
@@ -89,6 +93,8 @@ def load_engine_parts(config: Config, background_compile: bool = False) -> Engin
         else:
             local = runner = build_runner(config, checkpoint, TPGroup(), device, eos)
         model, context = local.model, local.max_model_len
+        # Before the KV pool is sized: on a GPU the draft model and its pool count as memory in use.
+        draft = load_draft(config, local.device, model.vocab_size, eos) if config.speculative.method == "draft_model" else None
         block_size = config.cache.block_size
         block_bytes = kv_block_bytes(model.num_layers, block_size, model.num_kv_heads, model.head_dim, local.kv_dtype)
         num_blocks = size_kv_pool(config, runner, block_bytes, context)
@@ -120,8 +126,35 @@ def load_engine_parts(config: Config, background_compile: bool = False) -> Engin
     if sampling:
         log.info("sampling defaults from the model (requests that leave them out): %s",
                  ", ".join(f"{name} {value:g}" for name, value in sampling.items()))
+    speculator = build_speculator(config.speculative, context, eos, model.vocab_size, draft)
+    if speculator is not None:
+        log.info("speculative decoding: %s, up to %d tokens guessed a step, while at most %d sequences run",
+                 config.speculative.method, config.speculative.num_speculative_tokens,
+                 config.speculative.disable_by_batch_size)
     return EngineParts(runner, tokenizer, num_blocks, context, model.vocab_size, eos, model_path, demo, sampling,
-                       num_host_blocks, compile_job)
+                       num_host_blocks, compile_job, speculator)
+
+
+def load_draft(config: Config, device: torch.device, vocab_size: int, eos: frozenset[int]) -> DraftModelProposer:
+    """The draft model (speculative.model) on the served model's device, whole (no tensor
+    parallelism), with its own KV pool of speculative.draft_kv_cache_gb."""
+    spec = config.speculative
+    model_config = dataclasses.replace(config.model, path=spec.model, tensor_parallel_size=1, max_model_len=0,
+                                       quantization="none")
+    draft_path, _ = locate_model(model_config)
+    checkpoint = open_checkpoint(draft_path, chatd_home() / "gguf")
+    runner = build_runner(dataclasses.replace(config, model=model_config), checkpoint, TPGroup(), device, eos)
+    model = runner.model
+    if model.vocab_size != vocab_size:
+        raise ValueError(f"speculative.model {spec.model!r} has a vocabulary of {model.vocab_size} tokens and the served "
+                         f"model {vocab_size}: a draft model must share the served model's tokenizer")
+    block_bytes = kv_block_bytes(model.num_layers, config.cache.block_size, model.num_kv_heads, model.head_dim,
+                                 runner.kv_dtype)
+    num_blocks = max(1, int(spec.draft_kv_cache_gb * 2**30 // block_bytes))
+    runner.allocate_kv(num_blocks)
+    log.info("draft model %s: dtype %s, %d KV blocks of its own (%.2f GiB)", draft_path,
+             str(runner.dtype).removeprefix("torch."), num_blocks, num_blocks * block_bytes / 2**30)
+    return DraftModelProposer(runner, num_blocks)
 
 
 def check_parallel_layout(hf_config, size: int, device: torch.device) -> None:

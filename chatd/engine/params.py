@@ -223,6 +223,9 @@ class RequestOutput:
     # could not be followed within the server's limits): the client's error (400), not the server's.
     error_param: str | None = None
     queue_time: float | None = None  # seconds from being added until first scheduled
+    # Speculative decoding, over the request so far: tokens proposed and verified, and those accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def merge(self, later: RequestOutput) -> None:
         """Fold a later delta of the same request into this one (used by streams and LLM)."""
@@ -236,6 +239,8 @@ class RequestOutput:
         self.outputs.sort(key=lambda o: o.index)
         self.finished = later.finished
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
+        self.num_draft_tokens = max(self.num_draft_tokens, later.num_draft_tokens)
+        self.num_accepted_tokens = max(self.num_accepted_tokens, later.num_accepted_tokens)
         self.error = later.error or self.error
         self.error_param = later.error_param or self.error_param
         if self.queue_time is None:

@@ -156,6 +156,18 @@ class BlockManager:
             seq.block_table.append(block)
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past a sequence's computed tokens: those a verify step took for
+        proposed tokens that were rejected, so it holds what it would have without them. They hold
+        no name (only blocks full of computed tokens are named) and nobody shares them."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            assert self.ref_counts[block] == 1 and self.block_hashes[block] is None, f"block {block} is not {seq}'s alone"
+            self.ref_counts[block] = 0
+            self.free_blocks[block] = None
+            self.free_blocks.move_to_end(block, last=False)
+
     def fork(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
         """Let `child` share the first `num_blocks` computed blocks of `parent` (for `n > 1` choices)."""
         assert not child.block_table and num_blocks * self.block_size <= parent.num_computed_tokens

@@ -102,10 +102,44 @@ class GrammarMatcher:
             self._fail("its parser reached a limit")
         self.mask = mask
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of these tokens, in order, the grammar would accept from here (it does not move).
+        On the engine thread, while no mask of its grammar is being computed."""
+        if self.failed or not token_ids:
+            return 0
+        return self._matcher.validate_tokens(list(token_ids))
+
+    def draft_masks(self, token_ids: tuple[int, ...]) -> list[DraftMask]:
+        """The masks after each of these tokens (proposed ones the grammar accepts, `valid_prefix`),
+        computed now, and the matcher moved back to where it was: a verify step samples after each.
+        On the engine thread, once this matcher's own next mask is ready."""
+        words = len(self.mask)
+        valid = self.valid_prefix(list(token_ids))
+        masks = []
+        for token_id in token_ids[:valid]:
+            mask = np.full(words, 0xFFFFFFFF, dtype=np.uint32)  # after the end: a moot row
+            self._matcher.consume_token(token_id)
+            if not self._matcher.is_stopped():
+                self._matcher.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
+            masks.append(DraftMask(mask))
+        if self._matcher.is_error():  # a parser limit reached on the way: the sequence fails with it
+            self._fail("its parser reached a limit")
+        elif valid:
+            self._matcher.rollback(valid)
+        # Rows after a refused token are moot: the token sampled in its place differs from it.
+        return masks + [DraftMask(np.full(words, 0xFFFFFFFF, dtype=np.uint32))] * (len(token_ids) - valid)
+
     def _fail(self, fallback: str) -> None:
         """This copy failed (called by whoever holds it): say why, and fail its grammar for every copy."""
         self._reason = first_lines(self._matcher.get_error(), 1) if self._matcher.is_error() else fallback
         self._on_error(self.grammar, self._reason)
+
+
+class DraftMask:
+    """The mask after a proposed token, as the sampler reads a matcher's (`mask`)."""
+
+    def __init__(self, mask: np.ndarray) -> None:
+        self.mask = mask
 
 
 def failure_message(param: str, reason: str) -> str:

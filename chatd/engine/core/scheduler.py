@@ -19,6 +19,11 @@ step too (`schedule` / `postprocess`, as nano-vllm pairs them): counters, naming
 became full, appending sampled tokens, forking `n > 1` choices, finishing sequences that hit a
 stop token or a length limit. Stop strings need text, so the engine checks those after it
 detokenizes. Plain Python, no torch: tested without a model.
+
+Speculative decoding: a decoding sequence may carry tokens a proposer guessed (`draft_token_ids`).
+The step that schedules it computes its last token and the guesses together, and samples after
+each; `postprocess` keeps the guesses up to the first that differs from what was sampled there,
+plus that sampled token, and gives back the KV slots and blocks of the rest (engine/speculative/).
 """
 
 from __future__ import annotations
@@ -41,6 +46,18 @@ class ScheduledSequence:
     start: int = 0  # its tokens already computed (or planned by a step in flight) before this chunk
     samples: bool = False  # the chunk reaches its last token, so the step yields a new token
     prefill: bool = False  # prompt tokens (or recomputed ones after a preemption)
+    # Proposed tokens, the chunk's last len(draft_token_ids) tokens: each gets a sample too, which
+    # verifies it (speculative decoding). Their slots are counted as computed once accepted.
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens sampled for it this step: one, plus one per proposed token; none mid-prompt."""
+        return 1 + len(self.draft_token_ids) if self.samples else 0
 
 
 @dataclass
@@ -81,6 +98,9 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int  # tokens computed in prefill (including recompute after preemption)
     num_generation_tokens: int  # tokens sampled
+    num_draft_tokens: int = 0  # speculative decoding: proposed tokens verified
+    num_accepted_tokens: int = 0  # of those, accepted
+    num_drafts: int = 0  # verify steps of a sequence (proposals of one or more tokens)
     num_request_streams: int = 0  # AsyncEngine only: requests whose output stream is still open
     # Prompt tokens computed per second in recent steps that left requests waiting: how fast a
     # queue drains (LLMEngine measures it; None until a queue has formed).
@@ -93,10 +113,18 @@ class EngineStats:
     num_blocks_from_host: int = 0  # blocks copied back to the device
 
 
-def _scheduled(seq: Sequence, num_new: int, prefill: bool) -> ScheduledSequence:
-    """A chunk of `num_new` tokens of `seq`, from its first uncomputed one."""
+def _scheduled(seq: Sequence, num_new: int, prefill: bool, drafts: tuple[int, ...] = ()) -> ScheduledSequence:
+    """A chunk of `num_new` tokens of `seq`, from its first uncomputed one (the last of them `drafts`)."""
     start = seq.num_computed_tokens
-    return ScheduledSequence(seq, num_new, start, start + num_new == seq.num_tokens, prefill)
+    return ScheduledSequence(seq, num_new, start, start + num_new - len(drafts) == seq.num_tokens, prefill, drafts)
+
+
+def _drafts(seq: Sequence, num_new: int, budget: int) -> tuple[int, ...]:
+    """The proposed tokens a sequence whose `num_new` ready tokens fit the budget verifies with
+    them: only a decode's (its one last token), as many as are left of the budget."""
+    if not seq.draft_token_ids or num_new != 1 or seq.num_uncomputed_tokens != 1 or seq.is_prefilling:
+        return ()
+    return tuple(seq.draft_token_ids[: budget - num_new])
 
 
 def _ready_tokens(seq: Sequence, max_model_len: int | None) -> int:
@@ -135,6 +163,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # tokens computed in prefill (including recompute after preemption)
         self.num_generation_tokens = 0  # tokens sampled
+        self.num_drafts = 0  # speculative decoding: verify steps of a sequence,
+        self.num_draft_tokens = 0  # the proposed tokens they verified,
+        self.num_accepted_tokens = 0  # and those accepted
 
     @property
     def num_waiting(self) -> int:
@@ -170,6 +201,8 @@ class Scheduler:
             kv_cache_usage=blocks.usage, num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
             prefix_cache_queries=blocks.num_prefix_queries, prefix_cache_hits=blocks.num_prefix_hits,
             num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
+            num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
             num_host_blocks=blocks.num_host_blocks, num_host_blocks_used=len(blocks.host_slots),
             host_cache_hits=blocks.num_host_hits, num_blocks_to_host=blocks.num_blocks_to_host,
             num_blocks_from_host=blocks.num_blocks_from_host,
@@ -223,6 +256,11 @@ class Scheduler:
             num_new = min(_ready_tokens(seq, self.max_model_len), budget)
             if num_new == 0:  # waiting for its grammar's mask
                 continue
+            drafts = _drafts(seq, num_new, budget)
+            if drafts and self.block_manager.can_allocate_slots(seq, num_new + len(drafts)):
+                num_new += len(drafts)  # never preempting anyone for a guess
+            else:
+                drafts = ()
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = max(unscheduled, key=rank)
                 self._preempt(victim)
@@ -232,7 +270,7 @@ class Scheduler:
                     break
             else:
                 unscheduled.discard(seq)
-                out.scheduled.append(_scheduled(seq, num_new, prefill=i >= num_decodes))
+                out.scheduled.append(_scheduled(seq, num_new, i >= num_decodes, drafts))
                 budget -= num_new
 
         # Admit waiting sequences, best first. After a preemption only a better class than the
@@ -266,8 +304,9 @@ class Scheduler:
             self.block_manager.free(seq)  # give back prefix-cache hits; looked up again next time
             break
 
-        # The runner wants one-token rows (decodes) first: attention batches them in one call.
-        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        # The runner wants one-token rows (decodes, and verify steps, which it runs as decode rows)
+        # first: attention batches them in one call.
+        out.scheduled.sort(key=lambda s: s.num_new_tokens - s.num_draft_tokens != 1)
         out.kv_copies = self.block_manager.take_copies()
         self._plan(out)
         return out
@@ -277,12 +316,15 @@ class Scheduler:
         this one's results are back: their chunks count as computed, and a chunk that samples adds a
         pending token, whose value `postprocess` fills in."""
         charge = self.share.charge
+        for seq in self.running:
+            if seq.draft_token_ids:  # verified this step, or left out of it: proposed afresh after each step
+                seq.draft_token_ids = []
         for scheduled in out.scheduled:
             seq, num_new = scheduled.seq, scheduled.num_new_tokens
             if scheduled.prefill:
                 self.num_prompt_tokens += num_new
             charge(seq, num_new)
-            seq.num_computed_tokens += num_new
+            seq.num_computed_tokens += num_new - scheduled.num_draft_tokens  # a guess counts once accepted
             if scheduled.samples:
                 seq.num_pending_tokens += 1
 
@@ -290,25 +332,49 @@ class Scheduler:
         """Some sequence could run but for its grammar's mask (being computed off the engine thread)."""
         return any(s.grammar is not None and not s.grammar.ready for s in self.running)
 
-    def postprocess(self, plan: SchedulerOutput, token_ids: list[int]) -> list[tuple[Sequence, int]]:
-        """Fold a step's results back: `token_ids` has one sampled token per sequence whose chunk
-        reached its end, in plan order. Returns those sequences that were still live (one aborted
-        or ended while the step ran keeps nothing of it), each with the index of its token; the ones
-        that ended now are finished."""
+    def postprocess(self, plan: SchedulerOutput, token_ids: list[int]) -> list[tuple[Sequence, range]]:
+        """Fold a step's results back: `token_ids` has the tokens sampled for each sequence whose
+        chunk reached its end (`ScheduledSequence.num_samples` of them), in plan order. Returns
+        those sequences that were still live (one aborted or ended while the step ran keeps nothing
+        of it), each with the rows of `token_ids` that are its new tokens; the ones that ended now
+        are finished.
+
+        A sequence that verified proposed tokens gets them up to the first one that differs from
+        the token sampled in its place, and then that sampled token (or, all accepted, the one
+        sampled after the last): what it would have sampled one step at a time. The slots of the
+        rest are given back."""
         sampled = []
         row = 0
+        block_manager = self.block_manager
         for scheduled in plan.scheduled:
-            seq = scheduled.seq
-            if scheduled.samples:
-                row += 1
+            seq, first = scheduled.seq, row
+            row += scheduled.num_samples
             if seq.is_finished:
                 continue
-            if scheduled.samples:
-                seq.append_token(token_ids[row - 1])
-            self.block_manager.cache_blocks(seq)  # after the token: a block it fills is named with it
-            if scheduled.samples:
-                self._check_end(seq, token_ids[row - 1])
-                sampled.append((seq, row - 1))
+            if not scheduled.samples:
+                block_manager.cache_blocks(seq)
+                continue
+            drafts = scheduled.draft_token_ids
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == token_ids[first + accepted]:
+                accepted += 1
+            if drafts:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += accepted
+                seq.num_draft_tokens += len(drafts)
+                seq.num_accepted_tokens += accepted
+            for i in range(accepted + 1):
+                seq.append_token(token_ids[first + i])
+                if i < accepted:  # the guess in its place was right: its K/V, computed this step, stay
+                    seq.num_computed_tokens += 1
+                block_manager.cache_blocks(seq)  # after the token: a block it fills is named with it
+                self._check_end(seq, token_ids[first + i])
+                if seq.is_finished:
+                    break
+            if drafts and not seq.is_finished:
+                block_manager.trim(seq)
+            sampled.append((seq, range(first, first + i + 1)))
         return sampled
 
     def _check_end(self, seq: Sequence, token_id: int) -> None:
@@ -363,6 +429,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft_token_ids = []
         self.block_manager.free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -53,6 +53,12 @@ class Sequence:
     # step is planned meanwhile, and feeds such a token to the model straight from the device.
     num_pending_tokens: int = 0
     forks: list[Sequence] = field(default_factory=list)  # choices 1..n-1: forked off this one at its first token
+    # Speculative decoding: tokens a proposer guessed will follow (engine/speculative/), verified
+    # by the next step that schedules this sequence, which consumes them either way.
+    draft_token_ids: list[int] = field(default_factory=list)
+    proposer_state: Any = None  # what its proposer keeps between steps (an n-gram index)
+    num_draft_tokens: int = 0  # proposed tokens its steps verified
+    num_accepted_tokens: int = 0  # of those, accepted
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     # Structured output: a grammar/GrammarMatcher (accept(token_id) -> bool, is_terminated, error);

@@ -270,7 +270,7 @@ class ParallelRunner:
         except Exception as exc:
             self.workers.raise_failure(wait=True)  # a worker's death, said as such
             raise ParallelError(self.workers.fail(f"rank 0's forward failed: {exc}")) from exc
-        return StepHandle(scheduled, inputs.sampling, self.local.sample(logits, scheduled, inputs))
+        return StepHandle(scheduled, self.local.sample(logits, scheduled))
 
     def copy_kv(self, copies: list[KVCopy]) -> None:
         if self.workers.failure is None:  # else the step's execute fails, with the reason
@@ -279,6 +279,9 @@ class ParallelRunner:
 
     def release(self, seq) -> None:
         self.local.release(seq)
+
+    def keep_draws(self, kept) -> None:
+        self.local.keep_draws(kept)
 
     def _everywhere(self, name: str, *args) -> tuple[object, list]:
         """Call a runner method on every rank at once (it may hold collectives); rank 0's result, the workers'."""

@@ -30,7 +30,7 @@ from chatd.engine.worker.compiled import CompiledDecode
 from chatd.engine.worker.compiled_prefill import CompiledPrefill
 from chatd.engine.worker.cuda_graphs import DecodeGraphs
 from chatd.engine.worker.host_kv import HostKVTier
-from chatd.engine.worker.sampler import SampledTokens, Sampler, SamplerOutput, SamplingRow
+from chatd.engine.worker.sampler import SampledTokens, Sampler, SamplerOutput, SamplingRow, draw_uniform
 
 log = logging.getLogger("chatd.engine")
 
@@ -48,7 +48,7 @@ class ForwardInputs:
     starts: list[int]  # per sequence: tokens already in its KV cache
     query_lens: list[int]  # per sequence: new tokens this step
     block_tables: list[list[int]]
-    sampling: list[int]  # the sequences whose chunk reaches their end: they get logits
+    sampling: list[int]  # the rows whose chunk reaches their end: they get logits
     # Async scheduling: (index in token_ids, row of the previous step's draws) of each input that
     # step sampled and has not handed back yet; token_ids holds 0 there until it is filled in.
     pending: tuple[tuple[int, int], ...] = ()
@@ -56,23 +56,39 @@ class ForwardInputs:
 
 def forward_inputs(scheduled: list[ScheduledSequence], previous: StepHandle | None = None) -> ForwardInputs:
     """The forward's inputs for a scheduled batch (`previous`: the step in flight, whose draws
-    some of its inputs are)."""
+    some of its inputs are). A sequence verifying proposed tokens becomes one decode row per token,
+    its last one and each guess, at consecutive positions over the same blocks: every row's K/V is
+    written before any row attends, so each guess sees the ones before it, and the step stays a
+    decode step (CUDA graphs, compiled CPU steps) with logits for every row."""
     token_ids: list[int] = []
+    starts: list[int] = []
+    query_lens: list[int] = []
+    block_tables: list[list[int]] = []
+    sampling: list[int] = []
     pending = []
     for s in scheduled:
-        known = s.seq.token_ids[s.start : s.start + s.num_new_tokens]
+        seq = s.seq
+        if s.draft_token_ids:
+            assert s.start < len(seq.token_ids), "a verify step follows a step whose tokens are back"
+            rows = 1 + len(s.draft_token_ids)
+            sampling.extend(range(len(starts), len(starts) + rows))
+            token_ids.append(seq.token_ids[s.start])
+            token_ids.extend(s.draft_token_ids)
+            starts.extend(range(s.start, s.start + rows))
+            query_lens.extend([1] * rows)
+            block_tables.extend([seq.block_table] * rows)
+            continue
+        if s.samples:
+            sampling.append(len(starts))
+        known = seq.token_ids[s.start : s.start + s.num_new_tokens]
         token_ids.extend(known)
         if len(known) < s.num_new_tokens:  # a decode whose input the step in flight sampled
-            pending.append((len(token_ids), previous.rows[s.seq.seq_id]))
+            pending.append((len(token_ids), previous.rows[seq.seq_id]))
             token_ids.append(0)
-    return ForwardInputs(
-        token_ids,
-        starts=[s.start for s in scheduled],
-        query_lens=[s.num_new_tokens for s in scheduled],
-        block_tables=[s.seq.block_table for s in scheduled],
-        sampling=[i for i, s in enumerate(scheduled) if s.samples],
-        pending=tuple(pending),
-    )
+        starts.append(s.start)
+        query_lens.append(s.num_new_tokens)
+        block_tables.append(seq.block_table)
+    return ForwardInputs(token_ids, starts, query_lens, block_tables, sampling, tuple(pending))
 
 
 def fill_pending(inputs: ForwardInputs, draws: list[int]) -> ForwardInputs:
@@ -87,8 +103,13 @@ class StepHandle:
     """A launched step: which row of its draws each sampling sequence got, the draws as the device
     has them, and `result()`, which waits for them on the host."""
 
-    def __init__(self, scheduled: list[ScheduledSequence], sampling: list[int], sampled: SampledTokens | None) -> None:
-        self.rows = {scheduled[i].seq.seq_id: row for row, i in enumerate(sampling)}
+    def __init__(self, scheduled: list[ScheduledSequence], sampled: SampledTokens | None) -> None:
+        self.rows = {}  # seq_id -> its (first) row of the draws
+        row = 0
+        for s in scheduled:
+            if s.samples:
+                self.rows[s.seq.seq_id] = row
+                row += s.num_samples
         self.sampled = sampled
         self.wait: Callable[[], None] | None = None  # an extra wait before the draws (benchmarks/host.py's device clock)
 
@@ -137,6 +158,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own RNG
+        self._rewinds: dict[int, torch.Tensor] = {}  # seq_id -> its RNG's state before a verify step's draws
         self._seed_source = torch.Generator().manual_seed(seed)  # seeds requests that bring none
         self.kv_caches: list[KVCache] = []
         self.host_tier: HostKVTier | None = None  # allocate_host_kv
@@ -225,9 +247,9 @@ class ModelRunner:
         now = time.perf_counter()
         times.add("forward", now - started - (times.seconds["inputs"] - inputs_before))
         started = now
-        sampled = self.sample(logits, scheduled, inputs)
+        sampled = self.sample(logits, scheduled)
         times.since("sample", started)
-        return StepHandle(scheduled, inputs.sampling, sampled)
+        return StepHandle(scheduled, sampled)
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, draws: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -266,11 +288,18 @@ class ModelRunner:
         return self.model(step.input_ids, step.positions, self.kv_caches, meta, self.backend)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor | None, scheduled: list[ScheduledSequence], inputs: ForwardInputs) -> SampledTokens | None:
-        """Launch the draws of the rows of `logits` (the sequences `inputs.sampling` names); None without logits."""
+    def sample(self, logits: torch.Tensor | None, scheduled: list[ScheduledSequence]) -> SampledTokens | None:
+        """Launch the draws of the rows of `logits` (one per sample of each scheduled sequence
+        that samples, in order); None without logits."""
         if logits is None:
             return None
-        return self.sampler.launch(logits, [self._sampling_row(scheduled[i].seq) for i in inputs.sampling])
+        rows = []
+        for s in scheduled:
+            if s.draft_token_ids:
+                rows += self._verify_rows(s.seq, s.draft_token_ids)
+            elif s.samples:
+                rows.append(self._sampling_row(s.seq))
+        return self.sampler.launch(logits, rows)
 
     def profile_kv_blocks(self, num_tokens: int, num_seqs: int, utilization: float, block_bytes: int) -> int:
         """On CUDA: run the largest step (`profile_step`), measure its peak, and say how many KV
@@ -320,22 +349,50 @@ class ModelRunner:
     def release(self, seq: Sequence) -> None:
         """Forget a finished sequence's RNG."""
         self.generators.pop(seq.seq_id, None)
+        self._rewinds.pop(seq.seq_id, None)
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, drafts: tuple[int, ...] = (), grammar=None) -> SamplingRow:
+        """What the sampler needs of a sequence's next token; after `drafts` (a verify row: as if
+        the proposed tokens before it were its own, and `grammar` its matcher's state there)."""
         params = seq.params
         banned: tuple[int, ...] = ()
         # A grammar decides where structured output ends: min_tokens does not ban its EOS. The token
         # drawn now is already counted (pending from when its step was planned).
-        if seq.num_output_tokens <= params.min_tokens and seq.grammar is None:
+        if seq.num_output_tokens + len(drafts) <= params.min_tokens and seq.grammar is None:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
         return SamplingRow(
             params=params,
             prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            output_token_ids=seq.output_token_ids + list(drafts) if drafts else seq.output_token_ids,
             generator=None if params.greedy else self._generator(seq),
             banned_token_ids=banned,
-            grammar=seq.grammar,
+            grammar=grammar if drafts else seq.grammar,
         )
+
+    def _verify_rows(self, seq: Sequence, drafts: tuple[int, ...]) -> list[SamplingRow]:
+        """A verify step's rows: the next token as usual, then one after each proposed token. Each
+        is sampled as if the tokens before it were accepted; the scheduler keeps the rows up to the
+        first whose token differs from the guess. A seeded sequence's generator is rewound to where
+        the kept rows leave it (`keep_draws`), so its reply is the one it gets without guesses."""
+        masks = seq.grammar.draft_masks(drafts) if seq.grammar is not None else [None] * len(drafts)
+        if not seq.params.greedy:
+            self._rewinds[seq.seq_id] = self._generator(seq).get_state()
+        return [self._sampling_row(seq)] + [self._sampling_row(seq, drafts[: i + 1], masks[i])
+                                            for i in range(len(drafts))]
+
+    def keep_draws(self, kept: list[tuple[Sequence, range]]) -> None:
+        """After a verify step: each sampling sequence's generator as if it had drawn only for the
+        tokens it kept (one uniform number each), not for the rows past them."""
+        if not self._rewinds:
+            return
+        for seq, rows in kept:
+            state = self._rewinds.pop(seq.seq_id, None)
+            if state is not None:
+                generator = self.generators[seq.seq_id]
+                generator.set_state(state)
+                for _ in rows:
+                    draw_uniform(generator, self.device)
+        self._rewinds.clear()  # sequences that ended meanwhile
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         generator = self.generators.get(seq.seq_id)

@@ -118,9 +118,12 @@ class Sampler:
             token_ids[sampled_rows] = torch.tensor(_draw_on_host(logits, rows, sampled_rows))
         elif sampled_rows:
             subset = [rows[i] for i in sampled_rows]
+            # Each row's uniform drawn in row order, so a sequence whose rows are one per position
+            # (a verify step) uses its stream's numbers in the order it would one step at a time.
+            uniforms = torch.cat([draw_uniform(row.generator, logits.device) for row in subset])
             for part in sampling_choices(_rows(logits, sampled_rows), subset):
                 index = torch.tensor([sampled_rows[j] for j in part.rows], device=logits.device)
-                token_ids[index] = draw(part, [subset[j].generator for j in part.rows])
+                token_ids[index] = draw(part, uniforms[torch.tensor(part.rows, device=logits.device)])
 
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         logprob_tensors = _logprob_tensors(raw_logits, token_ids, wanted, rows) if wanted else []
@@ -138,7 +141,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 def _draw_on_host(logits: torch.Tensor, rows: list[SamplingRow], sampled: list[int]) -> list[int]:
     """The tokens of the `sampled` rows, each worked out alone in numpy (host_sampling.py)."""
     host_logits = logits.numpy()  # [B, V], CPU float32
-    return [host_draw(host_choices(host_logits[i], rows[i].params, MIN_TEMPERATURE), _uniform(rows[i].generator, logits.device).item())
+    return [host_draw(host_choices(host_logits[i], rows[i].params, MIN_TEMPERATURE), draw_uniform(rows[i].generator, logits.device).item())
             for i in sampled]
 
 
@@ -281,11 +284,9 @@ def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     return dense
 
 
-def draw(choices: Choices, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of `choices`, each from one uniform number of the row's own generator
-    (inverse transform: the first column whose cumulative probability passes it)."""
-    device = choices.probs.device
-    uniform = torch.cat([_uniform(g, device) for g in generators])  # [R], in [0, 1)
+def draw(choices: Choices, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of `choices`, each from its uniform number ([R], in [0, 1), drawn from the
+    row's own generator) by inverse transform: the first column whose cumulative probability passes it."""
     # float64 sums, so a tail of tiny probabilities keeps its share; a point short of the
     # total always lands on a column with probability > 0.
     cumulative = choices.probs.double().cumsum(dim=-1)  # [R, C]
@@ -295,7 +296,8 @@ def draw(choices: Choices, generators: list[torch.Generator | None]) -> torch.Te
     return choices.token_ids.gather(1, column).squeeze(1)
 
 
-def _uniform(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+def draw_uniform(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One uniform number in [0, 1) from a row's generator, as a [1] tensor on `device`."""
     # Made on the generator's own device (a CPU generator cannot fill a CUDA tensor), then moved.
     # A row without a generator falls back to torch's global RNG: random, but not reproducible.
     where = generator.device if generator is not None else device

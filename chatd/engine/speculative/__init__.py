@@ -1,0 +1,148 @@
+"""Speculative decoding: guess a decoding sequence's next tokens cheaply, verify them in one step.
+
+After each step the engine asks the `Speculator` for guesses (`propose`); a proposer makes them:
+n-gram lookup in the sequence's own tokens (ngram.py: no model; strong where a reply quotes its
+prompt) or a small draft model sharing the tokenizer (draft_model.py). The scheduler runs each
+guessing sequence's last token and its guesses in one step, a sample after each (the runner runs
+them as decode rows at consecutive positions), and keeps the guesses up to the first that differs
+from the token sampled in its place, plus that sampled token (core/scheduler.py `postprocess`).
+
+Why that keeps the model's distribution: both proposers guess one token, not a distribution (the
+draft model its most likely one), so the rejection sampling of Leviathan et al. accepts a guess g
+with probability p(g) (min(1, p/q) with q one-hot) and otherwise draws from p with g taken out,
+normalized. Sampling the target's own token t at that position, from p with the row's own
+uniform number, and accepting g exactly when t == g does the same: P(accept) = p(g), and on a
+miss t is distributed as p without g. It also draws exactly as decoding one token at a time would
+(each position uses the same uniform number of the sequence's generator: the runner rewinds what
+the rows past the first miss drew), so a seeded reply is the same with speculation on or off, and
+greedy output is token for token the same (up to the arithmetic of a batch of several rows).
+
+Penalties, min_tokens' bans and logprobs are worked out per row as if the guesses before it were
+already the sequence's; a grammar's mask after each guess is computed on the engine thread (a
+guess the grammar refuses is cut off here, before it is verified; a slow grammar's sequences do
+not guess). Where guessing costs more than it saves it stops (`Speculator.propose`): above
+`disable_by_batch_size` running sequences (a big batch is compute-bound: every guess costs a
+token's compute), and for a sequence whose guesses keep missing, for a while that doubles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chatd.config import SpeculativeConfig
+from chatd.engine.core.sequence import Sequence
+
+# A sequence whose verify steps accept nothing this many times in a row stops guessing for a
+# while: first PAUSE_STEPS steps, doubling each time it misses again, up to MAX_PAUSE_STEPS.
+MISSES_BEFORE_PAUSE = 2
+PAUSE_STEPS = 4
+MAX_PAUSE_STEPS = 64
+
+
+@dataclass
+class Guessing:
+    """One sequence's speculation state: how many tokens it guesses next, and its back-off."""
+
+    length: int  # guesses to ask for next time (adapts between 1 and num_speculative_tokens)
+    draft_tokens: int = 0  # its counters when it last guessed (the scheduler's, on the sequence)
+    accepted_tokens: int = 0
+    misses: int = 0  # verify steps in a row that accepted nothing
+    pause: int = 0  # steps left without guessing
+    next_pause: int = PAUSE_STEPS
+    proposer: object = None  # what the proposer keeps for it (an n-gram index, a draft cache's place)
+
+
+class Speculator:
+    """Decides who guesses how many tokens each step, and asks its proposer for them."""
+
+    def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = config.num_speculative_tokens
+
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    def propose(self, seqs: list[Sequence], num_running: int) -> None:
+        """Set `draft_token_ids` of those of `seqs` (decoding sequences that just got tokens) that guess now."""
+        if num_running > self.config.disable_by_batch_size:
+            return  # a batch this big is bound by its compute: guesses would cost their tokens
+        wanted = []
+        for seq in seqs:
+            state = seq.proposer_state
+            if state is None:
+                state = seq.proposer_state = Guessing(self.max_tokens)
+            length = self._length(seq, state)
+            if length:
+                wanted.append((seq, length))
+        if not wanted:
+            return
+        for (seq, _), guesses in zip(wanted, self.proposer.propose(wanted), strict=True):
+            seq.draft_token_ids = self._checked(seq, guesses)
+
+    def release(self, seq: Sequence) -> None:
+        """A sequence ended: forget what the proposer kept for it."""
+        if seq.proposer_state is not None:
+            self.proposer.release(seq)
+            seq.proposer_state = None
+
+    def _length(self, seq: Sequence, state: Guessing) -> int:
+        """How many tokens `seq` guesses now (0: none), from how its last guesses fared and how many
+        tokens it may still make."""
+        drafted = seq.num_draft_tokens - state.draft_tokens
+        if drafted:  # its last guesses were verified: adapt
+            accepted = seq.num_accepted_tokens - state.accepted_tokens
+            state.draft_tokens, state.accepted_tokens = seq.num_draft_tokens, seq.num_accepted_tokens
+            if accepted == drafted:
+                state.length = min(self.max_tokens, state.length + 1)
+                state.misses, state.next_pause = 0, PAUSE_STEPS
+            elif accepted == 0:
+                state.length = max(1, state.length // 2)
+                state.misses += 1
+                if state.misses >= MISSES_BEFORE_PAUSE:
+                    state.pause, state.misses = state.next_pause, 0
+                    state.next_pause = min(MAX_PAUSE_STEPS, 2 * state.next_pause)
+            else:
+                state.length = max(1, accepted)
+                state.misses = 0
+        if state.pause:
+            state.pause -= 1
+            return 0
+        grammar = seq.grammar
+        if grammar is not None and (grammar.failed or grammar.grammar.slow or grammar.grammar.busy):
+            return 0
+        params = seq.params
+        room = self.max_model_len - seq.num_tokens  # the last guess's position must fit the context
+        if params.max_tokens is not None:  # the token sampled after the last guess counts too
+            room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+        return max(0, min(state.length, room))
+
+    def _checked(self, seq: Sequence, guesses: list[int]) -> list[int]:
+        """Guesses worth verifying: none past an end-of-sequence or stop token, none a grammar refuses."""
+        ends = self.eos_token_ids if not seq.params.ignore_eos else frozenset()
+        for i, token_id in enumerate(guesses):
+            if token_id in ends or token_id in seq.params.stop_token_ids:
+                guesses = guesses[: i + 1]
+                break
+        if seq.grammar is not None and guesses:
+            guesses = guesses[: seq.grammar.valid_prefix(guesses)]
+        return guesses
+
+
+def build_speculator(config: SpeculativeConfig, max_model_len: int, eos_token_ids: frozenset[int],
+                     vocab_size: int, draft=None) -> Speculator | None:
+    """The speculator `config` asks for (None when speculation is off). `draft`: the draft model's
+    proposer, built by the loader (it needs the target's device and tokenizer)."""
+    if not config.method:
+        return None
+    if config.method == "ngram":
+        from chatd.engine.speculative.ngram import NgramProposer
+
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    else:
+        proposer = draft
+    return Speculator(config, proposer, max_model_len, eos_token_ids)
