@@ -328,6 +328,8 @@ async def run_phase(url: str, prompts: list[str], num_requests: int, concurrency
 
 CHATD_DRAFT = "chatd:spec_decode_num_draft_tokens_total"
 CHATD_ACCEPTED = "chatd:spec_decode_num_accepted_tokens_total"
+CHATD_DRAFTS = "chatd:spec_decode_num_drafts_total"  # verify steps: accepted / steps is the mean accepted run
+CHATD_COUNTERS = (CHATD_DRAFT, CHATD_ACCEPTED, CHATD_DRAFTS)
 
 
 def scrape(base: str, names: tuple[str, ...]) -> dict[str, float | None]:
@@ -372,18 +374,23 @@ def summarize(records: list[Record], wall: float, concurrency: int, acceptance: 
 
 def acceptance_of(kind: str, before: dict, after: dict, records: list[Record]) -> dict:
     """Draft tokens, accepted tokens and their ratio over a phase; None where the server does not say."""
-    draft = accepted = None
+    draft = accepted = steps = None
     if kind == "chatd":
         if after[CHATD_DRAFT] is not None and after[CHATD_ACCEPTED] is not None:
             draft = after[CHATD_DRAFT] - (before[CHATD_DRAFT] or 0.0)
             accepted = after[CHATD_ACCEPTED] - (before[CHATD_ACCEPTED] or 0.0)
+        if after[CHATD_DRAFTS] is not None:
+            steps = after[CHATD_DRAFTS] - (before[CHATD_DRAFTS] or 0.0)
     else:
         spoke = [r for r in records if r.ok and r.draft_n is not None]
         if spoke:
             draft = float(sum(r.draft_n for r in spoke))
             accepted = float(sum(r.draft_n_accepted or 0 for r in spoke))
     rate = accepted / draft if draft else None
-    return {"draft_tokens": draft, "accepted_tokens": accepted, "acceptance_rate": rate}
+    # chatd only: guessed tokens accepted per verify step (a step also yields one token of its own).
+    per_step = accepted / steps if steps and accepted is not None else None
+    return {"draft_tokens": draft, "accepted_tokens": accepted, "acceptance_rate": rate,
+            "verify_steps": steps, "accepted_per_verify_step": per_step}
 
 
 # --- one server ------------------------------------------------------------------------------
@@ -417,10 +424,10 @@ def bench_run(run: str, command: list[str], port: int, ready, args, work: Path) 
         if args.streams > 1 and "chat" in args.workloads:
             plan.append(("chat", args.streams, args.stream_requests))
         for workload, concurrency, num_requests in plan:
-            before = scrape(base, (CHATD_DRAFT, CHATD_ACCEPTED)) if kind == "chatd" else {}
+            before = scrape(base, CHATD_COUNTERS) if kind == "chatd" else {}
             load = os.getloadavg()[0]  # the machine may be shared: a load above ~2 means others ran too
             records, wall = asyncio.run(run_phase(url, WORKLOADS[workload], num_requests, concurrency, args))
-            after = scrape(base, (CHATD_DRAFT, CHATD_ACCEPTED)) if kind == "chatd" else {}
+            after = scrape(base, CHATD_COUNTERS) if kind == "chatd" else {}
             summary = summarize(records, wall, concurrency, acceptance_of(kind, before, after, records))
             summary["load_before"], summary["load_after"] = load, os.getloadavg()[0]
             key = f"{workload}@{concurrency}"
@@ -468,6 +475,8 @@ def llama_command(args, binary: Path, model: Path, port: int, speculative: bool)
 def print_phase(run: str, key: str, s: dict) -> None:
     ms = lambda v: "-" if v is None else f"{v * 1000:.1f}"  # noqa: E731
     rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.1%}"
+    if s.get("accepted_per_verify_step") is not None:
+        rate += f", {s['accepted_per_verify_step']:.2f} accepted per verify step"
     print(f"[{run}] {key}: {s['num_ok']} ok / {s['num_failed']} failed, {s['wall_time']:.1f} s, "
           f"{s['completion_tokens']} tokens, time/token p50 {ms(s['time_per_output_token_p50'])} ms, "
           f"TTFT p50 {ms(s['ttft_p50'])} ms, {s['output_tokens_per_s'] or 0:.1f} tok/s, acceptance {rate} "
