@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from chatd.config import ASYNC_SCHEDULING, DTYPES, KV_CACHE_DTYPES, LOG_LEVELS, QUANTIZATIONS, TOOL_PARSERS, Config, store_path
-from chatd.config_loader import load_config
+from chatd.config_loader import load_config, speculative_settings
 from chatd.logs import setup_logging
 from chatd.store.moderation import EVENT_STATUSES
 
@@ -46,16 +46,20 @@ def _load_engine(args: argparse.Namespace, one_reply: bool = False) -> LLMEngine
     For one reply, steps are not compiled: compiling (seconds to a minute) would not repay."""
     from chatd.engine import LLMEngine
 
-    overrides = {"model": {"path": args.model}} if args.model else {}
+    overrides = model_flag_overrides(args)
     if one_reply:
-        overrides.setdefault("model", {})["compile"] = False
-    if args.device:
-        overrides.setdefault("model", {})["device"] = args.device
-    if args.tensor_parallel_size:
-        overrides.setdefault("model", {})["tensor_parallel_size"] = args.tensor_parallel_size
-    if args.quantization:
-        overrides.setdefault("model", {})["quantization"] = args.quantization
+        overrides["model"]["compile"] = False
     return LLMEngine.from_config(load_config(args.config, overrides))
+
+
+def model_flag_overrides(args: argparse.Namespace) -> dict[str, dict]:
+    """The settings the flags of every command that loads a model set (`_add_model_flags`)."""
+    flags = {"path": args.model, "device": args.device, "tensor_parallel_size": args.tensor_parallel_size,
+             "quantization": args.quantization}
+    overrides: dict[str, dict] = {"model": {name: value for name, value in flags.items() if value}}
+    if args.speculative_config is not None:
+        overrides["speculative"] = args.speculative_config
+    return overrides
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -100,15 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def serve_config(args: argparse.Namespace) -> Config:
     """The server's config: the config file, with `chatd serve`'s flags (and CHATD_API_KEY) over it."""
-    overrides: dict[str, dict] = {"model": {}, "server": {}, "auth": {}, "cache": {}, "scheduler": {}}
-    if args.model:
-        overrides["model"]["path"] = args.model
-    if args.device:
-        overrides["model"]["device"] = args.device
-    if args.tensor_parallel_size:
-        overrides["model"]["tensor_parallel_size"] = args.tensor_parallel_size
-    if args.quantization:
-        overrides["model"]["quantization"] = args.quantization
+    overrides = {**model_flag_overrides(args), "server": {}, "auth": {}, "cache": {}, "scheduler": {}}
     if args.host:
         overrides["server"]["host"] = args.host
     if args.port is not None:
@@ -407,6 +403,16 @@ def _add_model_flags(parser: argparse.ArgumentParser,
                              "on a CUDA GPU: int4 or fp8 (default none)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, metavar="N",
                         help="split the model over N ranks: N GPUs from the first (gloo ranks on CPU) (default 1)")
+    parser.add_argument("--speculative-config", type=_speculative_config, metavar="JSON",
+                        help="speculative decoding, as vLLM's flag: a JSON object of [speculative]'s settings (method "
+                             "ngram | draft_model, model, num_speculative_tokens, ...), over the config's (default: off)")
+
+
+def _speculative_config(text: str) -> dict:
+    try:
+        return speculative_settings(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _non_negative_float(text: str) -> float:

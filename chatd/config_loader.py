@@ -9,11 +9,13 @@ values, are config.py's.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from pathlib import Path
 from typing import Any
 
-from chatd.config import DEFAULT_POLICIES, DEFAULT_TIERS, SECTIONS, TIER_NAME, CategoryPolicy, Config, Price, TierConfig
+from chatd.config import (DEFAULT_POLICIES, DEFAULT_TIERS, SECTIONS, TIER_NAME, CategoryPolicy, Config, Price,
+                          SpeculativeConfig, TierConfig)
 
 # Settings that take one string or a list of strings; a lone "" means none.
 ONE_OR_MORE = {("server", "model_name")}
@@ -59,6 +61,29 @@ def _checked(where: str, cls: type, values: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"setting {where}.{key} must be {expected.__name__}, got {value!r}")
         checked[key] = value
     return checked
+
+
+def speculative_settings(text: str) -> dict[str, Any]:
+    """vLLM's --speculative-config JSON as the [speculative] settings it sets over the config file's:
+    its keys are the section's. As vLLM, `model` alone means method "draft_model"; a method other than
+    "draft_model" clears a draft model the file named. ValueError naming the unknown key or the
+    setting whose value has the wrong type; the settings together are checked when the config is built."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg} at character {exc.pos}): {text!r}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"must be a JSON object like '{{\"method\": \"ngram\"}}', got {text!r}")
+    known = [f.name for f in dataclasses.fields(SpeculativeConfig)]
+    unknown = [key for key in values if key not in known]
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r}; known: {', '.join(known)}")
+    values = _checked("speculative", SpeculativeConfig, values)
+    if values.get("model") and "method" not in values:
+        values["method"] = "draft_model"
+    if "method" in values and values["method"] != "draft_model":
+        values.setdefault("model", "")
+    return values
 
 
 def _build_prices(values: dict[str, Any]) -> dict[str, Price]:

@@ -102,6 +102,12 @@ def test_flags_win_over_the_config_file_and_the_environment(tmp_path, monkeypatc
     (["--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: invalid choice: 'fp8'"),
     (["--host-kv-cache-gb", "-1"], "argument --host-kv-cache-gb: must be 0 or more, got -1"),
     (["--host-kv-cache-gb", "lots"], "argument --host-kv-cache-gb: must be a number, got 'lots'"),
+    (["--speculative-config", '{"method": "ngram", "num_lookahead_slots": 2}'],
+     "argument --speculative-config: unknown key 'num_lookahead_slots'; known: method, model, num_speculative_tokens"),
+    (["--speculative-config", "{method: ngram}"], "argument --speculative-config: not valid JSON"),
+    (["--speculative-config", '"ngram"'], "argument --speculative-config: must be a JSON object"),
+    (["--speculative-config", '{"num_speculative_tokens": "3"}'],
+     "argument --speculative-config: setting speculative.num_speculative_tokens must be int, got '3'"),
 ])
 def test_bad_flag_values_exit_2_naming_the_flag(flags, message, served, capsys):
     with pytest.raises(SystemExit) as exited:
@@ -116,6 +122,10 @@ def test_bad_flag_values_exit_2_naming_the_flag(flags, message, served, capsys):
     (["--served-model-name", "a", " "], None, "server.model_name takes non-empty names"),
     (["--api-key", "two words"], None, "auth.api_key (--api-key, CHATD_API_KEY) must be visible ASCII"),
     ([], "key\n", "auth.api_key (--api-key, CHATD_API_KEY) must be visible ASCII"),
+    (["--speculative-config", '{"method": "eagle"}'], None, "speculative.method must be one of"),
+    (["--speculative-config", '{"method": "draft_model"}'], None, "speculative.model must name the draft model"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], None,
+     "speculative.num_speculative_tokens must be 1 or more, got 0"),
 ])
 def test_bad_settings_exit_2_naming_the_setting(flags, env, message, served, capsys, monkeypatch):
     if env is not None:
@@ -123,6 +133,43 @@ def test_bad_settings_exit_2_naming_the_setting(flags, env, message, served, cap
     assert main(["serve", *flags]) == 2
     assert message in capsys.readouterr().err
     assert served == []
+
+
+def test_speculative_config_flag_lands_in_the_speculative_section(served, tmp_path):
+    """vLLM's --speculative-config JSON: its keys are [speculative]'s settings, each over the config file's."""
+    assert main(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5, '
+                 '"prompt_lookup_min": 3, "prompt_lookup_max": 6, "disable_by_batch_size": 8}']) == 0
+    spec = served[-1].speculative
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("ngram", "", 5)
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max, spec.disable_by_batch_size) == (3, 6, 8)
+    # A draft model alone means method draft_model, as in vLLM; an int is taken for a float setting.
+    assert main(["serve", "--speculative-config", '{"model": "/models/draft", "draft_kv_cache_gb": 1}']) == 0
+    spec = served[-1].speculative
+    assert (spec.method, spec.model, spec.draft_kv_cache_gb) == ("draft_model", "/models/draft", 1.0)
+    assert main(["serve"]) == 0 and served[-1].speculative.method == ""  # off unless asked for
+
+    path = tmp_path / "config.toml"
+    path.write_text('[speculative]\nmethod = "draft_model"\nmodel = "/models/draft"\nprompt_lookup_max = 7\n')
+    assert main(["serve", "--config", str(path)]) == 0
+    assert (served[-1].speculative.method, served[-1].speculative.model) == ("draft_model", "/models/draft")
+    # The flag's method wins, the file's draft model goes with its method; the file's other settings stay.
+    assert main(["serve", "--config", str(path), "--speculative-config", '{"method": "ngram"}']) == 0
+    spec = served[-1].speculative
+    assert (spec.method, spec.model, spec.prompt_lookup_max) == ("ngram", "", 7)
+    assert main(["serve", "--config", str(path), "--speculative-config", '{"method": ""}']) == 0
+    assert (served[-1].speculative.method, served[-1].speculative.model) == ("", "")
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
+def test_in_process_commands_take_the_speculative_config_flag_too(command, monkeypatch):
+    """`generate` and `chat` load the engine here: the flag reaches its config as --quantization does."""
+    import chatd.cli
+    from chatd.engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "from_config", staticmethod(lambda config: config))
+    args = build_parser().parse_args([*command, "--speculative-config", '{"method": "ngram", "prompt_lookup_max": 5}'])
+    config = chatd.cli._load_engine(args)
+    assert (config.speculative.method, config.speculative.prompt_lookup_max) == ("ngram", 5)
 
 
 def test_a_shared_key_and_the_key_database_are_refused_together(tmp_path, served, capsys, monkeypatch):
