@@ -245,6 +245,13 @@ class _EngineCollector:
             ("chatd:num_preemptions", "Sequences preempted to free KV cache.", stats.num_preemptions if stats else 0),
             ("chatd:prompt_tokens", "Prompt tokens computed in prefill, recomputation included.", stats.num_prompt_tokens if stats else 0),
             ("chatd:generation_tokens", "Tokens generated.", stats.num_generation_tokens if stats else 0),
+            # Speculative decoding ([speculative]; 0 while it is off): acceptance rate is accepted / draft tokens.
+            ("chatd:spec_decode_num_drafts", "Speculative verify steps of a sequence (each checks one or more guessed tokens).",
+             stats.num_drafts if stats else 0),
+            ("chatd:spec_decode_num_draft_tokens", "Guessed tokens verified by speculative decoding.",
+             stats.num_draft_tokens if stats else 0),
+            ("chatd:spec_decode_num_accepted_tokens", "Guessed tokens accepted (the model sampled the same token).",
+             stats.num_accepted_tokens if stats else 0),
             ("chatd:host_cache_hits", "Prompt tokens copied back from the host tier instead of recomputed.",
              stats.host_cache_hits if stats else 0),
             ("chatd:kv_blocks_to_host", "KV blocks copied from the device pool to the host tier.",

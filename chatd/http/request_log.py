@@ -149,8 +149,12 @@ class GenerationRecord:
             inter_token_latencies=self.inter_token,
         )
         if self.request_log is not None:
+            # Speculative decoding's guesses for it, verified and accepted (0 while it is off, as
+            # cached_tokens is 0 without a prefix hit): the reply's own acceptance rate.
             self.request_log.fields.update(
                 finish_reason=reason, prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
+                draft_tokens=sum(out.num_draft_tokens for out in outputs),
+                accepted_tokens=sum(out.num_accepted_tokens for out in outputs),
                 ttft_s=None if ttft is None else round(ttft, 4), e2e_s=round(e2e, 4), **fields)
 
 

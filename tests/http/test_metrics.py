@@ -20,6 +20,9 @@ ENGINE_FAMILIES = {
     "chatd:num_preemptions": "counter",
     "chatd:prompt_tokens": "counter",
     "chatd:generation_tokens": "counter",
+    "chatd:spec_decode_num_drafts": "counter",
+    "chatd:spec_decode_num_draft_tokens": "counter",
+    "chatd:spec_decode_num_accepted_tokens": "counter",
     "chatd:kv_blocks": "gauge",
     "chatd:kv_blocks_free": "gauge",
     "chatd:host_kv_blocks": "gauge",
@@ -115,6 +118,8 @@ def test_engine_values_read_zero_before_the_first_update():
     samples = scrape(ServerMetrics(MODEL))
     assert samples[f"chatd:num_requests_running{{model_name={MODEL}}}"] == 0
     assert samples[f"chatd:prompt_tokens_total{{model_name={MODEL}}}"] == 0
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):  # speculative decoding: exported while off too
+        assert samples[f"chatd:spec_decode_num_{name}_total{{model_name={MODEL}}}"] == 0
 
 
 def test_gauges_show_the_latest_engine_state():
@@ -129,8 +134,10 @@ def test_gauges_show_the_latest_engine_state():
 
 def test_counters_grow_by_the_engine_deltas_across_updates():
     metrics = ServerMetrics(MODEL)
-    first = dict(prefix_cache_queries=100, prefix_cache_hits=40, num_preemptions=1, num_prompt_tokens=100, num_generation_tokens=20)
-    second = dict(prefix_cache_queries=250, prefix_cache_hits=140, num_preemptions=3, num_prompt_tokens=180, num_generation_tokens=95)
+    first = dict(prefix_cache_queries=100, prefix_cache_hits=40, num_preemptions=1, num_prompt_tokens=100, num_generation_tokens=20,
+                 num_drafts=4, num_draft_tokens=12, num_accepted_tokens=7)
+    second = dict(prefix_cache_queries=250, prefix_cache_hits=140, num_preemptions=3, num_prompt_tokens=180, num_generation_tokens=95,
+                  num_drafts=10, num_draft_tokens=27, num_accepted_tokens=19)
     metrics.update_engine(make_stats(**first))
     before = scrape(metrics)
     metrics.update_engine(make_stats(**second))
@@ -138,7 +145,8 @@ def test_counters_grow_by_the_engine_deltas_across_updates():
     names = {
         "prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
         "num_preemptions": "num_preemptions", "num_prompt_tokens": "prompt_tokens",
-        "num_generation_tokens": "generation_tokens",
+        "num_generation_tokens": "generation_tokens", "num_drafts": "spec_decode_num_drafts",
+        "num_draft_tokens": "spec_decode_num_draft_tokens", "num_accepted_tokens": "spec_decode_num_accepted_tokens",
     }  # fmt: skip
     for field, name in names.items():
         key = f"chatd:{name}_total{{model_name={MODEL}}}"
