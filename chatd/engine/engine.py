@@ -300,10 +300,8 @@ class LLMEngine:
         if step.queued:  # requests were left waiting: this step ran at the pace the queue drains
             self.drain_rate.note(step.plan.num_prefill_tokens, self.clock() - step.started)
         seqs = self.scheduler.postprocess(step.plan, sampled.token_ids)
-        if self.speculator is not None:
+        if self.speculator is not None:  # guesses for the next step, checked by grammars before their mask jobs start
             self.runner.keep_draws(seqs)
-            # Guesses for the next step, before the grammars' next masks are computed (a guess is
-            # checked against its sequence's grammar, which a mask job would hold).
             self.speculator.propose([s for s, _ in seqs if not s.is_finished], self.scheduler.num_running)
         if self.grammars is not None:  # the next masks, computed while this step's tokens are detokenized
             self.grammars.masks.compute(s.grammar for s, _ in seqs if s.grammar is not None and not s.is_finished)
@@ -364,9 +362,7 @@ class LLMEngine:
                 out.outputs.sort(key=lambda o: o.index)
             out.num_cached_tokens = request.num_cached_tokens
             out.queue_time = request.queue_time
-            if self.speculator is not None:
-                out.num_draft_tokens = sum(s.num_draft_tokens for s in request.seqs)
-                out.num_accepted_tokens = sum(s.num_accepted_tokens for s in request.seqs)
+            out.num_draft_tokens, out.num_accepted_tokens = request.guesses()
             # A request ends with the step that ends its last choice.
             out.finished = any(o.finish_reason is not None for o in out.outputs) and request.finished
             if out.finished:
@@ -375,9 +371,8 @@ class LLMEngine:
 
     def _delta(self, request: Request, seq: Sequence, token_ids: list[int],
                logprobs: list[Logprob | None]) -> CompletionOutput:
-        """A step's new tokens of a sequence as a delta: their text (held back while a stop string
-        may be starting), and the end. A stop string ends it at the token that completes it: tokens
-        a verify step kept after that one are dropped, as if never sampled."""
+        """A sequence's new tokens as a delta: their text (held back while a stop string may be
+        starting), and the end. A stop string ends it at its last token: any kept after it are dropped."""
         if seq.index == 0 and len(seq.output_token_ids) == len(token_ids):
             request.num_cached_tokens = seq.num_cached_tokens
         if seq.finish_reason == FinishReason.ERROR:  # only a failed grammar ends a sequence so: fail the request
@@ -389,8 +384,7 @@ class LLMEngine:
             delta.token_ids.append(token_id)
             if delta.logprobs is not None:
                 delta.logprobs.append(logprob)
-            # A stop token's own text is not part of the answer (a grammar's last token is); only
-            # a sequence's last token can have ended it.
+            # A stop token's own text is not part of the answer (a grammar's last token is).
             stopped_by_token = i == len(token_ids) - 1 and seq.finish_reason == FinishReason.STOP and (
                 token_id in self.scheduler.eos_token_ids or token_id in seq.params.stop_token_ids)
             if detokenizer is not None and not stopped_by_token:

@@ -37,6 +37,10 @@ class Request:
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
 
+    def guesses(self) -> tuple[int, int]:
+        """Speculative decoding over its choices so far: tokens proposed and verified, and accepted."""
+        return sum(s.num_draft_tokens for s in self.seqs), sum(s.num_accepted_tokens for s in self.seqs)
+
 
 def checked_params(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
                    scheduler: Scheduler) -> SamplingParams:

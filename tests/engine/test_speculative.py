@@ -1,0 +1,356 @@
+"""Speculative decoding: guesses verified in one step change nothing a client gets.
+
+Each comparison runs the same requests with speculation off and on, on tiny random-weight models:
+greedy tokens, seeded samples, penalties, logprobs, stop strings, grammars, preemption, the prefix
+cache and aborts. Random models seldom repeat themselves, so most tests guess with an oracle that
+knows the reply (from the run without speculation) and gets every third guess wrong: the verify
+steps then accept some guesses and reject others, which is what must not show. The n-gram and
+draft-model proposers run end to end too, and a chi-square test on 20,000 draws shows sampling
+with guesses keeps the model's distribution.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from chatd.config import SpeculativeConfig
+from chatd.engine import FinishReason, SamplingParams, StructuredOutput
+from chatd.engine.core.sequence import Sequence
+from chatd.engine.models.demo import build_model_dir
+from chatd.engine.speculative import PAUSE_STEPS, Speculator
+from chatd.engine.speculative.ngram import NgramIndex
+from tests.engine.conftest import make_llm
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+class Oracle:
+    """Guesses a request's known reply, every `wrong`-th guess off by one; only for the requests in `only`."""
+
+    def __init__(self, replies: dict[str, list[int]], wrong: int = 3, only: set[str] | None = None) -> None:
+        self.replies, self.wrong, self.only, self.guessed = replies, wrong, only, 0
+
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        guesses = []
+        for seq, length in wanted:
+            if self.only is not None and seq.request_id not in self.only:
+                guesses.append([])
+                continue
+            done = len(seq.output_token_ids)
+            guess = list(self.replies[seq.request_id][seq.index][done : done + length])
+            for i in range(len(guess)):
+                self.guessed += 1
+                if self.guessed % self.wrong == 0:
+                    guess[i] = (guess[i] + 1) % 500 + 3
+            guesses.append(guess)
+        return guesses
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+
+
+def run(llm, batch: list, params, guesses: Oracle | None = None, abort_after: dict[str, int] | None = None):
+    """Step the engine to the end, checking the block pool after every step; each request's merged output."""
+    engine = llm.engine
+    if guesses is not None:
+        engine.speculator = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                                         disable_by_batch_size=8), guesses, engine.max_model_len,
+                                       engine.scheduler.eos_token_ids)
+        engine.async_scheduling = False
+    params = params if isinstance(params, list) else [params] * len(batch)
+    for i, (prompt, p) in enumerate(zip(batch, params)):
+        engine.add_request(str(i), prompt, p)
+    merged, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id in merged:
+                merged[out.request_id].merge(out)
+            else:
+                merged[out.request_id] = out
+        steps += 1
+        for request_id, after in (abort_after or {}).items():
+            if steps == after:
+                engine.abort(request_id)
+        engine.scheduler.block_manager.check_invariants(engine.live_sequences())
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks  # rejected guesses' blocks given back
+    return [merged[str(i)] for i in range(len(batch)) if str(i) in merged]
+
+
+def replies(outputs) -> dict[str, list[list[int]]]:
+    return {out.request_id: [o.token_ids for o in out.outputs] for out in outputs}
+
+
+def tokens(outputs) -> list[list[list[int]]]:
+    return [[o.token_ids for o in out.outputs] for out in outputs]
+
+
+@pytest.mark.parametrize("params", [
+    GREEDY,
+    SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_k=20, min_p=0.05, seed=3, max_tokens=24, ignore_eos=True, n=2),
+    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5,
+                   frequency_penalty=0.3, logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20, stop_token_ids=[7, 9, 11, 13]),
+], ids=["greedy", "seeded-top-p", "seeded-n2", "penalties-logprobs", "min-tokens-bans"])
+def test_guesses_change_no_token(params, model_dirs):
+    """Greedy, seeded sampling (one generator per choice, rewound past rejected rows), penalties
+    counting the guesses before each row, logprobs and min_tokens' bans: the same tokens as without."""
+    path = model_dirs["llama"]
+    batch = prompts([5, 17, 40, 9])
+    plain = run(make_llm(path), batch, params)
+    oracle = Oracle(replies(plain))
+    guessed = run(make_llm(path), batch, params, oracle)
+    assert tokens(guessed) == tokens(plain)
+    assert [[o.finish_reason for o in out.outputs] for out in guessed] == [[o.finish_reason for o in out.outputs] for out in plain]
+    if params.logprobs:
+        for a, b in zip(plain, guessed):
+            assert [lp.logprob for lp in a.outputs[0].logprobs] == pytest.approx([lp.logprob for lp in b.outputs[0].logprobs], abs=1e-4)
+    drafted = sum(out.num_draft_tokens for out in guessed)
+    accepted = sum(out.num_accepted_tokens for out in guessed)
+    assert drafted > accepted > 0  # verify steps kept some guesses and threw others away
+
+
+def test_engine_counts_guesses_and_mixes_guessing_and_plain_sequences(model_dirs):
+    """Sequences with and without guesses share steps; the totals are the sum of the requests'."""
+    path = model_dirs["qwen2"]
+    batch = prompts([12, 30, 7])
+    plain = run(make_llm(path), batch, GREEDY)
+    llm = make_llm(path)
+    guessed = run(llm, batch, GREEDY, Oracle(replies(plain), only={"0", "2"}))
+    assert tokens(guessed) == tokens(plain)
+    assert guessed[1].num_draft_tokens == 0 and guessed[0].num_draft_tokens > 0 and guessed[2].num_draft_tokens > 0
+    stats = llm.engine.stats()
+    assert stats.num_draft_tokens == sum(o.num_draft_tokens for o in guessed)
+    assert stats.num_accepted_tokens == sum(o.num_accepted_tokens for o in guessed)
+    assert stats.num_generation_tokens == sum(len(o.outputs[0].token_ids) for o in guessed)
+
+
+def test_stop_strings_end_a_reply_mid_guesses(model_dirs):
+    """A stop string completed by a kept guess ends the reply there: the tokens kept after it are dropped."""
+    path = model_dirs["llama"]
+    llm = make_llm(path)
+    batch = prompts([10, 25])
+    whole = run(llm, batch, GREEDY)
+    text = whole[0].outputs[0].text
+    stop = text[len(text) // 3 : len(text) // 3 + 3]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    plain = run(make_llm(path), batch, params)
+    guessed = run(make_llm(path), batch, params, Oracle(replies(whole), wrong=5))
+    assert plain[0].outputs[0].finish_reason == FinishReason.STOP
+    for a, b in zip(plain, guessed):
+        assert (b.outputs[0].text, b.outputs[0].token_ids, b.outputs[0].finish_reason) == (
+            a.outputs[0].text, a.outputs[0].token_ids, a.outputs[0].finish_reason)
+
+
+def test_grammar_masks_each_guess_and_refused_guesses_are_cut(model_dirs):
+    """Structured output: each verify row is masked by the grammar after the guesses before it, and
+    a guess the grammar refuses is never verified; the reply is the one without guesses."""
+    path = model_dirs["llama3"]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer"}}, "required": ["name", "n"],
+              "additionalProperties": False}
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured=StructuredOutput(json_schema=json.dumps(schema))),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=40, structured=StructuredOutput(regex=r"[0-9]{3}-[a-z]{4}"))]
+    batch = ["Describe a thing", "Code:"]
+    plain = run(make_llm(path), batch, params)
+    guessed = run(make_llm(path), batch, params, Oracle(replies(plain), wrong=2))
+    assert tokens(guessed) == tokens(plain)
+    assert sorted(json.loads(guessed[0].outputs[0].text)) == ["n", "name"]
+    assert guessed[0].num_accepted_tokens > 0
+
+
+def test_preemption_prefix_cache_and_aborts_with_guesses(model_dirs):
+    """A pool too small for every sequence preempts some mid-reply (they recompute, prefix cache
+    hits included), one request is aborted mid-reply: the others' tokens are as without guesses,
+    and every block comes back."""
+    path = model_dirs["llama"]
+    shared = prompts([24])[0]
+    batch = [shared + tail for tail in prompts([3, 9, 5, 2], seed=1)]
+    options = dict(num_blocks=12, max_num_batched_tokens=64)
+    plain = run(make_llm(path, **options), batch, GREEDY, abort_after={"2": 4})
+    llm = make_llm(path, **options)
+    guessed = run(llm, batch, GREEDY, Oracle(replies(plain) | {"2": [[0] * 24]}), abort_after={"2": 4})
+    assert llm.engine.stats().num_preemptions > 0
+    assert llm.engine.stats().prefix_cache_hits > 0
+    kept = lambda outputs: [o.outputs[0].token_ids for o in outputs if o.request_id != "2"]  # noqa: E731
+    assert kept(guessed) == kept(plain)
+
+
+def test_ngram_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix():
+    index = NgramIndex(2, 3)
+    tokens = [1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3]
+    assert index.lookup(tokens, 3) == [4, 9, 2]  # 1 2 3 occurred before 4 9 2 (the shorter 2 3, later, loses)
+    tokens += [4]
+    assert index.lookup(tokens, 2) == [9, 2]  # 2 3 4 occurred once, before 9 2
+    tokens += [8]
+    assert index.lookup(tokens, 4) == []  # 4 8 never occurred before
+    assert NgramIndex(2, 4).lookup([5, 6], 3) == []  # nothing earlier to find
+    assert NgramIndex(2, 4).lookup([5, 6, 1, 5, 6, 2, 5, 6], 2) == [2, 5]  # the latest of two earlier 5 6
+
+
+def test_ngram_proposer_speeds_up_a_reply_that_repeats_itself(model_dirs):
+    """End to end with the n-gram proposer: a random model that falls into a loop gets its loop
+    guessed, and the tokens are the same as without."""
+    path = model_dirs["llama"]
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True, repetition_penalty=0.5)
+    batch = prompts([6, 11, 20], seed=3)
+    plain = make_llm(path).generate(batch, params)
+    llm = make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert llm.engine.speculator is not None and not llm.engine.async_scheduling
+    guessed = llm.generate(batch, params)
+    assert tokens(guessed) == tokens(plain)
+    stats = llm.engine.stats()
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory) -> Path:
+    """A second random model with the llama family's tokenizer: a draft model that guesses badly."""
+    return build_model_dir(tmp_path_factory.mktemp("draft") / "llama", "llama", seed=2)
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_draft_model_guesses_are_verified(draft, model_dirs, other_model):
+    """A draft model sharing the tokenizer: the served model itself as its own draft gets every
+    greedy guess accepted; another random model gets most rejected. Either way the same tokens."""
+    path = model_dirs["llama"]
+    batch = prompts([5, 30, 12])
+    plain = make_llm(path).generate(batch, GREEDY)
+    draft_path = path if draft == "same" else other_model
+    llm = make_llm(path, speculative_config={"method": "draft_model", "model": str(draft_path),
+                                             "num_speculative_tokens": 3, "draft_kv_cache_gb": 0.01})
+    guessed = llm.generate(batch, GREEDY)
+    assert tokens(guessed) == tokens(plain)
+    stats = llm.engine.stats()
+    if draft == "same":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    else:
+        assert stats.num_accepted_tokens < stats.num_draft_tokens / 2
+    proposer = llm.engine.speculator.proposer
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks  # each draft cache given back
+
+
+def test_draft_model_with_another_vocabulary_is_refused(model_dirs, tmp_path):
+    other = build_model_dir(tmp_path / "wide", "llama", seed=3, vocab_size=2048)
+    with pytest.raises(ValueError, match="speculative.model .* must share the served model's tokenizer"):
+        make_llm(model_dirs["llama"], speculative_config={"method": "draft_model", "model": str(other)})
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"method": "eagle"}, "speculative.method must be one of"),
+    ({"method": "draft_model"}, "speculative.model must name the draft model"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be 1 or more"),
+    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max must be at least"),
+])
+def test_bad_settings_name_the_setting(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(**fields)
+
+
+def test_guessing_backs_off_in_big_batches_and_after_misses():
+    """No guesses while more sequences run than disable_by_batch_size; a sequence whose guesses
+    keep missing pauses, for longer each time; one whose guesses hold guesses more."""
+
+    class Always:
+        def propose(self, wanted):
+            return [[5] * length for _, length in wanted]
+
+        def release(self, seq):
+            pass
+
+    speculator = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=2),
+                            Always(), max_model_len=1000)
+    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=100))
+
+    def step(accepted: int | None = None, running: int = 1) -> list[int]:
+        """The last guesses verified (`accepted` of them kept), as the scheduler does; the next guesses."""
+        if accepted is not None:
+            seq.num_draft_tokens += len(seq.draft_token_ids)
+            seq.num_accepted_tokens += accepted
+        seq.draft_token_ids = []
+        speculator.propose([seq], num_running=running)
+        return seq.draft_token_ids
+
+    assert step(running=3) == []
+    assert step(running=2) == [5, 5, 5, 5]
+    assert step(accepted=0) == [5, 5]  # a miss halves the guesses
+    assert step(accepted=0) == []  # a second miss in a row pauses it
+    pause = 1
+    while not step():
+        pause += 1
+    assert pause == PAUSE_STEPS and seq.draft_token_ids == [5]
+    assert step(accepted=0) == [5]
+    assert step(accepted=0) == []
+    pause = 1
+    while not step():
+        pause += 1
+    assert pause == 2 * PAUSE_STEPS  # missing again pauses longer
+    assert step(accepted=1) == [5, 5]  # it held: guess more
+    seq.output_token_ids = [9] * 98
+    assert step(accepted=1) == [5]  # only one guess fits before max_tokens
+
+
+@pytest.mark.slow
+def test_sampling_with_guesses_keeps_the_models_distribution(model_dirs):
+    """Chi-square on 20,000 draws: with guesses (one a step, the model's likeliest second token,
+    so verify steps accept about as often as they reject), the first three tokens' joint
+    distribution under temperature 1 and top_k 3 is the model's own (computed with transformers)."""
+    from scipy.stats import chisquare
+    from transformers import AutoModelForCausalLM
+
+    path = model_dirs["llama"]
+    prompt = prompts([7], seed=5)[0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def top3(context: list[int]) -> dict[int, float]:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + context])).logits[0, -1]
+        values, ids = logits.topk(3)
+        return dict(zip(ids.tolist(), values.softmax(-1).tolist()))
+
+    expected = {}
+    first = top3([])
+    for a, pa in first.items():
+        second = top3([a])
+        for b, pb in second.items():
+            for c, pc in top3([a, b]).items():
+                expected[(a, b, c)] = pa * pb * pc
+    likeliest = max(first, key=first.get)
+    guess = max(top3([likeliest]), key=top3([likeliest]).get)
+
+    class Fixed:
+        def propose(self, wanted):
+            return [[guess] if len(seq.output_token_ids) == 1 else [] for seq, _ in wanted]
+
+        def release(self, seq):
+            pass
+
+    draws = 20_000
+    llm = make_llm(path, num_blocks=2048, max_num_seqs=256)
+    engine = llm.engine
+    engine.speculator = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=1,
+                                                     disable_by_batch_size=1024), Fixed(), engine.max_model_len)
+    engine.async_scheduling = False
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    outputs = llm.generate([prompt] * draws, params)
+    counts = {}
+    for out in outputs:
+        key = tuple(out.outputs[0].token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(expected)
+    stats = engine.stats()
+    assert 0.2 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.9
+    cells = sorted(expected)
+    observed = [counts.get(cell, 0) for cell in cells]
+    total = sum(expected.values())  # 1, but for float rounding: chisquare wants the sums equal
+    assert chisquare(observed, [expected[cell] / total * draws for cell in cells]).pvalue > 1e-3
