@@ -133,6 +133,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ngram: the shortest n-gram looked up
     prompt_lookup_max: int = 4  # ngram: the longest
     disable_by_batch_size: int = 4  # no guessing while more sequences than this run
+    weigh_step_cost: bool = True  # guess only as many tokens as a step's measured cost pays for (off: always the most)
     draft_kv_cache_gb: float = 0.5  # the draft model's own KV pool
 
     def __post_init__(self) -> None:

@@ -39,7 +39,7 @@ from chatd.engine.worker.parallel_worker import (
     rank_device,
     runner_facts,
 )
-from chatd.engine.speculative import Speculator, build_speculator
+from chatd.engine.speculative import Speculator, build_speculator, flat_cost
 from chatd.engine.speculative.draft_model import DraftModelProposer
 from chatd.engine.worker.runner import ModelRunner, kv_block_bytes
 
@@ -107,6 +107,8 @@ def load_engine_parts(config: Config, background_compile: bool = False) -> Engin
         )
         num_host_blocks = size_host_tier(runner, config)
         compile_job = None
+        if config.speculative.method and config.speculative.weigh_step_cost and device.type == "cpu" and size == 1:
+            local.measure_eager_steps()  # what guesses cost until (or unless) decode steps are compiled
         if device.type == "cuda":
             capture_cuda_graphs(runner, config)
         else:
@@ -126,7 +128,8 @@ def load_engine_parts(config: Config, background_compile: bool = False) -> Engin
     if sampling:
         log.info("sampling defaults from the model (requests that leave them out): %s",
                  ", ".join(f"{name} {value:g}" for name, value in sampling.items()))
-    speculator = build_speculator(config.speculative, context, eos, model.vocab_size, draft)
+    step_cost = runner.step_cost if config.speculative.weigh_step_cost else flat_cost
+    speculator = build_speculator(config.speculative, context, eos, model.vocab_size, draft, step_cost)
     if speculator is not None:
         log.info("speculative decoding: %s, up to %d tokens guessed a step, while at most %d sequences run",
                  config.speculative.method, config.speculative.num_speculative_tokens,

@@ -205,7 +205,8 @@ def test_ngram_proposer_speeds_up_a_reply_that_repeats_itself(model_dirs):
     params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True, repetition_penalty=0.5)
     batch = prompts([6, 11, 20], seed=3)
     plain = make_llm(path).generate(batch, params)
-    llm = make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    # Guessing whatever this machine's steps cost (how guesses are weighed is tested below).
+    llm = make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "weigh_step_cost": False})
     assert llm.engine.speculator is not None and not llm.engine.async_scheduling
     guessed = llm.generate(batch, params)
     assert tokens(guessed) == tokens(plain)
@@ -228,7 +229,8 @@ def test_draft_model_guesses_are_verified(draft, model_dirs, other_model):
     plain = make_llm(path).generate(batch, GREEDY)
     draft_path = path if draft == "same" else other_model
     llm = make_llm(path, speculative_config={"method": "draft_model", "model": str(draft_path),
-                                             "num_speculative_tokens": 3, "draft_kv_cache_gb": 0.01})
+                                             "num_speculative_tokens": 3, "draft_kv_cache_gb": 0.01,
+                                             "weigh_step_cost": False})
     guessed = llm.generate(batch, GREEDY)
     assert tokens(guessed) == tokens(plain)
     stats = llm.engine.stats()
@@ -259,7 +261,7 @@ def test_bad_settings_name_the_setting(fields, message):
 
 def test_guessing_backs_off_in_big_batches_and_after_misses():
     """No guesses while more sequences run than disable_by_batch_size; a sequence whose guesses
-    keep missing pauses, for longer each time; one whose guesses hold guesses more."""
+    keep missing pauses, for longer each time; none past max_tokens."""
 
     class Always:
         def propose(self, wanted):
@@ -283,21 +285,35 @@ def test_guessing_backs_off_in_big_batches_and_after_misses():
 
     assert step(running=3) == []
     assert step(running=2) == [5, 5, 5, 5]
-    assert step(accepted=0) == [5, 5]  # a miss halves the guesses
+    assert step(accepted=0) == [5, 5, 5, 5]
     assert step(accepted=0) == []  # a second miss in a row pauses it
     pause = 1
     while not step():
         pause += 1
-    assert pause == PAUSE_STEPS and seq.draft_token_ids == [5]
-    assert step(accepted=0) == [5]
+    assert pause == PAUSE_STEPS
+    assert step(accepted=0) == [5, 5, 5, 5]
     assert step(accepted=0) == []
     pause = 1
     while not step():
         pause += 1
     assert pause == 2 * PAUSE_STEPS  # missing again pauses longer
-    assert step(accepted=1) == [5, 5]  # it held: guess more
+    assert step(accepted=2) == [5, 5, 5, 5]
     seq.output_token_ids = [9] * 98
     assert step(accepted=1) == [5]  # only one guess fits before max_tokens
+
+
+@pytest.mark.parametrize("costs, running, rates, expected", [
+    ({1: 1.0, 2: 1.08, 3: 1.9, 4: 2.6}, 1, [0.9], [1]),  # a compiled CPU step: two rows cost one, three two
+    ({1: 1.0, 2: 1.08, 3: 1.9, 4: 2.6}, 2, [0.9, 0.9], [0, 0]),  # two sequences: a guess would cost a third row
+    ({n: 1.0 + 0.02 * (n - 1) for n in range(1, 40)}, 2, [0.9, 0.3], [4, 1]),  # a GPU: flat; the likely guess more
+    ({n: float(n) for n in range(1, 10)}, 1, [0.99], [0]),  # eager CPU steps: a row costs a token, never worth it
+])
+def test_guesses_are_weighed_against_what_a_step_of_more_rows_costs(costs, running, rates, expected):
+    speculator = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), None, 1000,
+                            step_cost=lambda rows: costs[min(rows, max(costs))] + max(0, rows - max(costs)))
+    seqs = [Sequence(str(i), [1, 2], SamplingParams()) for i in range(len(rates))]
+    lengths = speculator._lengths([(seq, rate, 4) for seq, rate in zip(seqs, rates)], running)
+    assert [length for _, length in lengths] == expected
 
 
 @pytest.mark.slow

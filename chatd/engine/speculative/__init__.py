@@ -20,13 +20,16 @@ greedy output is token for token the same (up to the arithmetic of a batch of se
 Penalties, min_tokens' bans and logprobs are worked out per row as if the guesses before it were
 already the sequence's; a grammar's mask after each guess is computed on the engine thread (a
 guess the grammar refuses is cut off here, before it is verified; a slow grammar's sequences do
-not guess). Where guessing costs more than it saves it stops (`Speculator.propose`): above
-`disable_by_batch_size` running sequences (a big batch is compute-bound: every guess costs a
-token's compute), and for a sequence whose guesses keep missing, for a while that doubles.
+not guess). How many tokens a sequence guesses is weighed each step against what a step of more
+rows costs (`Speculator`); above `disable_by_batch_size` running sequences nobody guesses (a big
+batch is compute-bound: every guess costs a token's compute), and a sequence whose guesses keep
+missing stops for a while that doubles.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from chatd.config import SpeculativeConfig
@@ -37,13 +40,18 @@ from chatd.engine.core.sequence import Sequence
 MISSES_BEFORE_PAUSE = 2
 PAUSE_STEPS = 4
 MAX_PAUSE_STEPS = 64
+# A sequence's chance that a guess holds, given the ones before it did: counted over its verify
+# steps, older ones weighing less by DECAY a step, from a prior of PRIOR_RATE worth PRIOR_WEIGHT steps.
+PRIOR_RATE, PRIOR_WEIGHT = 0.7, 2.0
+DECAY = 0.8
 
 
 @dataclass
 class Guessing:
-    """One sequence's speculation state: how many tokens it guesses next, and its back-off."""
+    """One sequence's speculation state: how its guesses have fared, and its back-off."""
 
-    length: int  # guesses to ask for next time (adapts between 1 and num_speculative_tokens)
+    held: float = PRIOR_RATE * PRIOR_WEIGHT  # guesses accepted, decayed
+    missed: float = (1 - PRIOR_RATE) * PRIOR_WEIGHT  # verify steps that rejected one, decayed
     draft_tokens: int = 0  # its counters when it last guessed (the scheduler's, on the sequence)
     accepted_tokens: int = 0
     misses: int = 0  # verify steps in a row that accepted nothing
@@ -51,16 +59,32 @@ class Guessing:
     next_pause: int = PAUSE_STEPS
     proposer: object = None  # what the proposer keeps for it (an n-gram index, a draft cache's place)
 
+    @property
+    def rate(self) -> float:
+        """The chance its next guess holds (given the ones before it in the step did)."""
+        return self.held / (self.held + self.missed)
+
+
+def flat_cost(rows: int) -> float:
+    return 1.0
+
 
 class Speculator:
-    """Decides who guesses how many tokens each step, and asks its proposer for them."""
+    """Decides who guesses how many tokens each step, and asks its proposer for them.
+
+    How many: as many as make the step's expected tokens per unit of its cost largest. A step of
+    `rows` decode rows costs `step_cost(rows)` (the runner's: measured where CPU steps are
+    compiled, where two rows cost about one and three about two; on a GPU nearly flat); a guess
+    adds a row, and a token with the chance that it and the guesses before it hold. Guesses are
+    added one at a time, the likeliest to hold first, while the ratio grows."""
 
     def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), step_cost: Callable[[int], float] = flat_cost) -> None:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.step_cost = step_cost
         self.max_tokens = config.num_speculative_tokens
 
     @property
@@ -71,14 +95,15 @@ class Speculator:
         """Set `draft_token_ids` of those of `seqs` (decoding sequences that just got tokens) that guess now."""
         if num_running > self.config.disable_by_batch_size:
             return  # a batch this big is bound by its compute: guesses would cost their tokens
-        wanted = []
+        candidates = []
         for seq in seqs:
             state = seq.proposer_state
             if state is None:
-                state = seq.proposer_state = Guessing(self.max_tokens)
-            length = self._length(seq, state)
-            if length:
-                wanted.append((seq, length))
+                state = seq.proposer_state = Guessing()
+            limit = self._limit(seq, state)
+            if limit:
+                candidates.append((seq, state.rate, limit))
+        wanted = [(seq, length) for seq, length in self._lengths(candidates, num_running) if length]
         if not wanted:
             return
         for (seq, _), guesses in zip(wanted, self.proposer.propose(wanted), strict=True):
@@ -90,25 +115,39 @@ class Speculator:
             self.proposer.release(seq)
             seq.proposer_state = None
 
-    def _length(self, seq: Sequence, state: Guessing) -> int:
-        """How many tokens `seq` guesses now (0: none), from how its last guesses fared and how many
-        tokens it may still make."""
+    def _lengths(self, candidates: list[tuple[Sequence, float, int]], num_rows: int) -> list[tuple[Sequence, int]]:
+        """How many guesses each candidate (a sequence, its rate, its most) makes in a step of
+        `num_rows` rows besides: a guess at a time, the likeliest to hold first, while it raises
+        the step's expected tokens per cost."""
+        lengths = [0] * len(candidates)
+        gains = [(-rate, i) for i, (_, rate, _) in enumerate(candidates)]  # the next guess's chance, negated
+        heapq.heapify(gains)
+        rows, tokens = num_rows, float(num_rows)
+        while gains:
+            gain, i = heapq.heappop(gains)
+            if (tokens - gain) * self.step_cost(rows) <= tokens * self.step_cost(rows + 1):
+                break  # the likeliest guess left costs more than it brings; so do the rest
+            rows, tokens = rows + 1, tokens - gain
+            lengths[i] += 1
+            if lengths[i] < candidates[i][2]:
+                heapq.heappush(gains, (gain * candidates[i][1], i))  # held only if this one held too
+        return [(seq, length) for (seq, _, _), length in zip(candidates, lengths)]
+
+    def _limit(self, seq: Sequence, state: Guessing) -> int:
+        """The most tokens `seq` may guess now (0: none), after counting how its last guesses fared."""
         drafted = seq.num_draft_tokens - state.draft_tokens
-        if drafted:  # its last guesses were verified: adapt
+        if drafted:  # its last guesses were verified
             accepted = seq.num_accepted_tokens - state.accepted_tokens
             state.draft_tokens, state.accepted_tokens = seq.num_draft_tokens, seq.num_accepted_tokens
-            if accepted == drafted:
-                state.length = min(self.max_tokens, state.length + 1)
+            state.held = DECAY * state.held + accepted
+            state.missed = DECAY * state.missed + (accepted < drafted)
+            if accepted:
                 state.misses, state.next_pause = 0, PAUSE_STEPS
-            elif accepted == 0:
-                state.length = max(1, state.length // 2)
+            else:
                 state.misses += 1
                 if state.misses >= MISSES_BEFORE_PAUSE:
                     state.pause, state.misses = state.next_pause, 0
                     state.next_pause = min(MAX_PAUSE_STEPS, 2 * state.next_pause)
-            else:
-                state.length = max(1, accepted)
-                state.misses = 0
         if state.pause:
             state.pause -= 1
             return 0
@@ -119,7 +158,7 @@ class Speculator:
         room = self.max_model_len - seq.num_tokens  # the last guess's position must fit the context
         if params.max_tokens is not None:  # the token sampled after the last guess counts too
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
-        return max(0, min(state.length, room))
+        return max(0, min(self.max_tokens, room))
 
     def _checked(self, seq: Sequence, guesses: list[int]) -> list[int]:
         """Guesses worth verifying: none past an end-of-sequence or stop token, none a grammar refuses."""
@@ -134,7 +173,7 @@ class Speculator:
 
 
 def build_speculator(config: SpeculativeConfig, max_model_len: int, eos_token_ids: frozenset[int],
-                     vocab_size: int, draft=None) -> Speculator | None:
+                     vocab_size: int, draft=None, step_cost: Callable[[int], float] = flat_cost) -> Speculator | None:
     """The speculator `config` asks for (None when speculation is off). `draft`: the draft model's
     proposer, built by the loader (it needs the target's device and tokenizer)."""
     if not config.method:
@@ -145,4 +184,4 @@ def build_speculator(config: SpeculativeConfig, max_model_len: int, eos_token_id
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     else:
         proposer = draft
-    return Speculator(config, proposer, max_model_len, eos_token_ids)
+    return Speculator(config, proposer, max_model_len, eos_token_ids, step_cost)

@@ -154,6 +154,9 @@ class CompiledDecode:
         self.folder = folder
         self.steps: dict[int, Callable[..., Tensor]] = {}  # batch size (DYNAMIC_BATCH: and up) -> its step
         self.read_back = 0  # steps warm_up read from `folder` rather than compiled
+        # Seconds a step of each batch size took on a dummy step at start (the dynamic step's at
+        # DYNAMIC_BATCH and at DYNAMIC_BATCH + 3 rows): what speculative decoding weighs guesses by.
+        self.step_seconds: dict[int, float] = {}
 
     @torch.inference_mode()
     def logits(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> Tensor:
@@ -173,10 +176,23 @@ class CompiledDecode:
         key = self._key()
         for batch in range(1, DYNAMIC_BATCH + 1):
             self.steps[batch] = self._ready_step(batch, key)
+        for batch in (*range(1, DYNAMIC_BATCH + 1), DYNAMIC_BATCH + 3):
+            args = self._dummy(batch, 16)
+            step = self.steps[min(batch, DYNAMIC_BATCH)]
+            times = []
+            for _ in range(3):
+                started = time.perf_counter()
+                step(*args)
+                times.append(time.perf_counter() - started)
+            self.step_seconds[batch] = sorted(times)[1]
         for cache in self.kv_caches:
             for pool in cache:
                 pool[self.scratch_block].zero_()
         return time.perf_counter() - started
+
+    def step_cost(self, rows: int) -> float:
+        """A decode step of `rows` rows, in steps of one row (as measured at start)."""
+        return step_cost(self.step_seconds, rows)
 
     @property
     def scratch_block(self) -> int:
@@ -217,6 +233,18 @@ class CompiledDecode:
         for name, tensor in tensors:
             digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype};".encode())
         return digest.hexdigest()[:20]
+
+
+def step_cost(seconds: dict[int, float], rows: int) -> float:
+    """A step of `rows` rows in steps of one row, from measured steps (`seconds`: rows -> seconds,
+    1 among them): straight lines between the sizes measured, and past the largest."""
+    sizes = sorted(seconds)
+    below = max([b for b in sizes if b <= rows], default=sizes[0])
+    above = min([b for b in sizes if b > rows], default=None)
+    if above is None:  # past the largest: on the line through the last two
+        below, above = sizes[-2], sizes[-1]
+    slope = (seconds[above] - seconds[below]) / (above - below)
+    return (seconds[below] + slope * (rows - below)) / seconds[1]
 
 
 def code_digest() -> hashlib._Hash:

@@ -283,6 +283,9 @@ class ParallelRunner:
     def keep_draws(self, kept) -> None:
         self.local.keep_draws(kept)
 
+    def step_cost(self, rows: int) -> float:
+        return self.local.step_cost(rows)
+
     def _everywhere(self, name: str, *args) -> tuple[object, list]:
         """Call a runner method on every rank at once (it may hold collectives); rank 0's result, the workers'."""
         self.workers.call(name, *args)

@@ -26,7 +26,7 @@ from chatd.engine.core.stage_times import StageTimes
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.core.sequence import Sequence
 from chatd.engine.params import SamplingParams
-from chatd.engine.worker.compiled import CompiledDecode
+from chatd.engine.worker.compiled import CompiledDecode, step_cost
 from chatd.engine.worker.compiled_prefill import CompiledPrefill
 from chatd.engine.worker.cuda_graphs import DecodeGraphs
 from chatd.engine.worker.host_kv import HostKVTier
@@ -166,6 +166,7 @@ class ModelRunner:
         self.compiled: CompiledDecode | None = None  # enable_compiled_steps
         self.compiled_prefill: CompiledPrefill | None = None
         self.times = StageTimes()  # inputs, forward, sample (the engine times the rest)
+        self.eager_step_seconds: dict[int, float] = {}  # measure_eager_steps
         self.allocate_kv(num_blocks)
 
     def allocate_kv(self, num_blocks: int) -> None:
@@ -225,6 +226,37 @@ class ModelRunner:
         seconds = decode.warm_up() + prefill.warm_up()
         self.compiled, self.compiled_prefill = decode, prefill
         return seconds
+
+    def step_cost(self, rows: int) -> float:
+        """What a decode step of `rows` rows costs against one of a single row (what speculative
+        decoding weighs its guesses by): as measured where decode steps are compiled; on a GPU
+        nearly flat (a step reads every weight once however many rows share it, up to the batches
+        guessing is allowed at); in eager CPU steps a row each."""
+        if self.compiled is not None:
+            return self.compiled.step_cost(rows)
+        if self.device.type == "cuda":
+            return 1.0 + 0.02 * (rows - 1)
+        if self.eager_step_seconds:
+            return step_cost(self.eager_step_seconds, rows)
+        return float(rows)
+
+    @torch.inference_mode()
+    def measure_eager_steps(self, sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 8)) -> None:
+        """Time eager decode steps of these many rows (on CPU, before serving: dummy rows writing
+        the pool's last block, zeroed afterwards), for `step_cost` until compiled steps take over."""
+        scratch = self.num_blocks - 1
+        for rows in sizes:
+            inputs = ForwardInputs([0] * rows, [self.block_size * 16 - 1] * rows, [1] * rows,
+                                   [[scratch] * 16] * rows, list(range(rows)))
+            times = []
+            for _ in range(3):
+                started = time.perf_counter()
+                self.forward(inputs)
+                times.append(time.perf_counter() - started)
+            self.eager_step_seconds[rows] = sorted(times)[1]
+        for cache in self.kv_caches:
+            for pool in cache:
+                pool[scratch].zero_()
 
     # Each step's next one may be launched before it is waited for (engine.py's async scheduling).
     supports_async_scheduling = True
