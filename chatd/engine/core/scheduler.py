@@ -316,11 +316,9 @@ class Scheduler:
         this one's results are back: their chunks count as computed, and a chunk that samples adds a
         pending token, whose value `postprocess` fills in."""
         charge = self.share.charge
-        for seq in self.running:
-            if seq.draft_token_ids:  # verified this step, or left out of it: proposed afresh after each step
-                seq.draft_token_ids = []
         for scheduled in out.scheduled:
             seq, num_new = scheduled.seq, scheduled.num_new_tokens
+            seq.draft_token_ids = []  # verified now or not at all (a sequence left out keeps its guesses)
             if scheduled.prefill:
                 self.num_prompt_tokens += num_new
             charge(seq, num_new)
