@@ -45,6 +45,7 @@ llama-ngram / llama per workload (time per output token speedup), chatd / llama.
     python benchmarks/speculative.py --json spec.json                  # every run, both workloads, 64 streams
     python benchmarks/speculative.py --quick                           # smoke test: 2 requests, 32 tokens, 4 streams
     python benchmarks/speculative.py --runs chatd,chatd-ngram --num-speculative-tokens 4
+    python benchmarks/speculative.py --repeats 3 --json spec.json      # a shared machine: best of 3 per phase
     python benchmarks/speculative.py --llama-server ~/llama.cpp/build/bin/llama-server --runs llama,llama-ngram
 
 The llama.cpp build (llama-cpp-python's vendored source, built once) and the F32 file are cached in
@@ -424,15 +425,22 @@ def bench_run(run: str, command: list[str], port: int, ready, args, work: Path) 
         if args.streams > 1 and "chat" in args.workloads:
             plan.append(("chat", args.streams, args.stream_requests))
         for workload, concurrency, num_requests in plan:
-            before = scrape(base, CHATD_COUNTERS) if kind == "chatd" else {}
-            load = os.getloadavg()[0]  # the machine may be shared: a load above ~2 means others ran too
-            records, wall = asyncio.run(run_phase(url, WORKLOADS[workload], num_requests, concurrency, args))
-            after = scrape(base, CHATD_COUNTERS) if kind == "chatd" else {}
-            summary = summarize(records, wall, concurrency, acceptance_of(kind, before, after, records))
-            summary["load_before"], summary["load_after"] = load, os.getloadavg()[0]
             key = f"{workload}@{concurrency}"
+            tries = []
+            for attempt in range(args.repeats):
+                before = scrape(base, CHATD_COUNTERS) if kind == "chatd" else {}
+                load = os.getloadavg()[0]  # the machine may be shared: a load above ~2 means others ran too
+                records, wall = asyncio.run(run_phase(url, WORKLOADS[workload], num_requests, concurrency, args))
+                after = scrape(base, CHATD_COUNTERS) if kind == "chatd" else {}
+                summary = summarize(records, wall, concurrency, acceptance_of(kind, before, after, records))
+                summary["load_before"], summary["load_after"] = load, os.getloadavg()[0]
+                print_phase(run, key if args.repeats == 1 else f"{key} try {attempt + 1}", summary)
+                tries.append(summary)
+            # Best of the tries by wall time (greedy: every try makes the same tokens), as timeit does:
+            # on a shared machine the fastest try is the one least disturbed.
+            summary = min(tries, key=lambda t: t["wall_time"] if t["num_failed"] == 0 else float("inf"))
+            summary["tries_wall_time"] = [t["wall_time"] for t in tries]
             phases[key] = summary
-            print_phase(run, key, summary)
             if server.process.poll() is not None:
                 raise RuntimeError(f"{run} died during {key}: {exit_reason(server.process.returncode)}; "
                                    f"log:\n{server.tail(6)}")
@@ -585,6 +593,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     parser.add_argument("--start-timeout", type=float, default=600.0,
                         help="seconds for a server to come up (chatd compiles its steps first; default 600)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run each phase this many times on the same server and keep the fastest (by wall "
+                             "time), for a shared machine; later tries find their prompts in the prefix cache "
+                             "(default 1)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 2 requests per workload, 32 tokens, 4 streams x 8 requests")
     parser.add_argument("--json", metavar="PATH", help="also write every number (and every reply) to this file")
