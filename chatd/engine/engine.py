@@ -133,8 +133,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.drain_rate = DrainRate()
-        self.speculator = speculator
-        # A verify step's kept tokens are known only once it is back: steps are not launched ahead.
+        self.speculator = speculator  # a verify step's kept tokens are known once it is back: no steps launched ahead
         self.async_scheduling = speculator is None and _async_scheduling(scheduler_config.async_scheduling, runner)
         self.in_flight: InFlight | None = None  # async scheduling: the step launched and not yet waited for
         self.times = StageTimes()  # schedule, wait, postprocess, detokenize (the runner times its own)
@@ -300,7 +299,8 @@ class LLMEngine:
         if step.queued:  # requests were left waiting: this step ran at the pace the queue drains
             self.drain_rate.note(step.plan.num_prefill_tokens, self.clock() - step.started)
         seqs = self.scheduler.postprocess(step.plan, sampled.token_ids)
-        if self.speculator is not None:  # guesses for the next step, checked by grammars before their mask jobs start
+        if self.speculator is not None:  # what the step cost; guesses for the next (before grammars' mask jobs)
+            self.speculator.observe(step.plan, self.clock() - step.started)
             self.runner.keep_draws(seqs)
             self.speculator.propose([s for s, _ in seqs if not s.is_finished], self.scheduler.num_running)
         if self.grammars is not None:  # the next masks, computed while this step's tokens are detokenized

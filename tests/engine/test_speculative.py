@@ -370,3 +370,23 @@ def test_sampling_with_guesses_keeps_the_models_distribution(model_dirs):
     observed = [counts.get(cell, 0) for cell in cells]
     total = sum(expected.values())  # 1, but for float rounding: chisquare wants the sums equal
     assert chisquare(observed, [expected[cell] / total * draws for cell in cells]).pvalue > 1e-3
+
+
+def test_what_steps_are_seen_to_cost_overrides_the_start_measurement():
+    """Steps as they ran (host work included) weigh guesses once steps of both sizes were seen."""
+    from chatd.engine.core.scheduler import ScheduledSequence, SchedulerOutput
+
+    speculator = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=3), None, 1000)
+    seq = Sequence("r", [1, 2], SamplingParams())
+    candidates = [(seq, 0.9, 3)]
+    assert [n for _, n in speculator._lengths(candidates, 1)] == [3]  # flat at start: the most
+    one = SchedulerOutput([ScheduledSequence(seq, 1, 5, samples=True)])
+    two = SchedulerOutput([ScheduledSequence(seq, 2, 5, samples=True, draft_token_ids=(7,))])
+    for _ in range(20):
+        speculator.observe(one, 0.010)
+        speculator.observe(two, 0.025)
+    assert speculator.cost(2) == pytest.approx(2.5)
+    assert [n for _, n in speculator._lengths(candidates, 1)] == [0]  # a guess costs more than it brings
+    prefill = SchedulerOutput([ScheduledSequence(seq, 40, 0, samples=True, prefill=True)])
+    speculator.observe(prefill, 1.0)
+    assert speculator.cost(2) == pytest.approx(2.5)  # prefill steps are not decode steps

@@ -44,6 +44,8 @@ MAX_PAUSE_STEPS = 64
 # steps, older ones weighing less by DECAY a step, from a prior of PRIOR_RATE worth PRIOR_WEIGHT steps.
 PRIOR_RATE, PRIOR_WEIGHT = 0.7, 2.0
 DECAY = 0.8
+# How fast what steps of each size are seen to cost follows new steps (a step's weight: 1 - this).
+SEEN_DECAY = 0.9
 
 
 @dataclass
@@ -73,8 +75,9 @@ class Speculator:
     """Decides who guesses how many tokens each step, and asks its proposer for them.
 
     How many: as many as make the step's expected tokens per unit of its cost largest. A step of
-    `rows` decode rows costs `step_cost(rows)` (the runner's: measured where CPU steps are
-    compiled, where two rows cost about one and three about two; on a GPU nearly flat); a guess
+    `rows` decode rows costs what such steps were seen to take lately against steps of one row
+    (`observe`, from the engine: host work included), or before both were seen, `step_cost(rows)`
+    (the runner's: measured at start where CPU steps are compiled; on a GPU nearly flat); a guess
     adds a row, and a token with the chance that it and the guesses before it hold. Guesses are
     added one at a time, the likeliest to hold first, while the ratio grows."""
 
@@ -86,6 +89,23 @@ class Speculator:
         self.eos_token_ids = eos_token_ids
         self.step_cost = step_cost
         self.max_tokens = config.num_speculative_tokens
+        self.seen: dict[int, float] = {}  # rows -> seconds decode-only steps of that many rows took lately
+
+    def observe(self, plan, seconds: float) -> None:
+        """A step (a SchedulerOutput) took `seconds` (the engine's wall clock, host work included):
+        kept for decode-only steps, by their rows."""
+        rows = sum(s.num_samples for s in plan.scheduled)
+        if not plan.num_prefill_tokens and rows <= 2 * self.max_tokens + 2:
+            last = self.seen.get(rows)
+            self.seen[rows] = seconds if last is None else SEEN_DECAY * last + (1 - SEEN_DECAY) * seconds
+
+    def cost(self, rows: int) -> float:
+        """A step of `rows` rows against one of one row: as steps of both took lately where both were
+        seen, else as the runner measured at start."""
+        seen, one = self.seen.get(rows), self.seen.get(1)
+        if seen is not None and one is not None:
+            return seen / one
+        return self.step_cost(rows)
 
     @property
     def method(self) -> str:
@@ -125,7 +145,7 @@ class Speculator:
         rows, tokens = num_rows, float(num_rows)
         while gains:
             gain, i = heapq.heappop(gains)
-            if (tokens - gain) * self.step_cost(rows) <= tokens * self.step_cost(rows + 1):
+            if (tokens - gain) * self.cost(rows) <= tokens * self.cost(rows + 1):
                 break  # the likeliest guess left costs more than it brings; so do the rest
             rows, tokens = rows + 1, tokens - gain
             lengths[i] += 1
