@@ -390,3 +390,26 @@ def test_what_steps_are_seen_to_cost_overrides_the_start_measurement():
     prefill = SchedulerOutput([ScheduledSequence(seq, 40, 0, samples=True, prefill=True)])
     speculator.observe(prefill, 1.0)
     assert speculator.cost(2) == pytest.approx(2.5)  # prefill steps are not decode steps
+
+
+@pytest.mark.slow
+def test_default_model_gives_the_same_reply_with_ngram_guesses():
+    """SmolLM2-135M-Instruct (the default model, from its PyPI package): a reply that quotes its
+    prompt is guessed from it, and greedy output is the same with and without guesses."""
+    from chatd.engine import LLM
+    from chatd.engine.models.loader import default_model_path
+
+    if default_model_path() is None:
+        pytest.skip("the default model's package is not installed")
+    messages = [{"role": "user", "content": "Repeat this sentence exactly: the quick brown fox jumps over the lazy "
+                                            "dog, and the lazy dog sleeps under the old oak tree by the river."}]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    plain = LLM(device="cpu")
+    prompt = plain.tokenizer.apply_chat_template(messages)
+    expected = plain.generate([prompt], params)[0].outputs[0].token_ids
+    plain.close()
+    guessing = LLM(device="cpu", speculative_config={"method": "ngram", "weigh_step_cost": False})
+    got = guessing.generate([prompt], params)[0]
+    assert got.outputs[0].token_ids == expected
+    assert got.num_accepted_tokens > 0
+    guessing.close()
