@@ -109,6 +109,7 @@ def load_engine_parts(config: Config, background_compile: bool = False) -> Engin
         compile_job = None
         if config.speculative.method and config.speculative.weigh_step_cost and device.type == "cpu" and size == 1:
             local.measure_eager_steps()  # what guesses cost until (or unless) decode steps are compiled
+            local.measure_steps = True  # and once they are
         if device.type == "cuda":
             capture_cuda_graphs(runner, config)
         else:

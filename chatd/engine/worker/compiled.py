@@ -146,16 +146,17 @@ class CompiledDecode:
     `folder` and read back by a later start of the same model, code and torch."""
 
     def __init__(self, model: nn.Module, kv_caches: list[KVCache], block_size: int, k_scale: float = 1.0,
-                 v_scale: float = 1.0, folder: Path | None = None) -> None:
+                 v_scale: float = 1.0, folder: Path | None = None, measure: bool = False) -> None:
         self.model = model
+        self.measure = measure  # time each step at start (`step_seconds`)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.attention = DecodeAttention(k_scale, v_scale)
         self.folder = folder
         self.steps: dict[int, Callable[..., Tensor]] = {}  # batch size (DYNAMIC_BATCH: and up) -> its step
         self.read_back = 0  # steps warm_up read from `folder` rather than compiled
-        # Seconds a step of each batch size took on a dummy step at start (the dynamic step's at
-        # DYNAMIC_BATCH and at DYNAMIC_BATCH + 3 rows): what speculative decoding weighs guesses by.
+        # With `measure`, seconds a step of each batch size took on a dummy step at start (the dynamic
+        # step's at DYNAMIC_BATCH and at DYNAMIC_BATCH + 3 rows): what speculative decoding weighs guesses by.
         self.step_seconds: dict[int, float] = {}
 
     @torch.inference_mode()
@@ -176,7 +177,7 @@ class CompiledDecode:
         key = self._key()
         for batch in range(1, DYNAMIC_BATCH + 1):
             self.steps[batch] = self._ready_step(batch, key)
-        for batch in (*range(1, DYNAMIC_BATCH + 1), DYNAMIC_BATCH + 3):
+        for batch in (*range(1, DYNAMIC_BATCH + 1), DYNAMIC_BATCH + 3) if self.measure else ():
             args = self._dummy(batch, 16)
             step = self.steps[min(batch, DYNAMIC_BATCH)]
             times = []

@@ -167,6 +167,7 @@ class ModelRunner:
         self.compiled_prefill: CompiledPrefill | None = None
         self.times = StageTimes()  # inputs, forward, sample (the engine times the rest)
         self.eager_step_seconds: dict[int, float] = {}  # measure_eager_steps
+        self.measure_steps = False  # compiled decode steps are timed at start (speculative decoding weighs guesses so)
         self.allocate_kv(num_blocks)
 
     def allocate_kv(self, num_blocks: int) -> None:
@@ -221,7 +222,7 @@ class ModelRunner:
         through torch.compile, keeping what is compiled in `folder` for later starts; returns the
         seconds compiling (or reading back) took."""
         decode = CompiledDecode(self.model, self.kv_caches, self.block_size, self.backend.k_scale, self.backend.v_scale,
-                                folder)
+                                folder, measure=self.measure_steps)
         prefill = CompiledPrefill(self.model, folder)
         seconds = decode.warm_up() + prefill.warm_up()
         self.compiled, self.compiled_prefill = decode, prefill
@@ -232,7 +233,7 @@ class ModelRunner:
         decoding weighs its guesses by): as measured where decode steps are compiled; on a GPU
         nearly flat (a step reads every weight once however many rows share it, up to the batches
         guessing is allowed at); in eager CPU steps a row each."""
-        if self.compiled is not None:
+        if self.compiled is not None and self.compiled.step_seconds:
             return self.compiled.step_cost(rows)
         if self.device.type == "cuda":
             return 1.0 + 0.02 * (rows - 1)
