@@ -97,10 +97,12 @@ def tokens(outputs) -> list[list[list[int]]]:
 @pytest.mark.parametrize("params", [
     GREEDY,
     SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True),
-    SamplingParams(temperature=0.7, top_k=20, min_p=0.05, seed=3, max_tokens=24, ignore_eos=True, n=2),
+    pytest.param(SamplingParams(temperature=0.7, top_k=20, min_p=0.05, seed=3, max_tokens=24, ignore_eos=True, n=2),
+                 marks=pytest.mark.slow),
     SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5,
                    frequency_penalty=0.3, logprobs=2),
-    SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20, stop_token_ids=[7, 9, 11, 13]),
+    pytest.param(SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20, stop_token_ids=[7, 9, 11, 13]),
+                 marks=pytest.mark.slow),
 ], ids=["greedy", "seeded-top-p", "seeded-n2", "penalties-logprobs", "min-tokens-bans"])
 def test_guesses_change_no_token(params, model_dirs):
     """Greedy, seeded sampling (one generator per choice, rewound past rejected rows), penalties
@@ -220,7 +222,7 @@ def other_model(tmp_path_factory) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("draft") / "llama", "llama", seed=2)
 
 
-@pytest.mark.parametrize("draft", ["same", "other"])
+@pytest.mark.parametrize("draft", ["same", pytest.param("other", marks=pytest.mark.slow)])
 def test_draft_model_guesses_are_verified(draft, model_dirs, other_model):
     """A draft model sharing the tokenizer: the served model itself as its own draft gets every
     greedy guess accepted; another random model gets most rejected. Either way the same tokens."""

@@ -71,6 +71,7 @@ def generate(url: str, route: str, request_id: str, **body) -> dict:
     return response.json()
 
 
+@pytest.mark.slow  # a server of its own: kept out of the fast suite's five minutes
 def test_the_server_speculates_and_counts_guesses_in_metrics_and_log_lines(server):
     url, log_path = server["url"], server["log"]
     assert "speculative decoding: ngram" in log_path.read_text()  # the [speculative] section reached the engine
