@@ -77,7 +77,8 @@ class Speculator:
     How many: as many as make the step's expected tokens per unit of its cost largest. A step of
     `rows` decode rows costs what such steps were seen to take lately against steps of one row
     (`observe`, from the engine: host work included), or before both were seen, `step_cost(rows)`
-    (the runner's: measured at start where CPU steps are compiled; on a GPU nearly flat); a guess
+    (the runner's: measured at start on a CPU, where two or three rows of a compiled step cost
+    about one and five or more three to four; on a GPU taken as nearly flat); a guess
     adds a row, and a token with the chance that it and the guesses before it hold. Guesses are
     added one at a time, the likeliest to hold first, while the ratio grows."""
 
