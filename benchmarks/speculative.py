@@ -574,9 +574,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--streams", type=int, default=64,
                         help="requests at once in the chat throughput phase (default 64; 0 or 1 skips it)")
     parser.add_argument("--stream-requests", type=int, help="requests in the throughput phase (default 2x --streams)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+    parser.add_argument("--num-speculative-tokens", type=int, default=5,
                         help="draft tokens per step: chatd's num_speculative_tokens, llama-server's "
-                             "--spec-ngram-simple-size-m (default 4)")
+                             "--spec-ngram-simple-size-m (default 5)")
     parser.add_argument("--llama-ngram-n", type=int, default=3,
                         help="llama-server's --spec-ngram-simple-size-n: tokens matched to find a draft (default 3; "
                              "it must not exceed --num-speculative-tokens)")

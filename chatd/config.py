@@ -129,7 +129,7 @@ class SpeculativeConfig:
 
     method: str = ""  # "" (off), "ngram" (prompt lookup) or "draft_model" (a small model: `model`)
     model: str = ""  # the draft model (local folder or hub id), sharing the served model's tokenizer
-    num_speculative_tokens: int = 3  # the most tokens a sequence guesses a step
+    num_speculative_tokens: int = 5  # the most tokens a sequence guesses a step
     prompt_lookup_min: int = 2  # ngram: the shortest n-gram looked up
     prompt_lookup_max: int = 4  # ngram: the longest
     disable_by_batch_size: int = 4  # no guessing while more sequences than this run

@@ -18,6 +18,7 @@ import torch
 
 from chatd.config import Config, ModelConfig, chatd_home
 from chatd.engine.models.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
+from chatd.engine.models.matvec import MAX_ROWS_AS_REDUCTIONS
 from chatd.engine.models.loader import (
     DEFAULT_MODEL_INSTALL,
     default_model_path,
@@ -107,9 +108,11 @@ def load_engine_parts(config: Config, background_compile: bool = False) -> Engin
         )
         num_host_blocks = size_host_tier(runner, config)
         compile_job = None
-        if config.speculative.method and config.speculative.weigh_step_cost and device.type == "cpu" and size == 1:
-            local.measure_eager_steps()  # what guesses cost until (or unless) decode steps are compiled
-            local.measure_steps = True  # and once they are
+        if config.speculative.method and device.type == "cpu" and size == 1:
+            local.compiled_rows = MAX_ROWS_AS_REDUCTIONS  # verify steps are a few rows more than the batch
+            if config.speculative.weigh_step_cost:
+                local.measure_eager_steps()  # what guesses cost until (or unless) decode steps are compiled
+                local.measure_steps = True  # and once they are
         if device.type == "cuda":
             capture_cuda_graphs(runner, config)
         else:

@@ -193,13 +193,13 @@ def test_preemption_prefix_cache_and_aborts_with_guesses(model_dirs):
 def test_ngram_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix():
     index = NgramIndex(2, 3)
     tokens = [1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3]
-    assert index.lookup(tokens, 3) == [4, 9, 2]  # 1 2 3 occurred before 4 9 2 (the shorter 2 3, later, loses)
+    assert index.lookup(tokens, 3) == ([4, 9, 2], 3)  # 1 2 3 occurred before 4 9 2 (the shorter 2 3, later, loses)
     tokens += [4]
-    assert index.lookup(tokens, 2) == [9, 2]  # 2 3 4 occurred once, before 9 2
+    assert index.lookup(tokens, 2) == ([9, 2], 3)  # 2 3 4 occurred once, before 9 2
     tokens += [8]
-    assert index.lookup(tokens, 4) == []  # 4 8 never occurred before
-    assert NgramIndex(2, 4).lookup([5, 6], 3) == []  # nothing earlier to find
-    assert NgramIndex(2, 4).lookup([5, 6, 1, 5, 6, 2, 5, 6], 2) == [2, 5]  # the latest of two earlier 5 6
+    assert index.lookup(tokens, 4) == ([], 0)  # 4 8 never occurred before
+    assert NgramIndex(2, 4).lookup([5, 6], 3) == ([], 0)  # nothing earlier to find
+    assert NgramIndex(2, 4).lookup([5, 6, 1, 5, 6, 2, 5, 6], 2) == ([2, 5], 2)  # the latest of two earlier 5 6
 
 
 def test_ngram_proposer_speeds_up_a_reply_that_repeats_itself(model_dirs):
@@ -316,8 +316,61 @@ def test_guesses_are_weighed_against_what_a_step_of_more_rows_costs(costs, runni
     speculator = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4), None, 1000,
                             step_cost=lambda rows: costs[min(rows, max(costs))] + max(0, rows - max(costs)))
     seqs = [Sequence(str(i), [1, 2], SamplingParams()) for i in range(len(rates))]
-    lengths = speculator._lengths([(seq, rate, 4) for seq, rate in zip(seqs, rates)], running)
+    lengths = speculator._lengths([(seq, rate, rate, 4) for seq, rate in zip(seqs, rates)], running)
     assert [length for _, length in lengths] == expected
+
+
+def test_a_step_of_more_rows_can_pay_where_one_more_row_does_not():
+    """Two rows cost much more than one, three hardly more than two (a compiled CPU step on a fast
+    memory day): one unlikely guess does not pay, two do when the second is likely once the first held."""
+    costs = {1: 1.0, 2: 1.38, 3: 1.47, 4: 1.87}
+    speculator = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=3), None, 1000,
+                            step_cost=lambda rows: costs[min(rows, 4)] + max(0, rows - 4))
+    seq = Sequence("r", [1, 2], SamplingParams())
+    assert speculator._lengths([(seq, 0.3, 0.95, 1)], 1) == [(seq, 0)]
+    assert speculator._lengths([(seq, 0.3, 0.95, 2)], 1) == [(seq, 2)]
+    assert speculator._lengths([(seq, 0.1, 0.95, 3)], 1) == [(seq, 0)]
+
+
+def test_free_guesses_are_weighed_by_how_often_their_kind_held():
+    """A free proposer (n-gram lookup) looks first; guesses that follow a long match keep being
+    verified while those after a short one, which keep missing, stop, and misses pause nobody."""
+
+    class Lookup:
+        free = True
+
+        def __init__(self):
+            self.kind = 6
+
+        def lookup(self, seq, length):
+            return [5] * length, self.kind
+
+        def release(self, seq):
+            pass
+
+    lookup = Lookup()
+    costs = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}
+    speculator = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=3), lookup, 1000,
+                            step_cost=lambda rows: costs[min(rows, 4)] + max(0, rows - 4))
+    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=500))
+
+    def step(kind: int, accepted: int | None) -> list[int]:
+        if accepted is not None:
+            seq.num_draft_tokens += len(seq.draft_token_ids)
+            seq.num_accepted_tokens += accepted
+        seq.draft_token_ids = []
+        lookup.kind = kind
+        speculator.propose([seq], num_running=1)
+        return seq.draft_token_ids
+
+    assert step(6, None) == [5, 5, 5]  # the prior: likely enough for three
+    for _ in range(10):
+        assert step(6, 3) == [5, 5, 5]  # long matches keep holding
+    guessed = [len(step(1, 0)) for _ in range(20)]  # guesses after a one-token match keep missing
+    assert guessed[0] > 0 and guessed[-1] == 0
+    assert step(6, 0) == [5, 5, 5]  # not paused: a long match is still worth verifying
+    first, _ = speculator.kinds[1]
+    assert first.rate < 0.2 < 0.8 < speculator.kinds[6][0].rate
 
 
 @pytest.mark.slow
@@ -382,7 +435,7 @@ def test_what_steps_are_seen_to_cost_overrides_the_start_measurement():
 
     speculator = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=3), None, 1000)
     seq = Sequence("r", [1, 2], SamplingParams())
-    candidates = [(seq, 0.9, 3)]
+    candidates = [(seq, 0.9, 0.9, 3)]
     assert [n for _, n in speculator._lengths(candidates, 1)] == [3]  # flat at start: the most
     one = SchedulerOutput([ScheduledSequence(seq, 1, 5, samples=True)])
     two = SchedulerOutput([ScheduledSequence(seq, 2, 5, samples=True, draft_token_ids=(7,))])
@@ -390,6 +443,12 @@ def test_what_steps_are_seen_to_cost_overrides_the_start_measurement():
         speculator.observe(one, 0.010)
         speculator.observe(two, 0.025)
     assert speculator.cost(2) == pytest.approx(2.5)
+    assert speculator.cost(3) == pytest.approx(2.5)  # never seen, measured flat: at least what fewer rows cost
+    assert [n for _, n in speculator._lengths(candidates, 1)] == [3]  # three guesses pay for 2.5 rows
+    for rows, seconds in ((3, 0.035), (4, 0.045)):
+        for _ in range(20):
+            speculator.observe(SchedulerOutput([ScheduledSequence(seq, rows, 5, samples=True,
+                                                                  draft_token_ids=(7,) * (rows - 1))]), seconds)
     assert [n for _, n in speculator._lengths(candidates, 1)] == [0]  # a guess costs more than it brings
     prefill = SchedulerOutput([ScheduledSequence(seq, 40, 0, samples=True, prefill=True)])
     speculator.observe(prefill, 1.0)

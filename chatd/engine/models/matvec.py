@@ -17,13 +17,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-ROWS_AS_REDUCTIONS = 4  # at most this many rows: reductions (a compiled graph per row count)
+ROWS_AS_REDUCTIONS = 4  # compiled decode steps of 1 to this many rows are reductions (one graph per row count)
+# ... and with speculative decoding, whose verify steps are a few rows more, up to this many.
+MAX_ROWS_AS_REDUCTIONS = 8
 
 
 def as_reductions(x: Tensor) -> bool:
-    """Whether x [rows, in] is multiplied as reductions here: inside torch.compile, with few rows."""
-    return torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] <= ROWS_AS_REDUCTIONS
+    """Whether x [rows, in] is multiplied as reductions here: inside torch.compile, in a step
+    compiled for a fixed number of rows (a step of dynamic size gets matmuls), and few of them."""
+    # A dynamic size is not known to be small (no guard is made of it): the step of every larger batch.
+    return (torch.compiler.is_compiling() and x.dim() == 2
+            and statically_known_true(x.shape[0] <= MAX_ROWS_AS_REDUCTIONS))
 
 
 def row_products(x: Tensor, weight: Tensor) -> Tensor:

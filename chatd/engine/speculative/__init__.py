@@ -30,41 +30,55 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from chatd.config import SpeculativeConfig
 from chatd.engine.core.sequence import Sequence
 
 # A sequence whose verify steps accept nothing this many times in a row stops guessing for a
-# while: first PAUSE_STEPS steps, doubling each time it misses again, up to MAX_PAUSE_STEPS.
+# while: first PAUSE_STEPS steps, doubling each time it misses again, up to MAX_PAUSE_STEPS
+# (a proposer that costs a model's steps to guess; a free one's misses only weigh on its odds).
 MISSES_BEFORE_PAUSE = 2
 PAUSE_STEPS = 4
 MAX_PAUSE_STEPS = 64
-# A sequence's chance that a guess holds, given the ones before it did: counted over its verify
-# steps, older ones weighing less by DECAY a step, from a prior of PRIOR_RATE worth PRIOR_WEIGHT steps.
+# The chance that a guess holds, given the ones before it in the step did: counted over verify
+# steps, older ones weighing less by DECAY a step (a sequence's own) or KIND_DECAY (a kind's, over
+# every sequence), from a prior of PRIOR_RATE worth PRIOR_WEIGHT steps.
 PRIOR_RATE, PRIOR_WEIGHT = 0.7, 2.0
 DECAY = 0.8
+KIND_DECAY = 0.97
 # How fast what steps of each size are seen to cost follows new steps (a step's weight: 1 - this).
 SEEN_DECAY = 0.9
+
+
+class Odds:
+    """Guesses that held and verify steps that rejected one, decayed: the chance the next guess holds."""
+
+    def __init__(self) -> None:
+        self.held = PRIOR_RATE * PRIOR_WEIGHT
+        self.missed = (1 - PRIOR_RATE) * PRIOR_WEIGHT
+
+    def add(self, held: float, missed: float, decay: float) -> None:
+        self.held = decay * self.held + held
+        self.missed = decay * self.missed + missed
+
+    @property
+    def rate(self) -> float:
+        return self.held / (self.held + self.missed)
 
 
 @dataclass
 class Guessing:
     """One sequence's speculation state: how its guesses have fared, and its back-off."""
 
-    held: float = PRIOR_RATE * PRIOR_WEIGHT  # guesses accepted, decayed
-    missed: float = (1 - PRIOR_RATE) * PRIOR_WEIGHT  # verify steps that rejected one, decayed
+    odds: Odds = field(default_factory=Odds)  # its own guesses' (a priced proposer's are weighed by these)
+    kind: int = 0  # what its last guesses were, for a free proposer (the n-gram length they followed)
     draft_tokens: int = 0  # its counters when it last guessed (the scheduler's, on the sequence)
     accepted_tokens: int = 0
     misses: int = 0  # verify steps in a row that accepted nothing
     pause: int = 0  # steps left without guessing
     next_pause: int = PAUSE_STEPS
     proposer: object = None  # what the proposer keeps for it (an n-gram index, a draft cache's place)
-
-    @property
-    def rate(self) -> float:
-        """The chance its next guess holds (given the ones before it in the step did)."""
-        return self.held / (self.held + self.missed)
 
 
 def flat_cost(rows: int) -> float:
@@ -80,7 +94,14 @@ class Speculator:
     (the runner's: measured at start on a CPU, where two or three rows of a compiled step cost
     about one and five or more three to four; on a GPU taken as nearly flat); a guess
     adds a row, and a token with the chance that it and the guesses before it hold. Guesses are
-    added one at a time, the likeliest to hold first, while the ratio grows."""
+    added one at a time, the likeliest to hold first, and as many kept as make the ratio largest.
+
+    A proposer that costs a model's steps (a draft model) is asked for as many as are wanted, and
+    its chance is the sequence's own rate. A free one (n-gram lookup: `free`) looks first, and its
+    guesses' chance is how often guesses of the same kind held, over every sequence: the first of a
+    step, and each after one that held. A match of six tokens or more held 91-95% of the time on
+    the benchmark's workloads, one of two 34-52%, one of one 15-29% (benchmarks/speculative.py).
+    The kinds are counts only: what a sequence guesses comes from its own tokens alone."""
 
     def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int,
                  eos_token_ids: frozenset[int] = frozenset(), step_cost: Callable[[int], float] = flat_cost) -> None:
@@ -91,6 +112,8 @@ class Speculator:
         self.step_cost = step_cost
         self.max_tokens = config.num_speculative_tokens
         self.seen: dict[int, float] = {}  # rows -> seconds decode-only steps of that many rows took lately
+        self.free = getattr(proposer, "free", False)  # guessing costs nothing until verified: look first
+        self.kinds: dict[int, tuple[Odds, Odds]] = {}  # kind -> odds of a step's first guess, of each after
 
     def observe(self, plan, seconds: float) -> None:
         """A step (a SchedulerOutput) took `seconds` (the engine's wall clock, host work included):
@@ -102,11 +125,13 @@ class Speculator:
 
     def cost(self, rows: int) -> float:
         """A step of `rows` rows against one of one row: as steps of both took lately where both were
-        seen, else as the runner measured at start."""
-        seen, one = self.seen.get(rows), self.seen.get(1)
-        if seen is not None and one is not None:
-            return seen / one
-        return self.step_cost(rows)
+        seen, else as the runner measured at start; and never less than a step of fewer rows."""
+        one = self.seen.get(1)
+        most = 1.0
+        for size in range(2, rows + 1):
+            seen = self.seen.get(size)
+            most = max(most, seen / one if seen is not None and one is not None else self.step_cost(size))
+        return most
 
     @property
     def method(self) -> str:
@@ -116,18 +141,29 @@ class Speculator:
         """Set `draft_token_ids` of those of `seqs` (decoding sequences that just got tokens) that guess now."""
         if num_running > self.config.disable_by_batch_size:
             return  # a batch this big is bound by its compute: guesses would cost their tokens
-        candidates = []
+        candidates, found = [], []  # (a sequence, its chance for a first guess, for each after, its most); free guesses
         for seq in seqs:
             state = seq.proposer_state
             if state is None:
                 state = seq.proposer_state = Guessing()
             limit = self._limit(seq, state)
-            if limit:
-                candidates.append((seq, state.rate, limit))
-        wanted = [(seq, length) for seq, length in self._lengths(candidates, num_running) if length]
-        if not wanted:
-            return
-        for (seq, _), guesses in zip(wanted, self.proposer.propose(wanted), strict=True):
+            if not limit:
+                continue
+            if not self.free:
+                candidates.append((seq, state.odds.rate, state.odds.rate, limit))
+                continue
+            guesses, state.kind = self.proposer.lookup(seq, limit)
+            if guesses:
+                first, later = self._kind(state.kind)
+                candidates.append((seq, first.rate, later.rate, len(guesses)))
+                found.append(guesses)
+        lengths = self._lengths(candidates, num_running)
+        if self.free:
+            wanted = [(seq, guesses[:length]) for (seq, length), guesses in zip(lengths, found, strict=True) if length]
+        else:
+            wanted = [(seq, length) for seq, length in lengths if length]
+            wanted = list(zip([seq for seq, _ in wanted], self.proposer.propose(wanted) if wanted else [], strict=True))
+        for seq, guesses in wanted:
             seq.draft_token_ids = self._checked(seq, guesses)
 
     def release(self, seq: Sequence) -> None:
@@ -136,23 +172,27 @@ class Speculator:
             self.proposer.release(seq)
             seq.proposer_state = None
 
-    def _lengths(self, candidates: list[tuple[Sequence, float, int]], num_rows: int) -> list[tuple[Sequence, int]]:
-        """How many guesses each candidate (a sequence, its rate, its most) makes in a step of
-        `num_rows` rows besides: a guess at a time, the likeliest to hold first, while it raises
-        the step's expected tokens per cost."""
-        lengths = [0] * len(candidates)
-        gains = [(-rate, i) for i, (_, rate, _) in enumerate(candidates)]  # the next guess's chance, negated
+    def _lengths(self, candidates: list[tuple[Sequence, float, float, int]], num_rows: int) -> list[tuple[Sequence, int]]:
+        """How many guesses each candidate (a sequence, the chance its first guess holds, that each
+        after one that held does, its most) makes in a step of `num_rows` rows besides: guesses in the
+        order of their chance to hold, as many as make the step's expected tokens per cost largest."""
+        gains = [(-first, i) for i, (_, first, _, _) in enumerate(candidates)]  # the next guess's chance, negated
         heapq.heapify(gains)
+        added = []  # who guesses one more, in the order they are added
         rows, tokens = num_rows, float(num_rows)
-        while gains:
+        best, best_added = tokens / self.cost(rows), 0
+        while gains:  # every guess, likeliest first; then keep as many as made the best ratio
             gain, i = heapq.heappop(gains)
-            if (tokens - gain) * self.cost(rows) <= tokens * self.cost(rows + 1):
-                break  # the likeliest guess left costs more than it brings; so do the rest
             rows, tokens = rows + 1, tokens - gain
+            added.append(i)
+            if tokens / self.cost(rows) > best:  # (not only while it grows: a step's cost is not a smooth curve)
+                best, best_added = tokens / self.cost(rows), len(added)
+            if added.count(i) < candidates[i][3]:
+                heapq.heappush(gains, (gain * candidates[i][2], i))  # held only if this one held too
+        lengths = [0] * len(candidates)
+        for i in added[:best_added]:
             lengths[i] += 1
-            if lengths[i] < candidates[i][2]:
-                heapq.heappush(gains, (gain * candidates[i][1], i))  # held only if this one held too
-        return [(seq, length) for (seq, _, _), length in zip(candidates, lengths)]
+        return [(seq, length) for (seq, _, _, _), length in zip(candidates, lengths)]
 
     def _limit(self, seq: Sequence, state: Guessing) -> int:
         """The most tokens `seq` may guess now (0: none), after counting how its last guesses fared."""
@@ -160,9 +200,13 @@ class Speculator:
         if drafted:  # its last guesses were verified
             accepted = seq.num_accepted_tokens - state.accepted_tokens
             state.draft_tokens, state.accepted_tokens = seq.num_draft_tokens, seq.num_accepted_tokens
-            state.held = DECAY * state.held + accepted
-            state.missed = DECAY * state.missed + (accepted < drafted)
-            if accepted:
+            state.odds.add(accepted, accepted < drafted, DECAY)
+            if self.free:
+                first, later = self._kind(state.kind)
+                first.add(accepted > 0, accepted == 0, KIND_DECAY)
+                if accepted and drafted > 1:
+                    later.add(accepted - 1, accepted < drafted, KIND_DECAY)
+            elif accepted:
                 state.misses, state.next_pause = 0, PAUSE_STEPS
             else:
                 state.misses += 1
@@ -180,6 +224,13 @@ class Speculator:
         if params.max_tokens is not None:  # the token sampled after the last guess counts too
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
         return max(0, min(self.max_tokens, room))
+
+    def _kind(self, kind: int) -> tuple[Odds, Odds]:
+        """The odds of a free proposer's guesses of `kind`: a step's first, and each after one that held."""
+        odds = self.kinds.get(kind)
+        if odds is None:
+            odds = self.kinds[kind] = (Odds(), Odds())
+        return odds
 
     def _checked(self, seq: Sequence, guesses: list[int]) -> list[int]:
         """Guesses worth verifying: none past an end-of-sequence or stop token, none a grammar refuses."""

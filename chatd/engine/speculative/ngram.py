@@ -22,9 +22,9 @@ class NgramIndex:
         self.ends: dict[tuple[int, ...], int] = {}
         self.indexed = 0
 
-    def lookup(self, tokens: list[int], length: int) -> list[int]:
+    def lookup(self, tokens: list[int], length: int) -> tuple[list[int], int]:
         """Up to `length` tokens that followed the latest earlier occurrence of the longest suffix
-        of `tokens` that occurred before; [] when none did."""
+        of `tokens` that occurred before, and that suffix's length; ([], 0) when none did."""
         end = len(tokens)
         ends = self.ends
         for e in range(max(self.indexed, self.min_n), end):  # every gram ending before the last token's end
@@ -34,24 +34,27 @@ class NgramIndex:
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
             found = ends.get(tuple(tokens[end - n :]))
             if found is not None:
-                return tokens[found : found + length]
-        return []
+                return tokens[found : found + length], n
+        return [], 0
 
 
 class NgramProposer:
-    """Guesses from each sequence's own n-grams (`NgramIndex`, kept on its speculation state)."""
+    """Guesses from each sequence's own n-grams (`NgramIndex`, kept on its speculation state).
+
+    A lookup costs next to nothing, so the Speculator looks first and then weighs how many of the
+    tokens found to verify (`free`), by how often guesses from a match of that length held."""
+
+    free = True
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
-        guesses = []
-        for seq, length in wanted:
-            state = seq.proposer_state
-            if state.proposer is None:
-                state.proposer = NgramIndex(self.min_n, self.max_n)
-            guesses.append(state.proposer.lookup(seq.token_ids, length))
-        return guesses
+    def lookup(self, seq: Sequence, length: int) -> tuple[list[int], int]:
+        """Up to `length` guesses for `seq`, and the length of the n-gram they follow (its kind)."""
+        state = seq.proposer_state
+        if state.proposer is None:
+            state.proposer = NgramIndex(self.min_n, self.max_n)
+        return state.proposer.lookup(seq.token_ids, length)
 
     def release(self, seq: Sequence) -> None:
         pass  # the index goes with the sequence's state

@@ -11,9 +11,12 @@ weight at memory speed (models/matvec.py), attention reads the pages where they 
 What is compiled is a whole decode step, tokens to logits, with each decoder layer a nested
 compiled region (`_layer`): torch.compile traces and compiles one layer and reuses that code for
 every layer of the same structure (their weights are its inputs, not constants), so compiling
-costs about what one layer costs, not what thirty do. Steps: batches 1 to 4, each specialized
-(float and int8 projections as one reduction per row), and one for every larger decode batch (a
-dynamic size: the projections stay matmuls, which pay there), each with the context width dynamic.
+costs about what one layer costs, not what thirty do. Steps: batches 1 to 4 (to 8 where speculative
+decoding verifies guesses: `max_rows`), each specialized (float and int8 projections as reductions
+that read each weight once for all rows), and one for every larger decode batch (a dynamic size:
+the projections stay matmuls), each with the context width dynamic. SmolLM2-135M's float32 steps
+on two cores, against one row: 2 rows 1.1-1.4x, 4 rows 1.5-1.8x, 6 rows 2.2x, 8 rows 3.0x, and the
+dynamic step at 9 rows 5.9x (the range is the machine's mood: when memory is fast, rows cost more).
 
 Each step is compiled ahead of time (`aot_compile`) and called directly. A function compiled the
 usual way pays torch.compile's per-call checks (guards) and wrappers, ~70 us a call: with a
@@ -53,7 +56,7 @@ from torch import Tensor, nn
 
 from chatd.engine.attention import KVCache
 from chatd.engine.attention.decode import DecodeAttention, DecodeContext
-from chatd.engine.models.matvec import ROWS_AS_REDUCTIONS
+from chatd.engine.models.matvec import MAX_ROWS_AS_REDUCTIONS, ROWS_AS_REDUCTIONS
 
 log = logging.getLogger("chatd.engine")
 # Inductor says so for every fused loop that reads a float16 KV cache beside the bfloat16 results of
@@ -133,37 +136,41 @@ def _saved_guards(guards: list) -> list[bool]:
 # A step's inputs are this module's own (its dummy steps' shapes, checked by the guards at start).
 _OPTIONS = {"guard_filter_fn": _saved_guards, "size_asserts": False}
 
-DYNAMIC_BATCH = ROWS_AS_REDUCTIONS + 1  # the step of this batch size serves every batch from it up
+DYNAMIC_BATCH = ROWS_AS_REDUCTIONS + 1  # by default the step of this batch size serves every batch from it up
 
 
 class CompiledDecode:
     """A model's decode steps, each compiled whole: `logits(token_ids, positions, block_tables)`.
 
-    One compiled step per batch size from 1 to ROWS_AS_REDUCTIONS and one for every larger batch.
+    One compiled step per batch size from 1 to `max_rows` and one for every larger batch.
     Each is called directly, without torch.compile's per-call checks (guards): which step a batch
     takes is decided here, and each step's guards are checked once, at start, on two dummy steps of
     different context widths (and batch sizes, for the dynamic one). Compiled steps are saved in
     `folder` and read back by a later start of the same model, code and torch."""
 
     def __init__(self, model: nn.Module, kv_caches: list[KVCache], block_size: int, k_scale: float = 1.0,
-                 v_scale: float = 1.0, folder: Path | None = None, measure: bool = False) -> None:
+                 v_scale: float = 1.0, folder: Path | None = None, measure: bool = False,
+                 max_rows: int = ROWS_AS_REDUCTIONS) -> None:
+        if not 1 <= max_rows <= MAX_ROWS_AS_REDUCTIONS:
+            raise ValueError(f"compiled decode steps of fixed size take 1 to {MAX_ROWS_AS_REDUCTIONS} rows, not {max_rows}")
         self.model = model
+        self.dynamic_batch = max_rows + 1  # the step of this batch size serves every batch from it up
         self.measure = measure  # time each step at start (`step_seconds`)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.attention = DecodeAttention(k_scale, v_scale)
         self.folder = folder
-        self.steps: dict[int, Callable[..., Tensor]] = {}  # batch size (DYNAMIC_BATCH: and up) -> its step
+        self.steps: dict[int, Callable[..., Tensor]] = {}  # batch size (dynamic_batch: and up) -> its step
         self.read_back = 0  # steps warm_up read from `folder` rather than compiled
         # With `measure`, seconds a step of each batch size took on a dummy step at start (the dynamic
-        # step's at DYNAMIC_BATCH and at DYNAMIC_BATCH + 3 rows): what speculative decoding weighs guesses by.
+        # step's at dynamic_batch and at dynamic_batch + 3 rows): what speculative decoding weighs guesses by.
         self.step_seconds: dict[int, float] = {}
 
     @torch.inference_mode()
     def logits(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> Tensor:
         """Logits [B, vocab] of a decode-only step, in float32: row i's new token `token_ids[i]`
         at `positions[i]`, its blocks `block_tables[i]`."""
-        step = self.steps[min(len(token_ids), DYNAMIC_BATCH)]
+        step = self.steps[min(len(token_ids), self.dynamic_batch)]
         return step(self.model, _rows(token_ids, positions, block_tables, self.block_size), self.kv_caches, self.attention)
 
     @torch.inference_mode()  # as the runner's steps run: inference tensors are a guard of the steps
@@ -175,11 +182,12 @@ class CompiledDecode:
         serves (compile_job.py) keeps that block from its block manager, so no sequence holds it."""
         started = time.perf_counter()
         key = self._key()
-        for batch in range(1, DYNAMIC_BATCH + 1):
+        dynamic = self.dynamic_batch
+        for batch in range(1, dynamic + 1):
             self.steps[batch] = self._ready_step(batch, key)
-        for batch in (*range(1, DYNAMIC_BATCH + 1), DYNAMIC_BATCH + 3) if self.measure else ():
+        for batch in (*range(1, dynamic + 1), dynamic + 3) if self.measure else ():
             args = self._dummy(batch, 16)
-            step = self.steps[min(batch, DYNAMIC_BATCH)]
+            step = self.steps[min(batch, dynamic)]
             times = []
             for _ in range(3):
                 started = time.perf_counter()
@@ -202,8 +210,9 @@ class CompiledDecode:
 
     def _ready_step(self, batch: int, key: str) -> Callable[..., Tensor]:
         """The step of `batch`, read back or compiled, its guards checked on two dummy steps, then run on them."""
-        examples = [self._dummy(batch, 2), self._dummy(batch if batch < DYNAMIC_BATCH else batch + 3, 5)]
-        path = self.folder / f"decode-{key}-{batch}.bin" if self.folder is not None else None
+        examples = [self._dummy(batch, 2), self._dummy(batch if batch < self.dynamic_batch else batch + 3, 5)]
+        name = f"{batch}" if batch < self.dynamic_batch else f"{batch}-up"  # (batch 5 is either, by max_rows)
+        path = self.folder / f"decode-{key}-{name}.bin" if self.folder is not None else None
         step, read_back = ready_compiled(_step, lambda: self._dummy(batch, 2, marked=True), examples, path,
                                          f"decode step for batch {batch}")
         self.read_back += read_back
@@ -216,7 +225,7 @@ class CompiledDecode:
         rows = _rows([0] * batch, [position] * batch, [[self.scratch_block] * blocks] * batch, self.block_size)
         if marked:
             torch._dynamo.maybe_mark_dynamic(rows, 1)  # the blocks a context spans
-            if batch >= DYNAMIC_BATCH:
+            if batch >= self.dynamic_batch:
                 torch._dynamo.maybe_mark_dynamic(rows, 0)
         return self.model, rows, self.kv_caches, self.attention
 

@@ -26,6 +26,7 @@ from chatd.engine.core.stage_times import StageTimes
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.core.sequence import Sequence
 from chatd.engine.params import SamplingParams
+from chatd.engine.models.matvec import ROWS_AS_REDUCTIONS
 from chatd.engine.worker.compiled import CompiledDecode, step_cost
 from chatd.engine.worker.compiled_prefill import CompiledPrefill
 from chatd.engine.worker.cuda_graphs import DecodeGraphs
@@ -168,6 +169,7 @@ class ModelRunner:
         self.times = StageTimes()  # inputs, forward, sample (the engine times the rest)
         self.eager_step_seconds: dict[int, float] = {}  # measure_eager_steps
         self.measure_steps = False  # compiled decode steps are timed at start (speculative decoding weighs guesses so)
+        self.compiled_rows = ROWS_AS_REDUCTIONS  # decode steps of 1 to this many rows are compiled each for its size
         self.allocate_kv(num_blocks)
 
     def allocate_kv(self, num_blocks: int) -> None:
@@ -222,7 +224,7 @@ class ModelRunner:
         through torch.compile, keeping what is compiled in `folder` for later starts; returns the
         seconds compiling (or reading back) took."""
         decode = CompiledDecode(self.model, self.kv_caches, self.block_size, self.backend.k_scale, self.backend.v_scale,
-                                folder, measure=self.measure_steps)
+                                folder, measure=self.measure_steps, max_rows=self.compiled_rows)
         prefill = CompiledPrefill(self.model, folder)
         seconds = decode.warm_up() + prefill.warm_up()
         self.compiled, self.compiled_prefill = decode, prefill
