@@ -333,8 +333,9 @@ def test_a_step_of_more_rows_can_pay_where_one_more_row_does_not():
 
 
 def test_free_guesses_are_weighed_by_how_often_their_kind_held():
-    """A free proposer (n-gram lookup) looks first; guesses that follow a long match keep being
-    verified while those after a short one, which keep missing, stop, and misses pause nobody."""
+    """A free proposer (n-gram lookup) looks first; what it found is scored against the tokens that
+    came, verified or not. Guesses after a long match keep being verified; those after a short one,
+    which keep missing, stop; misses pause nobody; and a kind that starts holding comes back."""
 
     class Lookup:
         free = True
@@ -352,25 +353,27 @@ def test_free_guesses_are_weighed_by_how_often_their_kind_held():
     costs = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}
     speculator = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=3), lookup, 1000,
                             step_cost=lambda rows: costs[min(rows, 4)] + max(0, rows - 4))
-    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=500))
+    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=5000))
 
-    def step(kind: int, accepted: int | None) -> list[int]:
-        if accepted is not None:
-            seq.num_draft_tokens += len(seq.draft_token_ids)
-            seq.num_accepted_tokens += accepted
+    def step(kind: int, came: list[int]) -> list[int]:
+        """The tokens that came since the last step (a verify step's kept guesses and its sampled
+        token); the next guesses, after a lookup of `kind`."""
+        for token_id in came:
+            seq.append_token(token_id)
         seq.draft_token_ids = []
         lookup.kind = kind
         speculator.propose([seq], num_running=1)
         return seq.draft_token_ids
 
-    assert step(6, None) == [5, 5, 5]  # the prior: likely enough for three
+    assert step(6, []) == [5, 5, 5]  # the prior: likely enough for three
     for _ in range(10):
-        assert step(6, 3) == [5, 5, 5]  # long matches keep holding
-    guessed = [len(step(1, 0)) for _ in range(20)]  # guesses after a one-token match keep missing
+        assert step(6, [5, 5, 5, 7]) == [5, 5, 5]  # long matches keep holding
+    guessed = [len(step(1, [9])) for _ in range(20)]  # guesses after a one-token match keep missing
     assert guessed[0] > 0 and guessed[-1] == 0
-    assert step(6, 0) == [5, 5, 5]  # not paused: a long match is still worth verifying
-    first, _ = speculator.kinds[1]
-    assert first.rate < 0.2 < 0.8 < speculator.kinds[6][0].rate
+    assert step(6, [9]) == [5, 5, 5]  # not paused: a long match is still worth verifying
+    assert speculator.kinds[1][0].rate < 0.2 < 0.8 < speculator.kinds[6][0].rate
+    comeback = [len(step(1, [5])) for _ in range(30)]  # not verified, but what it found now comes
+    assert comeback[-1] == 3
 
 
 @pytest.mark.slow

@@ -72,7 +72,9 @@ class Guessing:
     """One sequence's speculation state: how its guesses have fared, and its back-off."""
 
     odds: Odds = field(default_factory=Odds)  # its own guesses' (a priced proposer's are weighed by these)
-    kind: int = 0  # what its last guesses were, for a free proposer (the n-gram length they followed)
+    # A free proposer's last lookup, scored against the tokens that came once they are in: where
+    # they start in the sequence, their kind (the n-gram length they followed), and the tokens found.
+    looked_up: tuple[int, int, list[int]] | None = None
     draft_tokens: int = 0  # its counters when it last guessed (the scheduler's, on the sequence)
     accepted_tokens: int = 0
     misses: int = 0  # verify steps in a row that accepted nothing
@@ -98,8 +100,9 @@ class Speculator:
 
     A proposer that costs a model's steps (a draft model) is asked for as many as are wanted, and
     its chance is the sequence's own rate. A free one (n-gram lookup: `free`) looks first, and its
-    guesses' chance is how often guesses of the same kind held, over every sequence: the first of a
-    step, and each after one that held. A match of six tokens or more held 91-95% of the time on
+    guesses' chance is how often tokens found by lookups of the same kind matched the tokens that
+    came after them, over every sequence (`_score`, verified or not): the first of a lookup, and
+    each after one that held. A match of six tokens or more held 91-95% of the time on
     the benchmark's workloads, one of two 34-52%, one of one 15-29% (benchmarks/speculative.py).
     The kinds are counts only: what a sequence guesses comes from its own tokens alone."""
 
@@ -152,9 +155,10 @@ class Speculator:
             if not self.free:
                 candidates.append((seq, state.odds.rate, state.odds.rate, limit))
                 continue
-            guesses, state.kind = self.proposer.lookup(seq, limit)
+            guesses, kind = self.proposer.lookup(seq, limit)
             if guesses:
-                first, later = self._kind(state.kind)
+                state.looked_up = (len(seq.token_ids), kind, guesses)
+                first, later = self._kind(kind)
                 candidates.append((seq, first.rate, later.rate, len(guesses)))
                 found.append(guesses)
         lengths = self._lengths(candidates, num_running)
@@ -201,11 +205,8 @@ class Speculator:
             accepted = seq.num_accepted_tokens - state.accepted_tokens
             state.draft_tokens, state.accepted_tokens = seq.num_draft_tokens, seq.num_accepted_tokens
             state.odds.add(accepted, accepted < drafted, DECAY)
-            if self.free:
-                first, later = self._kind(state.kind)
-                first.add(accepted > 0, accepted == 0, KIND_DECAY)
-                if accepted and drafted > 1:
-                    later.add(accepted - 1, accepted < drafted, KIND_DECAY)
+            if self.free:  # its lookups are scored below, misses pause nobody
+                pass
             elif accepted:
                 state.misses, state.next_pause = 0, PAUSE_STEPS
             else:
@@ -213,6 +214,9 @@ class Speculator:
                 if state.misses >= MISSES_BEFORE_PAUSE:
                     state.pause, state.misses = state.next_pause, 0
                     state.next_pause = min(MAX_PAUSE_STEPS, 2 * state.next_pause)
+        if state.looked_up is not None:
+            self._score(seq, *state.looked_up)
+            state.looked_up = None
         if state.pause:
             state.pause -= 1
             return 0
@@ -224,6 +228,19 @@ class Speculator:
         if params.max_tokens is not None:  # the token sampled after the last guess counts too
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
         return max(0, min(self.max_tokens, room))
+
+    def _score(self, seq: Sequence, start: int, kind: int, found: list[int]) -> None:
+        """Count how a lookup's tokens fared against the tokens that came after it: all it found,
+        verified or not (the step's sampled token shows whether the first unverified one would have
+        held), so a kind whose guesses are not verified any more is still scored, and can come back."""
+        came = seq.token_ids[start : start + len(found)]
+        held = 0
+        while held < len(came) and found[held] == came[held]:
+            held += 1
+        first, later = self._kind(kind)
+        first.add(held > 0, held == 0, KIND_DECAY)
+        if held:  # the ones after the first: held, and a miss if one was seen (past what came, unknown)
+            later.add(held - 1, held < len(came), KIND_DECAY)
 
     def _kind(self, kind: int) -> tuple[Odds, Odds]:
         """The odds of a free proposer's guesses of `kind`: a step's first, and each after one that held."""
