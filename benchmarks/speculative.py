@@ -46,6 +46,8 @@ llama-ngram / llama per workload (time per output token speedup), chatd / llama.
     python benchmarks/speculative.py --quick                           # smoke test: 2 requests, 32 tokens, 4 streams
     python benchmarks/speculative.py --runs chatd,chatd-ngram --num-speculative-tokens 4
     python benchmarks/speculative.py --repeats 3 --json spec.json      # a shared machine: best of 3 per phase
+    python benchmarks/speculative.py --runs chatd,chatd-ngram --rounds 3  # alternating servers, median round
+    python benchmarks/speculative.py --runs chatd,chatd-ngram --paired --rounds 3  # request by request, both up
     python benchmarks/speculative.py --llama-server ~/llama.cpp/build/bin/llama-server --runs llama,llama-ngram
 
 The llama.cpp build (llama-cpp-python's vendored source, built once) and the F32 file are cached in
@@ -453,6 +455,68 @@ def bench_run(run: str, command: list[str], port: int, ready, args, work: Path) 
         server.stop()
 
 
+def bench_paired(specs: list[tuple[str, list[str], int, object]], args, work: Path) -> dict[str, dict]:
+    """Every server of `specs` (run, command, port, ready) up at once, idle but for the one asked
+    (an idle chatd takes ~0.5% of a core): the one-stream phases send each request to every server
+    in turn, the order flipped each request, so a machine whose speed drifts weighs on every run
+    alike; then each server's streams phase, one server at a time."""
+    servers = {run: Server(run, command, work / f"{run}.log") for run, command, _, _ in specs}
+    bases = {run: f"http://{HOST}:{port}" for run, _, port, _ in specs}
+    results = {run: {"command": command, "phases": {}} for run, command, _, _ in specs}
+    order = [run for run, _, _, _ in specs]
+    try:
+        for run, _, _, ready in specs:
+            servers[run].wait_until(lambda run=run, ready=ready: ready(servers[run]), args.start_timeout)
+            records, _ = asyncio.run(run_phase(bases[run] + "/v1/chat/completions", [GROUNDED[0], CHAT[0]], 2, 1, args,
+                                               max_tokens=min(32, args.max_tokens)))
+            if not all(r.ok for r in records):
+                raise RuntimeError(f"{run} warm-up failed: {next(r.error for r in records if not r.ok)}")
+        for workload in args.workloads:
+            key, prompts = f"{workload}@1", WORKLOADS[workload]
+            records = {run: [] for run in order}
+            walls = dict.fromkeys(order, 0.0)
+            before = {run: scrape(bases[run], CHATD_COUNTERS) if run.startswith("chatd") else {} for run in order}
+            load = os.getloadavg()[0]
+            for i in range(args.num_requests):
+                for run in order if i % 2 == 0 else order[::-1]:
+                    got, wall = asyncio.run(run_phase(bases[run] + "/v1/chat/completions", [prompts[i % len(prompts)]],
+                                                      1, 1, args))
+                    got[0].prompt = i % len(prompts)
+                    records[run] += got
+                    walls[run] += wall
+            for run in order:
+                kind = "chatd" if run.startswith("chatd") else "llama"
+                after = scrape(bases[run], CHATD_COUNTERS) if kind == "chatd" else {}
+                summary = summarize(records[run], walls[run], 1, acceptance_of(kind, before[run], after, records[run]))
+                summary["load_before"], summary["load_after"] = load, os.getloadavg()[0]
+                print_phase(run, f"{key} paired", summary)
+                results[run]["phases"][key] = summary
+        if args.streams > 1 and "chat" in args.workloads:
+            key = f"chat@{args.streams}"
+            for run in order:
+                kind = "chatd" if run.startswith("chatd") else "llama"
+                url = bases[run] + "/v1/chat/completions"
+                asyncio.run(run_phase(url, CHAT, args.streams, args.streams, args, max_tokens=8))  # warm-up
+                before = scrape(bases[run], CHATD_COUNTERS) if kind == "chatd" else {}
+                load = os.getloadavg()[0]
+                got, wall = asyncio.run(run_phase(url, CHAT, args.stream_requests, args.streams, args))
+                after = scrape(bases[run], CHATD_COUNTERS) if kind == "chatd" else {}
+                summary = summarize(got, wall, args.streams, acceptance_of(kind, before, after, got))
+                summary["load_before"], summary["load_after"] = load, os.getloadavg()[0]
+                print_phase(run, key, summary)
+                results[run]["phases"][key] = summary
+    except (RuntimeError, OSError) as exc:
+        error = str(exc).splitlines()[0]
+        print(f"[paired] FAILED: {error}", flush=True)
+        for run in order:
+            results[run]["error"] = error
+            results[run]["log_tail"] = servers[run].tail(30)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return results
+
+
 def chatd_command(args, port: int, speculative: bool) -> list[str]:
     command = [sys.executable, "-m", "chatd", "serve", "--host", HOST, "--port", str(port)]
     if args.model:
@@ -537,6 +601,26 @@ def compute_ratios(report: dict) -> list[tuple[str, float | None]]:
     return rows
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """Each run's phases, each from the round where it was the median (by time per output token, or
+    by output tok/s for a phase of several streams); a run that failed in any round is that failure."""
+    runs = {}
+    for run in rounds[0]:
+        tries = [r[run] for r in rounds]
+        failed = next((t for t in tries if "error" in t), None)
+        if failed is not None:
+            runs[run] = failed
+            continue
+        phases = {}
+        for key in tries[0]["phases"]:
+            several = not key.endswith("@1")
+            field = "output_tokens_per_s" if several else "time_per_output_token_p50"
+            ordered = sorted((t["phases"][key] for t in tries), key=lambda phase: phase.get(field) or 0.0)
+            phases[key] = ordered[(len(ordered) - 1) // 2] if not several else ordered[len(ordered) // 2]
+        runs[run] = {**tries[0], "phases": phases}
+    return runs
+
+
 def print_tables(report: dict) -> None:
     ms = lambda v: "-" if v is None else f"{v * 1000:.1f}"  # noqa: E731
     num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
@@ -556,6 +640,10 @@ def print_tables(report: dict) -> None:
     for label, value in report["ratios"]:
         shown = "n/a" if value is None else (f"{value:.1%}" if "acceptance" in label else f"{value:.2f}x")
         print(f"  {label}: {shown}")
+    for number, ratios in enumerate(report.get("round_ratios", []), 1):
+        shown = [f"{label.split(',')[0].removeprefix('chatd-ngram speedup on ')} {value:.2f}x" for label, value in ratios
+                 if value is not None and label.startswith(("chatd-ngram speedup", "chatd-ngram / chatd"))]
+        print(f"  round {number}, chatd-ngram against chatd: " + "; ".join(shown))
 
 
 # --- main ------------------------------------------------------------------------------------
@@ -597,6 +685,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run each phase this many times on the same server and keep the fastest (by wall "
                              "time), for a shared machine; later tries find their prompts in the prefix cache "
                              "(default 1)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the whole list of runs this many times, alternating (chatd, chatd-ngram, chatd, "
+                             "...), and report each run's phases from its median round by time per token (by "
+                             "tok/s for the streams phase), with each round's ratios: a machine whose speed drifts "
+                             "over minutes then weighs on both sides alike (default 1)")
+    parser.add_argument("--paired", action="store_true",
+                        help="start every run's server at once (each idles while another is measured) and send "
+                             "each one-stream request to every server in turn: paired measurements, for a machine "
+                             "whose speed drifts from minute to minute; the streams phase stays one server at a time")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 2 requests per workload, 32 tokens, 4 streams x 8 requests")
     parser.add_argument("--json", metavar="PATH", help="also write every number (and every reply) to this file")
@@ -645,19 +742,31 @@ def main(argv: list[str] | None = None) -> int:
           f"SIMD {' '.join(m['simd'])}; {m['platform']}", flush=True)
     print("versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), flush=True)
     print(f"command: {report['command']}", flush=True)
-    report["runs"] = {}
+    rounds = []
     with tempfile.TemporaryDirectory(prefix="chatd-spec-bench-") as tmp:
         work = Path(tmp)
-        for run in args.runs:
-            port = free_port()
-            if run.startswith("chatd"):
-                command, ready = chatd_command(args, port, run == "chatd-ngram"), chatd_ready
-            else:
-                command, ready = llama_command(args, binary, f32, port, run == "llama-ngram"), llama_ready(port)
-            report["runs"][run] = bench_run(run, command, port, ready, args, work)
+        for number in range(args.rounds):
+            if args.rounds > 1:
+                print(f"round {number + 1} of {args.rounds}", flush=True)
+            runs, specs = {}, []
+            for run in args.runs:
+                port = free_port()
+                if run.startswith("chatd"):
+                    command, ready = chatd_command(args, port, run == "chatd-ngram"), chatd_ready
+                else:
+                    command, ready = llama_command(args, binary, f32, port, run == "llama-ngram"), llama_ready(port)
+                if args.paired:
+                    specs.append((run, command, port, ready))
+                else:
+                    runs[run] = bench_run(run, command, port, ready, args, work)
+            rounds.append(bench_paired(specs, args, work) if args.paired else runs)
     report["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     report["load_after"] = os.getloadavg()
+    report["runs"] = median_round(rounds)
     report["ratios"] = compute_ratios(report)
+    if args.rounds > 1:
+        report["rounds"] = rounds
+        report["round_ratios"] = [compute_ratios({"runs": runs, "args": report["args"]}) for runs in rounds]
     print_tables(report)
     print(f"\n{report['started_utc']} to {report['finished_utc']}; load average before "
           f"{report['load_before'][0]:.2f}, after {report['load_after'][0]:.2f}")
