@@ -2,8 +2,10 @@
 
 On the default model (SmolLM2-135M-Instruct; chatd serves its Q4_1 file dequantized to float32,
 llama-server the F32 GGUF that benchmarks/llamacpp.py writes from it), one server at a time (never
-two at once: the CPU machine has two cores), each on a free 127.0.0.1 port, started, warmed up,
-measured and stopped. The runs (`--runs`, in order):
+two running at once: the CPU machine has two cores), each on a free 127.0.0.1 port, started, warmed
+up, measured and stopped. With `--paired` every server is up at once, idle (~0.5% of a core) but
+for the one asked, and each one-stream request goes to every server in turn: on a machine whose
+speed drifts over minutes, the only comparison that holds. The runs (`--runs`, in order):
 
   chatd         `chatd serve` as it ships
   chatd-ngram   `chatd serve --speculative-config '{"method": "ngram", "num_speculative_tokens": K}'`
