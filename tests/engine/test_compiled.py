@@ -134,6 +134,7 @@ def test_compiled_quantized_decode_stays_close_to_eager(model_dirs, q8_gguf, q5_
 LONG_PROMPTS = [[9 + i, 60, 61, 62, 63] * (40 + 13 * i) for i in range(3)]  # 200, 265 and 330 tokens
 
 
+@pytest.mark.slow  # 6-18 s of compiling; the fast suite's compiled decode test compiles prefill halves too
 @needs_cpp_compiler
 def test_compiled_prefill_alone_and_beside_decode_rows_gives_the_eager_tokens(model_dirs, compile_on):
     """Steps of PREFILL_TOKENS or more run each layer's halves compiled: chunks of prompts alone, and
