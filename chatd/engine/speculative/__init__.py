@@ -93,18 +93,18 @@ class Speculator:
     How many: as many as make the step's expected tokens per unit of its cost largest. A step of
     `rows` decode rows costs what such steps were seen to take lately against steps of one row
     (`observe`, from the engine: host work included), or before both were seen, `step_cost(rows)`
-    (the runner's: measured at start on a CPU, where two or three rows of a compiled step cost
-    about one and five or more three to four; on a GPU taken as nearly flat); a guess
-    adds a row, and a token with the chance that it and the guesses before it hold. Guesses are
-    added one at a time, the likeliest to hold first, and as many kept as make the ratio largest.
+    (the runner's: measured at start on a CPU, where a compiled step of two rows costs 1.1-1.4x one
+    of one row and of six about 2x; on a GPU taken as nearly flat); a guess adds a row, and a token
+    with the chance that it and the guesses before it hold. Guesses are added one at a time, the
+    likeliest to hold first, and as many kept as make the ratio largest.
 
     A proposer that costs a model's steps (a draft model) is asked for as many as are wanted, and
     its chance is the sequence's own rate. A free one (n-gram lookup: `free`) looks first, and its
     guesses' chance is how often tokens found by lookups of the same kind matched the tokens that
     came after them, over every sequence (`_score`, verified or not): the first of a lookup, and
-    each after one that held. A match of six tokens or more held 91-95% of the time on
-    the benchmark's workloads, one of two 34-52%, one of one 15-29% (benchmarks/speculative.py).
-    The kinds are counts only: what a sequence guesses comes from its own tokens alone."""
+    each after one that held. On the replies of benchmarks/speculative.py a first guess after a
+    match of four tokens held 71-93% of the time, of two 34-52%, of one 15-29%. The kinds are
+    counts only: what a sequence guesses comes from its own tokens alone."""
 
     def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int,
                  eos_token_ids: frozenset[int] = frozenset(), step_cost: Callable[[int], float] = flat_cost) -> None:
@@ -165,8 +165,8 @@ class Speculator:
         if self.free:
             wanted = [(seq, guesses[:length]) for (seq, length), guesses in zip(lengths, found, strict=True) if length]
         else:
-            wanted = [(seq, length) for seq, length in lengths if length]
-            wanted = list(zip([seq for seq, _ in wanted], self.proposer.propose(wanted) if wanted else [], strict=True))
+            asked = [(seq, length) for seq, length in lengths if length]
+            wanted = list(zip([seq for seq, _ in asked], self.proposer.propose(asked) if asked else [], strict=True))
         for seq, guesses in wanted:
             seq.draft_token_ids = self._checked(seq, guesses)
 
