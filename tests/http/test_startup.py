@@ -93,6 +93,7 @@ def test_the_port_answers_while_the_model_loads_and_the_start_timeline_is_logged
     assert timeline.startswith(f"listening {marks['listening']:.1f} s, loaded {marks['loaded']:.1f} s, ready")
 
 
+@pytest.mark.slow  # 7-8 s: a second server start of its own
 def test_sigterm_keeps_listening_refuses_new_requests_and_lets_replies_in_flight_finish(tmp_path):
     """After SIGTERM: /ready 503 (draining) and new requests 503 with Retry-After, while a stream
     under way goes on to its last token; then the server exits 0."""
