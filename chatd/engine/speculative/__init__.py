@@ -71,7 +71,7 @@ class Odds:
 class Guessing:
     """One sequence's speculation state: how its guesses have fared, and its back-off."""
 
-    odds: Odds = field(default_factory=Odds)  # its own guesses' (a priced proposer's are weighed by these)
+    odds: Odds = field(default_factory=Odds)  # its own guesses' (a priced proposer's: a draft model's)
     # A free proposer's last lookup, scored against the tokens that came once they are in: where
     # they start in the sequence, their kind (the n-gram length they followed), and the tokens found.
     looked_up: tuple[int, int, list[int]] | None = None
@@ -201,13 +201,11 @@ class Speculator:
     def _limit(self, seq: Sequence, state: Guessing) -> int:
         """The most tokens `seq` may guess now (0: none), after counting how its last guesses fared."""
         drafted = seq.num_draft_tokens - state.draft_tokens
-        if drafted:  # its last guesses were verified
+        if drafted and not self.free:  # its last guesses were verified (a free proposer's lookups are scored below)
             accepted = seq.num_accepted_tokens - state.accepted_tokens
             state.draft_tokens, state.accepted_tokens = seq.num_draft_tokens, seq.num_accepted_tokens
             state.odds.add(accepted, accepted < drafted, DECAY)
-            if self.free:  # its lookups are scored below, misses pause nobody
-                pass
-            elif accepted:
+            if accepted:
                 state.misses, state.next_pause = 0, PAUSE_STEPS
             else:
                 state.misses += 1
