@@ -83,6 +83,27 @@ MIGRATIONS: list[list[str]] = [
     # 6: tool items (OpenAI's function_call and function_call_output), one row each like any item:
     # the call's ids as a JSON object, its arguments or its output as the content. NULL: a message.
     ["ALTER TABLE messages ADD COLUMN call TEXT"],
+    # 7: idempotency keys and the replicas' heartbeats, so a retried turn is stored and billed once
+    # whichever replica serves it (idempotency.py). No foreign keys on the rows a key names: they
+    # may be taken over or purged.
+    [
+        """CREATE TABLE idempotency_keys (
+            tenant_id       TEXT NOT NULL REFERENCES tenants (id),
+            idem_key        TEXT NOT NULL,      -- the client's Idempotency-Key, as sent
+            request_sha256  TEXT NOT NULL,      -- the request it was first used for
+            user_message_id TEXT,               -- the try's rows, once written (NULL before)
+            message_id      TEXT,
+            replica         TEXT NOT NULL,      -- the replica running the latest try
+            created_at      REAL NOT NULL,
+            finished_at     REAL,               -- its reply ended (complete, partial or error)
+            PRIMARY KEY (tenant_id, idem_key)
+        )""",
+        "CREATE INDEX idempotency_by_message ON idempotency_keys (message_id)",
+        """CREATE TABLE replicas (
+            id      TEXT PRIMARY KEY,           -- "rep_" + 16 hex, new at every start
+            seen_at REAL NOT NULL
+        )""",
+    ],
 ]
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 

@@ -12,6 +12,7 @@ per table family, each with its own SQL:
     responses.py      the Responses API's records and their chains
     usage.py          usage events and a tenant's totals
     moderation.py     the safety pipeline's events and appeals
+    idempotency.py    idempotency keys (a retried turn stored and billed once) and replicas' heartbeats
 
 It knows nothing of HTTP or the engine; it hands out the frozen records of records.py. The names
 below stay importable from here, as callers have always imported them.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from chatd.store.conversations import Conversations
 from chatd.store.database import MIGRATIONS, PROBE_PAGES, SCHEMA_FILE, SCHEMA_VERSION, Database, StoreFileError
+from chatd.store.idempotency import Claim, Idempotency
 from chatd.store.keys import KEY_PATTERN, LAST_USED_RESOLUTION_S, LOCAL_TENANT, KeyRing
 from chatd.store.messages import STATUSES, Messages, check_status
 from chatd.store.moderation import ModerationLog
@@ -30,11 +32,11 @@ from chatd.store.usage import UsageLog
 
 __all__ = [
     "KEY_PATTERN", "LAST_USED_RESOLUTION_S", "LOCAL_TENANT", "MIGRATIONS", "PROBE_PAGES", "SCHEMA_FILE",
-    "SCHEMA_VERSION", "STATUSES", "ApiKey", "Conversation", "Message", "Response", "Store", "StoreFileError",
+    "SCHEMA_VERSION", "STATUSES", "ApiKey", "Claim", "Conversation", "Message", "Response", "Store", "StoreFileError",
     "Tenant", "Usage", "check_status",
 ]
 
 
-class Store(KeyRing, Conversations, Messages, Responses, UsageLog, ModerationLog, Database):
+class Store(KeyRing, Conversations, Messages, Responses, UsageLog, ModerationLog, Idempotency, Database):
     """chatd's SQLite file: Database's one connection, with every table family's methods.
     (Migrations are read from chatd.store.database.MIGRATIONS: a test adding a step patches it there.)"""

@@ -20,6 +20,7 @@ import aiosqlite
 import orjson
 
 from chatd.store.database import Database, whole
+from chatd.store.idempotency import bind_key, finish_key
 from chatd.store.records import Message, new_id
 from chatd.store.usage import INSERT_USAGE
 
@@ -62,8 +63,10 @@ class Messages(Database):
     # --- turns ---
 
     @whole
-    async def start_turn(self, tenant_id: str, conversation_id: str, content: str) -> tuple[Message, Message]:
-        """Add the user's message and an empty `partial` assistant reply, or LookupError and nothing."""
+    async def start_turn(self, tenant_id: str, conversation_id: str, content: str,
+                         idempotency_key: str | None = None) -> tuple[Message, Message]:
+        """Add the user's message and an empty `partial` assistant reply, or LookupError and nothing;
+        with `idempotency_key` (claimed first: claim_key), the two are bound to it."""
         now = self._clock()
         user = new_message(conversation_id, "user", content, now=now)
         reply = new_message(conversation_id, "assistant", "", now=now, status="partial")
@@ -71,6 +74,8 @@ class Messages(Database):
             position = await next_position(conn, tenant_id, conversation_id)
             await insert_messages(conn, conversation_id, None, position, [user, reply])
             await conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
+            if idempotency_key is not None:
+                await bind_key(conn, tenant_id, idempotency_key, user.id, reply.id)
         return user, reply
 
     async def save_partial(self, message_id: str, content: str, completion_tokens: int) -> None:
@@ -110,6 +115,7 @@ class Messages(Database):
                 await _insert_calls(conn, message_id, calls, status, now)
             await conn.execute(INSERT_USAGE, (tenant_id, endpoint, model, conversation_id, message_id,
                                               prompt_tokens, cached_tokens, completion_tokens, cost, now))
+            await finish_key(conn, message_id, now)
         if not rows:
             raise LookupError(f"no message {message_id!r} (its usage was recorded)")
         return message_from_row(rows[0])
