@@ -1,7 +1,9 @@
 """The server's Prometheus metrics: engine gauges and counters, per-request histograms.
 
 Names follow vLLM's (`vllm:num_requests_running` becomes `chatd:num_requests_running`) so
-dashboards written for vLLM need only the prefix changed. Every `ServerMetrics` owns its
+dashboards written for vLLM need only the prefix changed. The engine series a router reads for
+load and cache affinity are also exposed under vLLM's own names and labels (VLLM_NAMED), so
+gateways built for vLLM replicas read chatd unchanged. Every `ServerMetrics` owns its
 own `CollectorRegistry`: two apps in one process, or two tests, never see each other's
 numbers. The per-request series carry a `route` label (ROUTES: which API generated), so one
 dashboard shows the chat page's turns beside the API's completions. This module knows nothing
@@ -36,6 +38,12 @@ TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))
 # The APIs that generate, as the per-request series' `route` label: /v1/chat/completions,
 # /v1/completions, /v1/responses and a conversation's /messages (the chat page).
 ROUTES = ("chat", "completions", "responses", "conversation")
+# Engine series that vLLM exposes with the same meaning (vllm/v1/metrics/loggers.py), repeated as
+# `vllm:NAME` with vLLM's labels: SGLang's gateway (smg) takes a vLLM worker's load from the first
+# three (its monitor.rs: running, waiting, KV usage 0..1), and vLLM dashboards plot the hit rate
+# from the two token counters. One engine core serves here: vLLM's `engine` label is "0".
+VLLM_NAMED = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+              "prefix_cache_queries", "prefix_cache_hits")
 
 
 class ServerMetrics:
@@ -264,9 +272,7 @@ class _EngineCollector:
              stats.num_blocks_from_host * self.kv_block_bytes if stats else 0),
         ]
         for name, documentation, value in gauges:
-            family = GaugeMetricFamily(name, documentation, labels=["model_name"])
-            family.add_metric([self.model_name], value)
-            yield family
+            yield from self._series(GaugeMetricFamily, name, documentation, value)
         times = self.stage_times
         counters += [
             ("chatd:engine_steps", "Engine steps run.", times.get("steps", 0)),
@@ -274,12 +280,31 @@ class _EngineCollector:
              times.get("engine_thread_cpu", 0.0)),
         ]
         for name, documentation, value in counters:
-            family = CounterMetricFamily(name, documentation, labels=["model_name"])
-            family.add_metric([self.model_name], value)
-            yield family
+            yield from self._series(CounterMetricFamily, name, documentation, value)
         stages = CounterMetricFamily("chatd:engine_stage_seconds", "Seconds of the host's work per step stage "
                                      "(schedule, inputs, forward, sample, wait, postprocess, detokenize, dispatch).",
                                      labels=["model_name", "stage"])
         for stage in STAGES:
             stages.add_metric([self.model_name, stage], times.get(stage, 0.0))
         yield stages
+        # vLLM v0's gauge, which smg still reads as a worker's cache hit rate (v1 dropped it for the
+        # two counters): the share of prompt tokens found in the prefix cache, all time.
+        queries, hits = (stats.prefix_cache_queries, stats.prefix_cache_hits) if stats else (0, 0)
+        hit_rate = GaugeMetricFamily("vllm:gpu_prefix_cache_hit_rate", "Fraction of prompt tokens found in the prefix "
+                                     "cache since the start (vLLM v0's name; vllm:prefix_cache_hits / _queries).",
+                                     labels=["model_name", "engine"])
+        hit_rate.add_metric([self.model_name, "0"], hits / queries if queries else 0.0)
+        yield hit_rate
+
+    def _series(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, documentation: str,
+                value: float) -> Iterable[Metric]:
+        """One series labelled with the model name, and where vLLM has it too (VLLM_NAMED) its twin
+        under vLLM's name and labels, from the same value."""
+        family = kind(name, documentation, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        yield family
+        short = name.removeprefix("chatd:")
+        if short in VLLM_NAMED:
+            twin = kind(f"vllm:{short}", f"{documentation} (vLLM's name for {name})", labels=["model_name", "engine"])
+            twin.add_metric([self.model_name, "0"], value)
+            yield twin

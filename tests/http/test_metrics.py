@@ -37,6 +37,15 @@ ENGINE_FAMILIES = {
     "chatd:engine_thread_cpu_seconds": "counter",
     "chatd:engine_stage_seconds": "counter",
 }
+# vLLM's names for the same engine numbers (a gateway or dashboard built for vLLM reads these).
+VLLM_FAMILIES = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:gpu_prefix_cache_hit_rate": "gauge",
+}
 REQUEST_FAMILIES = {
     "chatd:request_success": "counter",
     "chatd:time_to_first_token_seconds": "histogram",
@@ -94,7 +103,7 @@ def families(metrics: ServerMetrics) -> dict[str, str]:
 
 
 def test_exposes_exactly_the_documented_families():
-    assert families(ServerMetrics(MODEL)) == ENGINE_FAMILIES | REQUEST_FAMILIES | TIER_FAMILIES
+    assert families(ServerMetrics(MODEL)) == ENGINE_FAMILIES | VLLM_FAMILIES | REQUEST_FAMILIES | TIER_FAMILIES
 
 
 def test_exposed_text_has_vllm_style_names_with_total_suffix():
@@ -109,6 +118,7 @@ def test_exposed_text_has_vllm_style_names_with_total_suffix():
     expected = (
         {f"chatd:{name}_total" for name in counters}
         | {f"chatd:{name}" for name in gauges}
+        | {f"{name}_total" if kind == "counter" else name for name, kind in VLLM_FAMILIES.items()}
         | {f"chatd:{name}_{part}" for name in histograms for part in ("bucket", "count", "sum")}
     )
     assert exposed == expected  # no `_total_total`, no `_created` series
@@ -130,6 +140,21 @@ def test_gauges_show_the_latest_engine_state():
     assert samples[f"chatd:num_requests_running{{model_name={MODEL}}}"] == 1
     assert samples[f"chatd:num_requests_waiting{{model_name={MODEL}}}"] == 0
     assert samples[f"chatd:kv_cache_usage_perc{{model_name={MODEL}}}"] == 0.5
+
+
+def test_vllm_names_read_the_same_values_with_vllms_labels():
+    """A router or dashboard built for vLLM (smg scrapes vllm:num_requests_running, _waiting and
+    kv_cache_usage_perc) reads what chatd's own names say."""
+    metrics = ServerMetrics(MODEL)
+    metrics.update_engine(make_stats(num_running=3, num_waiting=2, kv_cache_usage=0.375,
+                                     prefix_cache_queries=200, prefix_cache_hits=48))
+    samples = scrape(metrics)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total"):
+        assert samples[f"vllm:{name}{{engine=0,model_name={MODEL}}}"] == samples[f"chatd:{name}{{model_name={MODEL}}}"]
+    assert samples[f"vllm:kv_cache_usage_perc{{engine=0,model_name={MODEL}}}"] == 0.375  # a fraction, as vLLM's
+    assert samples[f"vllm:gpu_prefix_cache_hit_rate{{engine=0,model_name={MODEL}}}"] == 48 / 200
+    assert scrape(ServerMetrics(MODEL))[f"vllm:gpu_prefix_cache_hit_rate{{engine=0,model_name={MODEL}}}"] == 0
 
 
 def test_counters_grow_by_the_engine_deltas_across_updates():
