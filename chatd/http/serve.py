@@ -36,6 +36,7 @@ from chatd.http.state import ServerState
 from chatd.safety.guard import GuardModel
 from chatd.safety.pipeline import SafetyPipeline
 from chatd.store.db import SCHEMA_VERSION, Store
+from chatd.store.idempotency import HEARTBEAT_S, KEY_LIFETIME_S
 from chatd.store.ledger import Ledger
 
 log = logging.getLogger("chatd.http")
@@ -261,6 +262,7 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     purge = asyncio.create_task(_purge_forever(store, config.store), name="purge")
+    beat = asyncio.create_task(_beat_forever(store, state.replica), name="heartbeat")
     watch = None
     try:
         await _warm_up(async_engine, state)
@@ -287,6 +289,7 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
         await site.stop()
     finally:
         purge.cancel()
+        beat.cancel()
         if watch is not None:
             watch.cancel()
         state.stopping = True
@@ -327,11 +330,22 @@ async def _purge_forever(store: Store, config: StoreConfig) -> None:
     while True:
         try:
             purged = await store.purge_deleted(time.time() - config.retention_days * 86400)
+            await store.purge_keys(time.time() - KEY_LIFETIME_S)
             if purged:
                 log.info("purged %d deleted conversations older than %g days", purged, config.retention_days)
         except Exception:
             log.exception("purging deleted conversations failed; trying again later")
         await asyncio.sleep(config.purge_interval_seconds)
+
+
+async def _beat_forever(store: Store, replica: str) -> None:
+    """Tell the replicas sharing the store that this one is alive, every HEARTBEAT_S (idempotency.py)."""
+    while True:
+        try:
+            await store.beat(replica)
+        except Exception as exc:  # the store is down: the ledger and /health say so
+            log.debug("heartbeat not written: %r", exc)
+        await asyncio.sleep(HEARTBEAT_S)
 
 
 async def _drain(engine: AsyncEngine, state: ServerState, grace: float) -> None:

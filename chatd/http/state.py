@@ -25,6 +25,7 @@ from chatd.http.tool_calls import ToolParser
 from chatd.http.tools import ToolRequest, ToolUse, tool_parser, tool_use
 from chatd.safety.guard import GuardModel
 from chatd.safety.pipeline import SafetyPipeline
+from chatd.store.records import new_id
 from chatd.store.db import Store, Tenant
 from chatd.store.ledger import Ledger, cannot_write_now
 
@@ -46,6 +47,8 @@ class ServerState:
     ledger: Ledger  # usage and finished replies, written in order even when the store must wait
     config: Config = field(default_factory=Config)
     model_aliases: tuple[str, ...] = ()  # other names a request may use ([server] model_name's others)
+    # This process, to the other replicas sharing its store: who runs a turn with an idempotency key.
+    replica: str = field(default_factory=lambda: new_id("rep_", 8))
     ready: bool = False
     stopping: bool = False  # set at shutdown: replies cut short now are partial, not failed
     draining_until: float | None = None  # on SIGTERM: the loop time the grace period ends; new requests get 503

@@ -341,8 +341,10 @@ class MessageTurn:
 
     stored, named_events, endpoint, route = True, False, "conversations", "conversation"
 
-    def __init__(self, state: ServerState, tenant: Tenant, conversation: Conversation, turn: TurnRequest) -> None:
+    def __init__(self, state: ServerState, tenant: Tenant, conversation: Conversation, turn: TurnRequest,
+                 idempotency_key: str | None = None) -> None:
         self.state, self.tenant, self.conversation, self.turn = state, tenant, conversation, turn
+        self.idempotency_key = idempotency_key  # claimed by the route; the turn's rows are bound to it
         self.gen = turn.gen
         self.busy_key = conversation.id
         self.omitted = 0
@@ -360,7 +362,8 @@ class MessageTurn:
         return {"content": prompt}
 
     async def begin(self) -> Message:
-        _, assistant = await self.state.store.start_turn(self.tenant.id, self.conversation.id, self.turn.content)
+        _, assistant = await self.state.store.start_turn(self.tenant.id, self.conversation.id, self.turn.content,
+                                                         self.idempotency_key)
         return assistant
 
     def events(self, assistant: Message, omitted: int) -> ReplyEvents:

@@ -490,3 +490,35 @@ async def test_a_reply_is_cancelled_by_its_own_tenant_only_and_saved_as_partial(
         # The conversation is free for the next message.
         status, _ = await post(session, server, got["id"], "next", max_tokens=3)
         assert status == 200
+
+
+async def test_a_retry_with_the_same_idempotency_key_gets_the_same_reply_billed_once(server):
+    """The retry a client sends after losing the answer: no second turn, no second usage row; the
+    same key with another body is refused, another tenant's same key is its own, and every reply
+    names its conversation as the routing key a gateway hashes on."""
+    async with aiohttp.ClientSession() as session:
+        conversation = await new_conversation(session, server)
+        url = f"{server['url']}/v1/conversations/{conversation['id']}/messages"
+        body = {"content": "Tell me a story.", "max_tokens": 6}
+        keyed = {**headers(server), "Idempotency-Key": "retry-1"}
+        async with session.post(url, json=body, headers=keyed) as r:
+            first = await r.json()
+            assert r.status == 200 and r.headers["X-Chatd-Routing-Key"] == conversation["id"]
+        async with session.post(url, json=body, headers=keyed) as r:
+            again = await r.json()
+            assert r.status == 200 and r.headers["Idempotent-Replayed"] == "true"
+        assert again["id"] == first["id"] and again["choices"] == first["choices"] and again["usage"] == first["usage"]
+        status, refused = await call(session, "POST", url, json={**body, "content": "Another story."}, headers=keyed)
+        assert status == 422 and refused["error"]["param"] == "Idempotency-Key"
+        status, refused = await call(session, "POST", url, json=body, headers={**keyed, "Idempotency-Key": "x" * 256})
+        assert status == 400 and "255" in refused["error"]["message"]
+        bobs = await new_conversation(session, server, "bob")
+        status, _ = await call(session, "POST", f"{server['url']}/v1/conversations/{bobs['id']}/messages", json=body,
+                               headers={**headers(server, "bob"), "Idempotency-Key": "retry-1"})
+        assert status == 200
+        status, items = await call(session, "GET", f"{server['url']}/v1/conversations/{conversation['id']}/items",
+                                   headers=headers(server))
+        assert [item["role"] for item in items["data"]] == ["assistant", "user"]
+    events = sqlite3.connect(server["db"]).execute("SELECT COUNT(*) FROM usage_events WHERE message_id = ?",
+                                                   (first["id"],)).fetchone()[0]
+    assert events == 1
