@@ -124,7 +124,7 @@ FIELD_SCHEMAS: dict[str, Schema] = {
     "min_tokens": {"type": "integer", "minimum": 0, "description": "tokens generated before a stop may end the reply"},
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": 0, "description": "0: off"},
+    "top_k": {"type": "integer", "minimum": -1, "description": "0 or -1: off"},
     "min_p": {"type": "number", "minimum": 0, "maximum": 1},
     "presence_penalty": PENALTY,
     "frequency_penalty": PENALTY,

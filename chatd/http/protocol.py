@@ -282,7 +282,7 @@ def _request(body: dict, prompt: str | list[int], max_tokens: int | None, logpro
         min_tokens=_get(body, "min_tokens", int, 0),
         temperature=float(_get(body, "temperature", number, defaults.get("temperature", 1.0))),
         top_p=float(_get(body, "top_p", number, defaults.get("top_p", 1.0))),
-        top_k=_get(body, "top_k", int, int(defaults.get("top_k", 0))),
+        top_k=_top_k(_get(body, "top_k", int, int(defaults.get("top_k", 0)))),
         min_p=float(_get(body, "min_p", number, defaults.get("min_p", 0.0))),
         presence_penalty=float(_get(body, "presence_penalty", number, 0.0)),
         frequency_penalty=float(_get(body, "frequency_penalty", number, 0.0)),
@@ -326,6 +326,11 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
             raise APIError(400, f"{name} is not supported by chatd ({UNSUPPORTED[name]})", name)
         if name not in allowed:
             raise APIError(400, f"unknown field {name!r}", name)
+
+
+def _top_k(value: int) -> int:
+    """-1 is off, as in vLLM and SGLang (the SGLang Model Gateway sends it on every Responses request); chatd's off is 0."""
+    return 0 if value == -1 else value
 
 
 def _get(body: dict, name: str, types, default):
