@@ -27,15 +27,12 @@ from chatd.http.openai_format import ChunkFormat, token_usage
 from chatd.http.protocol import json_body, parse_turn, shown
 from chatd.http.request_log import REQUEST_LOG
 from chatd.http.state import STATE, ServerState
-from chatd.http.turns import TURNS, MessageTurn, ReplyStream, conversation_not_found
+from chatd.http.turns import ROUTING_KEY_HEADER, TURNS, MessageTurn, ReplyStream, conversation_not_found
 from chatd.http.wire import DONE, json_response, read_json, stream_events
 from chatd.store.db import Claim, Conversation, Message, Tenant
 
 MAX_NEW_ITEMS = 20  # items one request may add, as OpenAI's Conversations API allows
 MAX_IDEMPOTENCY_KEY = 255  # characters, as Stripe allows
-# Names the conversation (or a Responses chain's first response) a reply belongs to, so a client
-# can send it back and a gateway hash on it: the next turn lands where its KV prefix is.
-ROUTING_KEY_HEADER = "X-Chatd-Routing-Key"
 
 
 # -- routes -------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from chatd.http.response_request import (MAX_INPUT_ITEMS, RESPONSE_FIELDS, SERVI
                                          parse_response)
 from chatd.http.response_turn import ResponseTurn, replayed, response_object
 from chatd.http.state import STATE, ServerState
-from chatd.http.turns import TURNS, ReplyStream, Turns
+from chatd.http.turns import ROUTING_KEY_HEADER, TURNS, ReplyStream, Turns
 from chatd.http.wire import json_response, read_json, stream_events
 from chatd.store.db import Message, Tenant
 from chatd.store.records import Response
@@ -71,8 +71,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         if exc.param == "max_tokens":
             raise APIError(400, str(exc).replace("max_tokens", "max_output_tokens"), "max_output_tokens") from None
         raise APIError(400, str(exc), "input" if exc.param == "prompt" else exc.param) from None
+    routing = {ROUTING_KEY_HEADER: conversation.id if conversation is not None
+               else await state.store.chain_root(previous.id) if previous is not None else job.record.id}
     if req.gen.stream:
-        return await _stream(request, state, turns, reply, 0, cancel_on_leave=not req.store)
+        return await _stream(request, state, turns, reply, 0, cancel_on_leave=not req.store, headers=routing)
     try:
         async for _ in reply.follow(len(reply.events), 3600.0):  # returns when the reply has ended
             pass
@@ -84,7 +86,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         raise reply.failure()
     if message.status == "partial" and reply.stopped_by is None:
         raise reply.interruption()  # the server is stopping
-    return json_response(response_object(state, job.record, [message, *reply.calls], stopped_by=reply.stopped_by))
+    return json_response(response_object(state, job.record, [message, *reply.calls], stopped_by=reply.stopped_by),
+                         headers=routing)
 
 
 async def get_response(request: web.Request) -> web.StreamResponse:
@@ -202,12 +205,12 @@ async def _outputs(state: ServerState, record: Response) -> list[Message]:
 
 
 async def _stream(request: web.Request, state: ServerState, turns: Turns, reply: ReplyStream, after: int, *,
-                  cancel_on_leave: bool) -> web.StreamResponse:
+                  cancel_on_leave: bool, headers: dict | None = None) -> web.StreamResponse:
     """Follow a reply from event `after`. A stored one goes on and is saved when its follower leaves;
     with `cancel_on_leave` (store=false: nobody can come back for it) it is stopped."""
     whole = False
     try:
-        response, whole = await stream_events(request, reply.follow(after, state.heartbeat_seconds))
+        response, whole = await stream_events(request, reply.follow(after, state.heartbeat_seconds), headers)
     finally:  # also when aiohttp cancels the handler of a client that went away
         if not whole and cancel_on_leave:
             turns.cancel_reply(reply.message_id)

@@ -52,6 +52,10 @@ from chatd.store.messages import Call, call_rows
 
 log = logging.getLogger("chatd.http")
 
+# Names the conversation (or a Responses chain's first response) a reply belongs to, so a client
+# can send it back and a gateway hash on it: the next turn lands where its KV prefix is.
+ROUTING_KEY_HEADER = "X-Chatd-Routing-Key"
+
 
 class ReplyStream:
     """One assistant reply's SSE events; event i (from 1) carries `id: i`. Followers wait for more."""

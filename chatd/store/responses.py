@@ -91,6 +91,15 @@ class Responses(Database):
             "ORDER BY chain.depth DESC, m.position", (response_id,))
         return [message_from_row(row) for row in rows]
 
+    async def chain_root(self, response_id: str) -> str:
+        """The first response of the chain `response_id` ends (itself if it continues none): what
+        names the chain to a gateway, so every response of it lands on the replica that has its KV."""
+        rows = await self._fetch(
+            "WITH RECURSIVE chain (id, depth) AS (SELECT ?, 0 UNION ALL "
+            "SELECT r.previous_response_id, chain.depth + 1 FROM responses r JOIN chain ON r.id = chain.id "
+            "WHERE r.previous_response_id IS NOT NULL) SELECT id FROM chain ORDER BY depth DESC LIMIT 1", (response_id,))
+        return rows[0][0]
+
 
 def _response(row: sqlite3.Row) -> Response:
     *head, stored, model, instructions, request, created_at = row

@@ -145,6 +145,20 @@ def test_a_chained_response_finds_the_whole_previous_prompt_and_output_in_the_ca
     assert checked == 2
 
 
+def test_a_chain_names_its_first_response_as_the_routing_key_and_top_k_minus_one_is_off(server):
+    """X-Chatd-Routing-Key is what a gateway hashes on: the same for every response of a chain.
+    top_k = -1 (off in vLLM and SGLang; the SGLang Model Gateway sends it) is accepted as off."""
+    def routed(**fields):
+        raw = client(server).responses.with_raw_response.create(
+            model="demo", max_output_tokens=4, temperature=0, **fields, extra_body={"ignore_eos": True, "top_k": -1})
+        return raw.parse(), raw.headers["X-Chatd-Routing-Key"]
+
+    first, key = routed(input=unique("Start a chain."))
+    second, second_key = routed(input="Go on.", previous_response_id=first.id)
+    _, third_key = routed(input="And on.", previous_response_id=second.id)
+    assert key == second_key == third_key == first.id
+
+
 def test_input_as_a_list_of_items_with_an_earlier_output_passed_back(server, tokenizer):
     earlier = create(server, input=unique("Say something."))
     history = [
