@@ -356,10 +356,7 @@ LIMIT_PER = ("tenant", "key")
 @dataclass(frozen=True)
 class TierConfig:
     """What a tier's tenants may use, and where their requests go in the queue. 0 means no limit.
-
-    Limits apply while the key database is on ([auth] enabled); the one local user (auth off, or
-    one shared key) is never limited.
-    """
+    Limits apply while the key database is on ([auth] enabled), never to the one local user."""
 
     requests_per_minute: int = 0  # generation requests (a request bucket refilled continuously)
     tokens_per_minute: int = 0  # prompt + max_tokens reserved at admission; the unused part is refunded
@@ -419,6 +416,8 @@ class Config:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     prices: dict[str, Price] = field(default_factory=dict)  # served model name -> its price
     tiers: dict[str, TierConfig] = field(default_factory=lambda: dict(DEFAULT_TIERS))  # tier name -> its limits
+    tiers_storage: str = ""  # [tiers] storage: the buckets' store, "" (each replica's own) or "redis://host:6379/0"
+    tiers_on_storage_error: str = "open"  # [tiers] on_storage_error: store unreachable: "open" or "closed" (503)
     policies: dict[str, CategoryPolicy] = field(default_factory=lambda: dict(DEFAULT_POLICIES))  # category -> policy
 
     def price(self, model_name: str) -> Price:

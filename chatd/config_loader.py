@@ -14,18 +14,23 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from chatd.config import (DEFAULT_POLICIES, DEFAULT_TIERS, SECTIONS, TIER_NAME, CategoryPolicy, Config, Price,
-                          SpeculativeConfig, TierConfig)
+from chatd.config import (DEFAULT_POLICIES, DEFAULT_TIERS, FAILURE_MODES, SECTIONS, TIER_NAME, CategoryPolicy, Config,
+                          Price, SpeculativeConfig, TierConfig)
 
 # Settings that take one string or a list of strings; a lone "" means none.
 ONE_OR_MORE = {("server", "model_name")}
+
+# The plain settings of [tiers] (its tables are tiers), each the Config field it sets.
+TIERS_SETTINGS = {"storage": "tiers_storage", "on_storage_error": "tiers_on_storage_error"}
+# What [tiers] storage may name: each replica's own memory, or a Redis server.
+TIERS_STORAGE = ("memory://", "redis://", "rediss://", "unix://")
 
 
 def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:
     """Build a Config from nested `{section: {key: value}}`, rejecting unknown keys by name."""
     values = dict(values or {})
     prices = _build_prices(values.pop("prices", {}))
-    tiers = _build_tiers(values.pop("tiers", {}))
+    tiers, tiers_settings = _build_tiers(values.pop("tiers", {}))
     policies = _build_policies(values.pop("policies", {}))
     sections: dict[str, Any] = {}
     for name, section_values in values.items():
@@ -33,7 +38,7 @@ def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:
             raise ValueError(f"unknown config section [{name}]; known: {', '.join(SECTIONS)}")
         cls = SECTIONS[name]
         sections[name] = cls(**_checked(name, cls, section_values))
-    config = Config(**sections, prices=prices, tiers=tiers, policies=policies)
+    config = Config(**sections, prices=prices, tiers=tiers, policies=policies, **tiers_settings)
     if config.auth.local_tier not in tiers:
         raise ValueError(f"setting auth.local_tier names tier {config.auth.local_tier!r}, which is not defined; "
                          f"defined: {', '.join(tiers)}")
@@ -101,12 +106,31 @@ def _build_prices(values: dict[str, Any]) -> dict[str, Price]:
     return prices
 
 
-def _build_tiers(values: dict[str, Any]) -> dict[str, TierConfig]:
-    """DEFAULT_TIERS with each [tiers.NAME] table over its tier (a new name starts from no limits)."""
-    for name in values:
-        if not TIER_NAME.fullmatch(name):
+def _build_tiers(values: dict[str, Any]) -> tuple[dict[str, TierConfig], dict[str, str]]:
+    """DEFAULT_TIERS with each [tiers.NAME] table over its tier (a new name starts from no limits),
+    and the [tiers] settings (TIERS_SETTINGS) as the Config fields they set."""
+    tables, settings = {}, {}
+    for name, value in values.items():
+        if name in TIERS_SETTINGS:
+            if isinstance(value, dict):
+                raise ValueError(f"a tier cannot be named {name!r}: [tiers] {name} is a setting (where the tiers' "
+                                 f"buckets are kept, and what happens when they cannot be reached); name it otherwise")
+            if not isinstance(value, str):
+                raise ValueError(f"setting tiers.{name} must be str, got {value!r}")
+            settings[TIERS_SETTINGS[name]] = value
+        elif not TIER_NAME.fullmatch(name):
             raise ValueError(f"tier name {name!r} must be 1-32 lower-case letters, digits, '-' or '_'")
-    return _overlay(values, DEFAULT_TIERS, TierConfig, lambda name: f"tiers.{name}", "{ requests_per_minute = 60 }")
+        else:
+            tables[name] = value
+    storage = settings.get("tiers_storage", "")
+    if storage and not storage.startswith(TIERS_STORAGE):
+        raise ValueError(f"setting tiers.storage must be empty or \"memory://\" (each replica's own buckets) or a Redis "
+                         f"URL like \"redis://127.0.0.1:6379/0\" (shared by every replica), got {storage!r}")
+    on_error = settings.get("tiers_on_storage_error", "open")
+    if on_error not in FAILURE_MODES:
+        raise ValueError(f"setting tiers.on_storage_error must be one of {', '.join(FAILURE_MODES)}, got {on_error!r}")
+    tiers = _overlay(tables, DEFAULT_TIERS, TierConfig, lambda name: f"tiers.{name}", "{ requests_per_minute = 60 }")
+    return tiers, settings
 
 
 def _build_policies(values: dict[str, Any]) -> dict[str, CategoryPolicy]:
@@ -155,6 +179,7 @@ def config_from_options(base: Config | None = None, **options: Any) -> Config:
     values: dict[str, Any] = {name: dataclasses.asdict(getattr(base, name)) for name in SECTIONS}
     values["prices"] = {model: dataclasses.asdict(price) for model, price in base.prices.items()}
     values["tiers"] = {name: dataclasses.asdict(tier) for name, tier in base.tiers.items()}
+    values["tiers"].update({key: getattr(base, field) for key, field in TIERS_SETTINGS.items()})
     values["policies"] = {name: dataclasses.asdict(policy) for name, policy in base.policies.items()}
     owners = {f.name: name for name, cls in SECTIONS.items() if name != "speculative" for f in dataclasses.fields(cls)}
     speculative = options.pop("speculative_config", None) or {}

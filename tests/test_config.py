@@ -146,3 +146,25 @@ def test_the_local_user_s_tier_must_be_defined():
     with pytest.raises(ValueError, match="auth.local_tier names tier 'gold', which is not defined"):
         build_config({"auth": {"local_tier": "gold"}})
     assert build_config({"auth": {"local_tier": "gold"}, "tiers": {"gold": {}}}).auth.local_tier == "gold"
+
+
+def test_tiers_storage_and_on_storage_error_are_settings_of_tiers_beside_its_tables():
+    config = build_config({"tiers": {"storage": "redis://127.0.0.1:6379/0", "on_storage_error": "closed",
+                                     "free": {"requests_per_minute": 5}}})
+    assert (config.tiers_storage, config.tiers_on_storage_error) == ("redis://127.0.0.1:6379/0", "closed")
+    assert set(config.tiers) == set(DEFAULT_TIERS) and config.tiers["free"].requests_per_minute == 5
+    assert (Config().tiers_storage, Config().tiers_on_storage_error) == ("", "open")  # each replica's own buckets
+    assert config_from_options(config, block_size=8).tiers_storage == config.tiers_storage  # options keep them
+
+
+@pytest.mark.parametrize("tiers, message", [
+    ({"storage": {"requests_per_minute": 5}}, "a tier cannot be named 'storage': [tiers] storage is a setting"),
+    ({"on_storage_error": {}}, "a tier cannot be named 'on_storage_error'"),
+    ({"storage": "http://cache:6379"}, 'tiers.storage must be empty or "memory://"'),
+    ({"storage": 6379}, "setting tiers.storage must be str"),
+    ({"on_storage_error": "maybe"}, "tiers.on_storage_error must be one of open, closed, got 'maybe'"),
+])
+def test_bad_tiers_settings_are_refused_naming_the_setting(tiers, message):
+    with pytest.raises(ValueError) as error:
+        build_config({"tiers": tiers})
+    assert message in str(error.value)
