@@ -139,7 +139,8 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     headers = {ROUTING_KEY_HEADER: conversation.id}
     key = idempotency_key(request)
     if key is not None:
-        claim = await state.store.claim_key(tenant.id, key, _request_digest(conversation.id, body), state.replica)
+        claim = await state.store.claim_key(tenant.id, key, _request_digest(conversation.id, body), state.replica,
+                                            state.config.store.replica_timeout_seconds)
         if claim.outcome == "replay":
             return await _replay(request, state, conversation, claim.message_id, turn.gen.stream, headers)
         _refuse_claim(claim)

@@ -31,12 +31,13 @@ from aiohttp.http_exceptions import HttpProcessingError
 from chatd.config import Config, StoreConfig, store_path
 from chatd.engine import AsyncEngine, Embedder, EngineProcess, LLMEngine, SamplingParams, Tokenizer
 from chatd.http.app import create_app
+from chatd.http.buckets import check_storage
 from chatd.http.starting import Startup, starting_app
 from chatd.http.state import ServerState
 from chatd.safety.guard import GuardModel
 from chatd.safety.pipeline import SafetyPipeline
 from chatd.store.db import SCHEMA_VERSION, Store
-from chatd.store.idempotency import HEARTBEAT_S, KEY_LIFETIME_S
+from chatd.store.idempotency import KEY_LIFETIME_S
 from chatd.store.ledger import Ledger
 
 log = logging.getLogger("chatd.http")
@@ -53,6 +54,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     """Run the server until SIGINT/SIGTERM (or `stop` is set). `build_engine` makes the engine from
     the config, on the engine thread (benchmarks/host.py passes one around a fixed-time model)."""
     SafetyPipeline.build(config.safety, config.policies)  # a bad rules file or policy: said now, not after loading
+    check_storage(config.tiers_storage)  # [tiers] storage needs redis-py: said now too
     sock = reserve_port(config.server.host, config.server.port)
     warn_if_open(config)
     startup = Startup()
@@ -262,7 +264,8 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     purge = asyncio.create_task(_purge_forever(store, config.store), name="purge")
-    beat = asyncio.create_task(_beat_forever(store, state.replica), name="heartbeat")
+    beat = asyncio.create_task(_beat_forever(store, state.replica, config.store.replica_timeout_seconds / 5),
+                               name="heartbeat")
     watch = None
     try:
         await _warm_up(async_engine, state)
@@ -296,6 +299,7 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
         await async_engine.stop()  # aborts what is left: streams end with an error event, replies save as partial
         await runner.cleanup()  # handlers finish their last writes, or are cancelled after SHUTDOWN_WRITE_SECONDS
         await state.wait_background(timeout=10.0)
+        await state.limits.close()  # the last give-backs to the shared buckets, and their connections
         state.tokenizing.shutdown(wait=False, cancel_futures=True)
         log.info("stopped")
 
@@ -338,14 +342,14 @@ async def _purge_forever(store: Store, config: StoreConfig) -> None:
         await asyncio.sleep(config.purge_interval_seconds)
 
 
-async def _beat_forever(store: Store, replica: str) -> None:
-    """Tell the replicas sharing the store that this one is alive, every HEARTBEAT_S (idempotency.py)."""
+async def _beat_forever(store: Store, replica: str, interval: float) -> None:
+    """Tell the replicas sharing the store that this one is alive, every `interval` seconds (idempotency.py)."""
     while True:
         try:
             await store.beat(replica)
         except Exception as exc:  # the store is down: the ledger and /health say so
             log.debug("heartbeat not written: %r", exc)
-        await asyncio.sleep(HEARTBEAT_S)
+        await asyncio.sleep(interval)
 
 
 async def _drain(engine: AsyncEngine, state: ServerState, grace: float) -> None:

@@ -12,8 +12,8 @@ what a try does:
               its rows (the user message and the partial reply) are removed and the try runs as new
 
 A dead try wrote no usage (usage is written when a reply ends), so the take-over's reply is the
-only one billed. Replicas say they are alive by writing `replicas.seen_at` every HEARTBEAT_S
-(serve.py); the comparison uses each replica's wall clock, so replicas need synchronised clocks
+only one billed. Replicas say they are alive by writing `replicas.seen_at` five times per
+timeout (serve.py); the comparison uses each replica's wall clock, so replicas need synchronised clocks
 (NTP), to well within REPLICA_TIMEOUT_S.
 
 `Idempotency` is a mixin of `Store` (db.py); its SQL runs through the store's `_fetch`, `_write`
@@ -27,8 +27,7 @@ from typing import NamedTuple
 
 from chatd.store.database import Database, whole
 
-HEARTBEAT_S = 2.0  # how often a replica writes that it is alive
-REPLICA_TIMEOUT_S = 10.0  # a replica silent this long is dead: its tries may be taken over
+REPLICA_TIMEOUT_S = 10.0  # a replica silent this long is dead: its tries may be taken over ([store] replica_timeout_seconds)
 KEY_LIFETIME_S = 86400.0  # a key is kept this long (as OpenAI and Stripe keep theirs), then purged
 
 
@@ -49,8 +48,10 @@ class Idempotency(Database):
                           "ON CONFLICT (id) DO UPDATE SET seen_at = excluded.seen_at", (replica, self._clock()))
 
     @whole
-    async def claim_key(self, tenant_id: str, key: str, request_sha256: str, replica: str) -> Claim:
-        """Decide what a try with `key` does; for `new`, the key is this replica's until its reply ends."""
+    async def claim_key(self, tenant_id: str, key: str, request_sha256: str, replica: str,
+                        timeout: float = REPLICA_TIMEOUT_S) -> Claim:
+        """Decide what a try with `key` does; for `new`, the key is this replica's until its reply
+        ends. A replica silent for `timeout` seconds is dead."""
         now = self._clock()
         async with self._transaction() as conn:
             rows = await conn.execute_fetchall(
@@ -66,9 +67,9 @@ class Idempotency(Database):
                 return Claim("mismatch")
             if finished_at is not None:
                 return Claim("replay", message_id)
-            silent = now - seen_at if seen_at is not None else REPLICA_TIMEOUT_S
-            if owner == replica or silent < REPLICA_TIMEOUT_S:
-                return Claim("busy", retry_after=max(1.0, REPLICA_TIMEOUT_S - silent))
+            silent = now - seen_at if seen_at is not None else timeout
+            if owner == replica or silent < timeout:
+                return Claim("busy", retry_after=max(1.0, timeout - silent))
             # Its replica died mid-reply: the try's rows go, and this try runs as if it were the first.
             await conn.execute("DELETE FROM messages WHERE id IN (?, ?)", (user_message_id, message_id))
             await conn.execute("UPDATE idempotency_keys SET replica = ?, user_message_id = NULL, message_id = NULL "
