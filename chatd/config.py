@@ -220,10 +220,11 @@ class StoreConfig:
     replica_timeout_seconds: float = 10.0
 
     def __post_init__(self) -> None:
-        scheme = self.url.partition("://")[0] if "://" in self.url else None
-        if self.url and scheme not in STORE_URL_SCHEMES:
-            raise ValueError(f"setting [store] url must be sqlite:///path/to/chatd.db or postgresql://user@host:port/db "
-                             f"(or empty: the SQLite file at db_path); got {'a ' + scheme + ':// url' if scheme else 'no scheme'}")
+        scheme, separator, _ = self.url.partition("://")
+        if self.url and not (separator and scheme in STORE_URL_SCHEMES):
+            given = f"a {scheme}:// url" if separator else "no scheme"  # the rest may hold a password
+            raise ValueError("setting [store] url must be sqlite:///path/to/chatd.db or postgresql://user@host:port/db "
+                             f"(empty: the SQLite file at db_path); got {given}")
         if self.url and self.db_path:
             raise ValueError("settings [store] url and [store] db_path exclude each other: set the file in one of them")
 
