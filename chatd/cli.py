@@ -31,6 +31,7 @@ from chatd.config import ASYNC_SCHEDULING, DTYPES, KV_CACHE_DTYPES, LOG_LEVELS, 
 from chatd.config_loader import load_config, speculative_settings
 from chatd.logs import setup_logging
 from chatd.store.moderation import EVENT_STATUSES
+from chatd.store.url import open_store
 
 if TYPE_CHECKING:
     from chatd.engine import LLMEngine
@@ -153,10 +154,9 @@ def _demo_model(args: argparse.Namespace) -> int:
 
 def _on_store(args: argparse.Namespace, work: Callable[[Store], Awaitable[T]]) -> T:
     """Open the store that the config names, run `work` on it, and close it."""
-    from chatd.store.db import Store
-
     async def run() -> T:
-        async with await Store.open(store_path(load_config(args.config))) as store:
+        config = load_config(args.config)
+        async with await open_store(config.store.url or store_path(config)) as store:
             return await work(store)
 
     return asyncio.run(run())

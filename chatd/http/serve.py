@@ -39,6 +39,7 @@ from chatd.safety.pipeline import SafetyPipeline
 from chatd.store.db import SCHEMA_VERSION, Store
 from chatd.store.idempotency import KEY_LIFETIME_S
 from chatd.store.ledger import Ledger
+from chatd.store.url import open_store, store_location
 
 log = logging.getLogger("chatd.http")
 
@@ -66,9 +67,11 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     await early_site.start()
     startup.mark("listening", f"http://{config.server.host}:{sock.getsockname()[1]}; /ready says when the model serves")
     try:
-        path = store_path(config)
-        store = await Store.open(path, max_bytes=int(config.store.max_db_mb * 2**20))
-        log.info("store: %s (schema version %d)", path, SCHEMA_VERSION)
+        where = config.store.url or store_path(config)
+        store = await open_store(where, max_bytes=int(config.store.max_db_mb * 2**20))
+        # A PostgreSQL url may hold a password: only its dialect is logged.
+        shown = where if store_location(where)[0] == "sqlite" else "a PostgreSQL database ([store] url)"
+        log.info("store: %s (schema version %d)", shown, SCHEMA_VERSION)
         try:
             await check_key_tiers(store, config)
         except ValueError:
