@@ -5,7 +5,8 @@ versions (`schema.sql` is version 1, then the steps in MIGRATIONS, tracked in `P
 runs one statement, `_transaction` runs several that commit together. Past the migrations it
 reads and writes no table but the write probe's: each family's SQL lives in its own module (keys,
 conversations, messages, responses, usage, moderation), mixed into `Store` in db.py. All SQL
-takes its values as parameters.
+takes its values as parameters. postgres.py keeps the same contract on a PostgreSQL server, and
+runs the same MIGRATIONS there (postgres_schema.py).
 """
 
 from __future__ import annotations
@@ -114,6 +115,11 @@ class StoreFileError(ValueError):
     """The database file cannot be used by this chatd (written by a newer one, or not chatd's)."""
 
 
+class StoreUnavailableError(Exception):
+    """The database server cannot take writes now (unreachable, connection lost, disk full,
+    read-only): the same write may succeed later. SQLite's file raises sqlite3's errors instead."""
+
+
 def whole(method):
     """Run a method that writes in a transaction to its end even if its caller is cancelled (a
     client that went away): the reply is still saved and billed, and no transaction is left open."""
@@ -126,6 +132,8 @@ def whole(method):
 
 class Database:
     """chatd's SQLite file. One connection; an asyncio lock keeps each transaction whole."""
+
+    dialect = "sqlite"  # which SQL the store speaks, for the few statements that differ
 
     def __init__(self, conn: aiosqlite.Connection, path: Path, clock: Callable[[], float]):
         self._conn = conn
@@ -173,6 +181,16 @@ class Database:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
+
+    async def tables(self) -> dict[str, list[str]]:
+        """Each table's name and its columns, in order."""
+        names = await self._fetch("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+        return {name: [column[1] for column in await self._fetch(f"PRAGMA table_info({name})")] for (name,) in names}
+
+    async def schema_version(self) -> int:
+        """The schema version the file is at (SCHEMA_VERSION once open)."""
+        [(version,)] = await self._fetch("PRAGMA user_version")
+        return version
 
     # --- can it write? ---
 
@@ -244,11 +262,11 @@ async def _migrate(conn: aiosqlite.Connection, path: Path) -> None:
         if version == 0:
             if await conn.execute_fetchall("SELECT 1 FROM sqlite_master LIMIT 1"):
                 raise StoreFileError(f"{path} is not a chatd database (it has tables but no schema version)")
-            steps = [_statements(SCHEMA_FILE.read_text()), *MIGRATIONS]
+            steps = [statements(SCHEMA_FILE.read_text()), *MIGRATIONS]
         else:
             steps = MIGRATIONS[version - 1:]
-        for statements in steps:
-            for sql in statements:
+        for step in steps:
+            for sql in step:
                 await conn.execute(sql)
             version += 1
             await conn.execute(f"PRAGMA user_version = {int(version)}")  # PRAGMA takes no parameters
@@ -259,12 +277,12 @@ async def _migrate(conn: aiosqlite.Connection, path: Path) -> None:
         raise
 
 
-def _statements(script: str) -> list[str]:
+def statements(script: str) -> list[str]:
     """Split a SQL script into statements (executescript would commit our open transaction)."""
-    statements, pending = [], ""
+    found, pending = [], ""
     for line in script.splitlines(keepends=True):
         pending += line
         if sqlite3.complete_statement(pending):
-            statements.append(pending.strip())
+            found.append(pending.strip())
             pending = ""
-    return statements
+    return found

@@ -1,10 +1,10 @@
-"""The store: one SQLite file, read and written through aiosqlite, holding who may call the API
-(tenants, API keys), their conversations and messages, OpenAI-style responses, what each request
-used, and the safety pipeline's moderation events.
+"""The store: one SQLite file, read and written through aiosqlite (or a PostgreSQL database, see
+postgres.py), holding who may call the API (tenants, API keys), their conversations and messages,
+OpenAI-style responses, what each request used, and the safety pipeline's moderation events.
 
-`Store` is what callers open (`await Store.open(path)`) and call. It is assembled here from one
-owner of the connection, its transactions and the schema's migrations (database.py) and a mixin
-per table family, each with its own SQL:
+`Store` is what callers open (`await open_store(url_or_path)`, url.py) and call. It is assembled
+here from one owner of the connection, its transactions and the schema's migrations (database.py;
+postgres.py on PostgreSQL) and a mixin per table family, each with its own SQL:
 
     keys.py           tenants and API keys; authentication
     conversations.py  conversations, their soft delete and the purge
@@ -21,7 +21,8 @@ below stay importable from here, as callers have always imported them.
 from __future__ import annotations
 
 from chatd.store.conversations import Conversations
-from chatd.store.database import MIGRATIONS, PROBE_PAGES, SCHEMA_FILE, SCHEMA_VERSION, Database, StoreFileError
+from chatd.store.database import (MIGRATIONS, PROBE_PAGES, SCHEMA_FILE, SCHEMA_VERSION, Database, StoreFileError,
+                                  StoreUnavailableError)
 from chatd.store.idempotency import Claim, Idempotency
 from chatd.store.keys import KEY_PATTERN, LAST_USED_RESOLUTION_S, LOCAL_TENANT, KeyRing
 from chatd.store.messages import STATUSES, Messages, check_status
@@ -33,7 +34,7 @@ from chatd.store.usage import UsageLog
 __all__ = [
     "KEY_PATTERN", "LAST_USED_RESOLUTION_S", "LOCAL_TENANT", "MIGRATIONS", "PROBE_PAGES", "SCHEMA_FILE",
     "SCHEMA_VERSION", "STATUSES", "ApiKey", "Claim", "Conversation", "Message", "Response", "Store", "StoreFileError",
-    "Tenant", "Usage", "check_status",
+    "StoreUnavailableError", "Tenant", "Usage", "check_status",
 ]
 
 

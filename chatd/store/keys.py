@@ -18,7 +18,7 @@ import sqlite3
 import aiosqlite
 
 from chatd.config import TIER_NAME  # which tiers exist is the config's to say; a name's spelling is checked here
-from chatd.store.database import Database, whole
+from chatd.store.database import Database, StoreUnavailableError, whole
 from chatd.store.records import ApiKey, Tenant, new_id
 
 LOCAL_TENANT = "local"  # id and name of the one user while auth is off
@@ -82,7 +82,7 @@ class KeyRing(Database):
         now = self._clock()
         if last_used_at is None or now - last_used_at >= LAST_USED_RESOLUTION_S:
             # Bookkeeping only: a store that cannot write now (full disk) must not lock every key out.
-            with contextlib.suppress(sqlite3.OperationalError):
+            with contextlib.suppress(sqlite3.OperationalError, StoreUnavailableError):
                 await self._write("UPDATE api_keys SET last_used_at = ? WHERE id = ?", (now, key_id))
         return Tenant(tenant_id, name, tier, key_id)
 

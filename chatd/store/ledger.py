@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from chatd.store.db import Store, check_status
+from chatd.store.db import Store, StoreUnavailableError, check_status
 from chatd.store.messages import Call
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,9 @@ _CANNOT_WRITE_NOW = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_B
 
 
 def cannot_write_now(exc: BaseException) -> bool:
-    """Whether a store error means the file cannot take writes now (full, I/O, locked), not a bug."""
-    if isinstance(exc, OSError):
+    """Whether a store error means the file cannot take writes now (full, I/O, locked), not a bug.
+    (PostgreSQL's such errors come as StoreUnavailableError: postgres.py sorts them.)"""
+    if isinstance(exc, OSError | StoreUnavailableError):
         return True
     code = getattr(exc, "sqlite_errorcode", None)  # the extended code; its low byte is the primary one
     return isinstance(exc, sqlite3.OperationalError) and code is not None and code & 0xFF in _CANNOT_WRITE_NOW

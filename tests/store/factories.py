@@ -1,8 +1,9 @@
 """What the store's test files share: a clock moved by hand, a tenant and a finished reply in one
-line, a full file, and ways to read the file as another process would see it."""
+line, a full file, and ways to read the database as another process would see it."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from chatd.store.db import Store
 START = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 TABLES = ("tenants", "api_keys", "conversations", "messages", "usage_events", "responses", "moderation_events")
 MAX_BYTES = 64 * 4096  # 64 pages: the schema takes about 20
+# A test that keeps PostgreSQL's variant in the fast suite (conftest.py runs it with the slow tests otherwise).
+on_both_backends = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
 
 
 class FakeClock:
@@ -45,6 +48,44 @@ def read_sql(path: Path, sql: str, params: tuple = ()) -> list[tuple]:
     """Read the file through a second connection, as another process would see it."""
     with sqlite3.connect(path) as conn:
         return conn.execute(sql, params).fetchall()
+
+
+async def read_rows(store: Store, sql: str, params: tuple = ()) -> list[tuple]:
+    """Read the store's committed rows through a connection of their own, as another process (or
+    replica) would see them; SQL as the store writes it (`?` placeholders)."""
+    if store.dialect == "sqlite":
+        return read_sql(store.path, sql, params)
+    import asyncpg
+
+    from chatd.store.postgres import numbered
+    conn = await asyncpg.connect(store.path)
+    try:
+        return [tuple(row) for row in await conn.fetch(numbered(sql), *params)]
+    finally:
+        await conn.close()
+
+
+async def count_rows(store: Store) -> dict[str, int]:
+    """How many rows each of TABLES holds, read as another process would."""
+    return {table: (await read_rows(store, f"SELECT COUNT(*) FROM {table}"))[0][0] for table in TABLES}
+
+
+def hold_transaction_reads(store: Store, monkeypatch) -> tuple[asyncio.Event, asyncio.Event]:
+    """Hold every read inside the store's transactions until `release` is set; `inside` is set once
+    one is held. (monkeypatch.undo() ends it.)"""
+    from chatd.store.postgres import PostgresConnection  # asyncpg itself is not imported
+
+    inside, release = asyncio.Event(), asyncio.Event()
+    connection = store._conn if store.dialect == "sqlite" else PostgresConnection
+    fetch = connection.execute_fetchall
+
+    async def held(*args):
+        inside.set()
+        await release.wait()
+        return await fetch(*args)
+
+    monkeypatch.setattr(connection, "execute_fetchall", held)
+    return inside, release
 
 
 def row_counts(path: Path) -> dict[str, int]:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from chatd.store.db import Store
-from tests.store.factories import START, finish, make_tenant, read_sql
+from tests.store.factories import START, finish, make_tenant, read_rows
 
 
 async def test_conversations_are_invisible_to_other_tenants(store):
@@ -96,10 +96,9 @@ async def test_soft_delete_hides_and_purge_removes_messages_but_keeps_usage(stor
     await store.delete_conversation(alice, recent.id)
 
     assert await store.purge_deleted(deleted_before=START + 50) == 1
-    path = store.path
-    assert read_sql(path, "SELECT COUNT(*) FROM messages WHERE conversation_id = ?", (old.id,)) == [(0,)]
-    assert read_sql(path, "SELECT COUNT(*) FROM messages WHERE conversation_id = ?", (recent.id,)) == [(2,)]
-    assert read_sql(path, "SELECT conversation_id IS NULL FROM usage_events ORDER BY id") == [(1,), (0,), (0,)]
+    assert await read_rows(store, "SELECT COUNT(*) FROM messages WHERE conversation_id = ?", (old.id,)) == [(0,)]
+    assert await read_rows(store, "SELECT COUNT(*) FROM messages WHERE conversation_id = ?", (recent.id,)) == [(2,)]
+    assert await read_rows(store, "SELECT conversation_id IS NULL FROM usage_events ORDER BY id") == [(1,), (0,), (0,)]
     assert (await store.usage(alice, 0, START + 1000)).requests == 3
     assert await store.purge_deleted(deleted_before=START + 1000) == 1
     assert await store.get_conversation(alice, live.id) is not None

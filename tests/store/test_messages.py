@@ -10,7 +10,7 @@ import pytest
 
 from chatd.store.messages import Call
 from chatd.store.records import Usage
-from tests.store.factories import START, finish, make_tenant, read_sql, row_counts
+from tests.store.factories import START, count_rows, finish, hold_transaction_reads, make_tenant, read_rows
 
 
 # --- turns ---
@@ -32,7 +32,7 @@ async def test_a_turn_starts_partial_and_finishes_with_its_usage(store, clock):
     await store.save_partial(reply.id, "late", completion_tokens=9)  # a finished reply is left alone
     assert await store.list_messages(conversation.id) == [user, done]
 
-    assert read_sql(store.path, "SELECT endpoint, model, conversation_id, message_id FROM usage_events") == [
+    assert await read_rows(store, "SELECT endpoint, model, conversation_id, message_id FROM usage_events") == [
         ("conversations", "m", conversation.id, reply.id)]
     assert await store.usage(alice, START, START + 10) == Usage(1, 12, 4, 3, 0.5)
 
@@ -51,11 +51,11 @@ async def test_a_turn_on_a_deleted_or_foreign_conversation_writes_nothing(store)
     mine = await store.create_conversation(alice, model="m")
     deleted = await store.create_conversation(alice, model="m")
     await store.delete_conversation(alice, deleted.id)
-    before = row_counts(store.path)
+    before = await count_rows(store)
     for tenant_id, conversation_id in [(bob, mine.id), (alice, deleted.id), (alice, "conv_missing")]:
         with pytest.raises(LookupError):
             await store.start_turn(tenant_id, conversation_id, "hi")
-    assert row_counts(store.path) == before
+    assert await count_rows(store) == before
     assert await store.get_conversation(alice, mine.id) == mine  # updated_at untouched
 
 
@@ -74,15 +74,7 @@ async def test_a_reply_whose_caller_is_cancelled_is_still_saved_and_billed(store
     alice = await make_tenant(store)
     conversation = await store.create_conversation(alice, model="m")
     _, reply = await store.start_turn(alice, conversation.id, "hi")
-    inside, release = asyncio.Event(), asyncio.Event()
-    fetch = store._conn.execute_fetchall
-
-    async def paused_fetch(sql, params=()):  # holds finish_turn mid-transaction
-        inside.set()
-        await release.wait()
-        return await fetch(sql, params)
-
-    monkeypatch.setattr(store._conn, "execute_fetchall", paused_fetch)
+    inside, release = hold_transaction_reads(store, monkeypatch)  # holds finish_turn mid-transaction
     caller = asyncio.create_task(finish(store, alice, reply.id))
     await inside.wait()
     caller.cancel()  # the client went away
@@ -101,7 +93,7 @@ async def test_a_finish_status_outside_the_list_is_refused(store):
     _, reply = await store.start_turn(alice, conversation.id, "hi")
     with pytest.raises(ValueError, match="complete, partial, error"):
         await finish(store, alice, reply.id, status="done")
-    assert row_counts(store.path)["usage_events"] == 0
+    assert (await count_rows(store))["usage_events"] == 0
 
 
 # --- items ---

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.store.factories import finish, make_tenant, read_sql
+from tests.store.factories import finish, make_tenant, read_rows
 
 
 async def test_a_chain_of_standalone_responses_reads_back_oldest_first(store):
@@ -27,7 +27,7 @@ async def test_a_chain_of_standalone_responses_reads_back_oldest_first(store):
     again = await store.get_response(alice, first.id)
     assert (again.instructions, again.request, again.output_message_id, again.stored) == ("be nice", {"temperature": 0.5},
                                                                                           out1.id, True)
-    assert read_sql(store.path, "SELECT endpoint FROM usage_events") == [("responses",), ("responses",)]
+    assert await read_rows(store, "SELECT endpoint FROM usage_events") == [("responses",), ("responses",)]
 
 
 async def test_responses_are_the_tenants_own_and_deletes_hide_then_purge_them(store):
@@ -39,15 +39,15 @@ async def test_responses_are_the_tenants_own_and_deletes_hide_then_purge_them(st
     assert await store.get_response(alice, response.id) is None
     assert not await store.delete_response(alice, response.id)
     assert await store.purge_deleted(deleted_before=float("inf")) == 1
-    assert read_sql(store.path, "SELECT COUNT(*) FROM messages") == [(0,)]
+    assert await read_rows(store, "SELECT COUNT(*) FROM messages") == [(0,)]
 
 
 async def test_a_store_false_response_keeps_only_its_record(store):
     alice = await make_tenant(store)
     response, output = await store.create_response(alice, model="m", stored=False, inputs=[("user", "secret")])
     assert output is None and (await store.get_response(alice, response.id)).stored is False
-    assert read_sql(store.path, "SELECT COUNT(*) FROM messages") == [(0,)]
-    assert "secret" not in str(read_sql(store.path, "SELECT * FROM responses"))
+    assert await read_rows(store, "SELECT COUNT(*) FROM messages") == [(0,)]
+    assert "secret" not in str(await read_rows(store, "SELECT * FROM responses"))
 
 
 async def test_a_response_in_a_conversation_adds_its_items_there(store):

@@ -4,7 +4,7 @@ events only, the end excluded, and every event keeps the time it was served, not
 from __future__ import annotations
 
 from chatd.store.records import Usage
-from tests.store.factories import START, finish, make_tenant, read_sql
+from tests.store.factories import START, finish, make_tenant, read_rows
 
 
 async def test_usage_sums_the_tenants_events_in_the_window(store, clock):
@@ -28,5 +28,5 @@ async def test_usage_and_replies_keep_the_time_they_were_served(store, clock):
                              completion_tokens=1, cost=0.0, created_at=START + 1)
     done = await finish(store, alice, reply.id, finished_at=START + 2)
     assert done.updated_at == START + 2
-    assert read_sql(store.path, "SELECT endpoint, created_at FROM usage_events ORDER BY id") == [
+    assert await read_rows(store, "SELECT endpoint, created_at FROM usage_events ORDER BY id") == [
         ("completions", START + 1), ("conversations", START + 2)]
