@@ -3,9 +3,10 @@
 The port opens at once, before the model loads (seconds on a CPU, minutes for a big model on a
 GPU): a liveness probe that gets no answer restarts a server that was only loading, and a client
 that gets "connection refused" cannot tell a slow start from a dead server. While it starts, a
-small app answers on the port (`starting_app`): `/health` 200 (alive, and the phase), `/ready`
-503 with the phase, every other route 503 in OpenAI's error shape with `Retry-After`. Once the
-model serves, serve.py hands the port to the full app.
+small app answers on the port (`starting_app`): `/live` 200 (the process runs), `/health` and
+`/ready` 503 with the phase and `Retry-After` (a gateway sends it no traffic yet), every other
+route 503 in OpenAI's error shape with `Retry-After`. Once the model serves, serve.py hands the
+port to the full app.
 
 `Startup` keeps the phases and the start timeline: seconds from the process's start to the port
 opening, the model loaded, ready (the warm-up request done), the first token of a client's
@@ -86,10 +87,11 @@ async def _while_starting(request: web.Request) -> web.Response:
     """Each answer closes its connection, so a client's next request reaches whichever app serves then."""
     startup = request.app[STARTUP]
     headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
-    if request.path == "/health" and request.method in ("GET", "HEAD"):
-        answer = web.json_response({"status": "ok", "phase": startup.phase})
-    elif request.path == "/ready" and request.method in ("GET", "HEAD"):
-        answer = web.json_response({"status": startup.phase}, status=503, headers=headers)
+    probe = request.path if request.method in ("GET", "HEAD") else None
+    if probe == "/live":
+        answer = web.json_response({"status": "alive", "phase": startup.phase})
+    elif probe in ("/health", "/ready"):
+        answer = web.json_response({"status": startup.phase, "phase": startup.phase}, status=503, headers=headers)
     else:
         answer = error_response(503, f"the server is starting ({startup.phase} the model); retry in a few seconds",
                                 None, "server_starting", headers=headers)

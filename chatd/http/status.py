@@ -1,5 +1,5 @@
 """The small routes that report and change nothing: the model served (`/v1/models`,
-`/v1/models/{model}`), a caller's usage (`/v1/usage`), health, readiness and metrics.
+`/v1/models/{model}`), a caller's usage (`/v1/usage`), liveness, health, readiness and metrics.
 
 They read the engine's health and stats and the store's totals; they never generate. The
 generating routes are completions.py and conversations.py.
@@ -18,6 +18,7 @@ import chatd
 from chatd.http.auth import TENANT
 from chatd.http.embeddings import model_card as embedding_card
 from chatd.http.errors import APIError
+from chatd.http.starting import RETRY_AFTER_SECONDS
 from chatd.http.state import STATE, ServerState
 from chatd.http.wire import json_response
 
@@ -111,14 +112,22 @@ def _timestamp(value: str | None, name: str, default: float) -> float:
     return moment.timestamp()
 
 
+async def live(request: web.Request) -> web.Response:
+    """Whether the process runs: 200 always, for a supervisor that restarts what stopped answering
+    (a liveness probe). Whether to send it traffic is /health's answer, not this one's."""
+    return web.json_response({"status": "alive", "phase": "draining" if request.app[STATE].draining_until else "serving"})
+
+
 async def health(request: web.Request) -> web.Response:
-    """Whether the process can serve: 503 once the engine died. A store that cannot write is reported, not fatal."""
+    """Whether this replica can take traffic now: 200 only then; 503 with the phase and (where
+    waiting helps) Retry-After while it warms up, drains, cannot record usage, or once its engine
+    died. Gateways (SGLang's smg, HAProxy) probe this path and send traffic only on a 2xx."""
     state = request.app[STATE]
-    problem = state.engine.health()
-    if problem is not None:
-        return web.json_response({"status": "engine stopped", "error": problem}, status=503)
-    return web.json_response({"status": "ok", "phase": "draining" if state.draining_until is not None else "serving",
-                              "compiled_steps": state.engine.compile_state(), "store": _store_status(state)})
+    refused = _unavailable(state)
+    if refused is not None:
+        return refused
+    return web.json_response({"status": "ok", "phase": "serving", "compiled_steps": state.engine.compile_state(),
+                              "store": _store_status(state)})
 
 
 async def version(request: web.Request) -> web.Response:
@@ -127,22 +136,38 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Whether to send it traffic: not while warming up, once the engine cannot serve, or while its
-    store cannot record usage."""
+    """Whether to send it traffic: /health's answer, with a shorter 200 (kept for the probes written
+    before /health said the same)."""
     state = request.app[STATE]
-    if state.draining_until is not None:
-        left = max(1, math.ceil(state.draining_until - asyncio.get_running_loop().time()))
-        return web.json_response({"status": "draining"}, status=503, headers={"Retry-After": str(left)})
-    if not state.ready:
-        return web.json_response({"status": "warming up"}, status=503)
-    problem = state.engine.health()
-    if problem is not None:
-        return web.json_response({"status": "engine stopped", "error": problem}, status=503)
-    if not state.ledger.healthy:
-        return web.json_response({"status": "store cannot write", "store": _store_status(state)}, status=503,
-                                 headers={"Retry-After": str(state.ledger.retry_after)})
+    refused = _unavailable(state)
+    if refused is not None:
+        return refused
     # Steps still compiling (CPU, worker/compile_job.py) serve, eagerly: ready, and it says so.
     return web.json_response({"status": "ready", "compiled_steps": state.engine.compile_state()})
+
+
+def _unavailable(state: ServerState) -> web.Response | None:
+    """The 503 /health and /ready answer while this replica must get no traffic; None while it can serve.
+
+    `phase` is the server's (starting.py: loading and warming up are answered there); `status` says
+    why. A dead engine gets no Retry-After: it will not come back by itself.
+    """
+    if state.draining_until is not None:
+        left = max(1, math.ceil(state.draining_until - asyncio.get_running_loop().time()))
+        return _refusal("draining", "draining", left)
+    if not state.ready:
+        return _refusal("warming up", "warming up", RETRY_AFTER_SECONDS)
+    problem = state.engine.health()
+    if problem is not None:
+        return _refusal("engine stopped", "stopped", None, error=problem)
+    if not state.ledger.healthy:
+        return _refusal("store cannot write", "serving", state.ledger.retry_after, store=_store_status(state))
+    return None
+
+
+def _refusal(status: str, phase: str, retry_after: int | None, **details) -> web.Response:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return web.json_response({"status": status, "phase": phase, **details}, status=503, headers=headers)
 
 
 def _store_status(state: ServerState) -> dict:

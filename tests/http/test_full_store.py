@@ -112,8 +112,8 @@ async def test_a_full_store_refuses_new_work_and_bills_what_it_served(server):
             assert (await r.json())["error"]["code"] == "store_unavailable"
         async with session.get(f"{url}/ready") as r:
             assert r.status == 503 and (await r.json())["store"]["writable"] is False
-        async with session.get(f"{url}/health") as r:
-            assert r.status == 200  # the process is fine; it only cannot bill new work now
+        async with session.get(f"{url}/health") as r:  # a gateway sends new work to another replica
+            assert r.status == 503 and (await r.json())["status"] == "store cannot write"
 
         # What was under way is served to its end, and not lost although it cannot be written yet.
         completion_text, completion_usage, last = await read_stream(completion)

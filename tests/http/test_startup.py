@@ -1,7 +1,8 @@
 """A real `chatd serve` starting and stopping as a probe, a load balancer and an operator see it
-(starting.py, serve.py): the port answers while the model loads, the start timeline is logged,
-SIGTERM keeps the port open and answers new requests 503 while replies in flight finish, then
-exits 0; listening beyond loopback with no key is warned about."""
+(starting.py, serve.py): the port answers while the model loads (/live 200, /health 503 with the
+phase), the start timeline is logged, SIGTERM keeps the port open and answers new requests and
+/health 503 while replies in flight finish, then exits 0; listening beyond loopback with no key is
+warned about. /metrics carries vLLM's names for what a gateway in front of replicas reads."""
 
 from __future__ import annotations
 
@@ -20,11 +21,17 @@ import httpx
 import pytest
 
 from chatd.config_loader import build_config
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
 from chatd.engine.models.demo import build_demo_model
 from chatd.http.serve import warn_if_open
+from chatd.http.starting import Startup, starting_app
 from tests.http.serving import start_server
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+# Several KV blocks long, so that sending it twice finds its blocks in the prefix cache.
+LONG_CHAT = {**CHAT, "messages": [{"role": "user", "content": "Tell me how a paged KV cache shares a prefix. " * 6}]}
 
 
 def _get(url: str) -> tuple[int, dict, dict]:
@@ -47,9 +54,36 @@ def _post(url: str, body: dict) -> tuple[int, dict, dict]:
         return error.code, json.loads(error.read()), dict(error.headers)
 
 
+def _metrics(url: str) -> dict[str, float]:
+    """/metrics as `name{label=value,...}` -> value (labels sorted)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return {f"{s.name}{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}": s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_while_starting_live_is_200_and_health_and_ready_503_with_the_phase():
+    """A supervisor's liveness probe (/live) keeps a loading server; a gateway's (/health) sends it nothing yet."""
+    startup = Startup(age=lambda: 0.0)
+    client = TestClient(TestServer(starting_app(startup)))
+    await client.start_server()
+    try:
+        for phase in ("loading", "warming up"):
+            startup.phase = phase
+            live = await client.get("/live")
+            assert live.status == 200 and (await live.json())["phase"] == phase
+            for path in ("/health", "/ready"):
+                answer = await client.get(path)
+                assert answer.status == 503 and (await answer.json())["phase"] == phase, path
+                assert int(answer.headers["Retry-After"]) > 0
+    finally:
+        await client.close()
+
+
 def test_the_port_answers_while_the_model_loads_and_the_start_timeline_is_logged(tmp_path):
-    """Before the model is loaded: /health 200 with the phase, /ready 503 with it, a chat request
-    503 with Retry-After in OpenAI's shape; then ready, and the log holds the timeline."""
+    """Before the model serves: /health and /ready 503 with the phase and Retry-After, a chat
+    request 503 with Retry-After in OpenAI's shape; then ready, and the log holds the timeline.
+    Once it serves, /metrics' vLLM names read what chatd's say."""
     model_dir = build_demo_model(tmp_path / "demo")
     log_path = tmp_path / "serve.log"
     env = {**os.environ, "CHATD_HOME": str(tmp_path / "home")}
@@ -64,22 +98,33 @@ def test_the_port_answers_while_the_model_loads_and_the_start_timeline_is_logged
         url = found.group(1)
         seen = set()
         while True:
-            health, body, _ = _get(url + "/health")
-            assert health == 200, (health, body)  # alive all along: a liveness probe never restarts it
-            ready, ready_body, headers = _get(url + "/ready")
-            if ready == 200:
+            health, body, headers = _get(url + "/health")
+            if health == 200:
                 break
-            assert ready == 503 and ready_body["status"] in ("loading", "warming up")
-            seen.add(ready_body["status"])
+            # Not serving yet: a gateway probing /health sends it nothing, and is told when to look again.
+            assert health == 503 and body["phase"] in ("loading", "warming up"), (health, body)
+            assert int(headers["Retry-After"]) > 0
+            seen.add(body["phase"])
+            ready, ready_body, _ = _get(url + "/ready")
+            assert ready == 200 or ready_body["status"] in ("loading", "warming up"), ready_body
             status, error, headers = _post(url + "/v1/chat/completions", CHAT)
             if status == 503:  # (the model may have come up in between)
                 assert error["error"]["code"] == "server_starting" and int(headers["Retry-After"]) > 0
                 assert "starting" in error["error"]["message"]
             assert time.monotonic() < deadline
         assert "loading" in seen, "the port should answer while the model loads"
-        assert ready_body["status"] == "ready"
+        assert (body["status"], body["phase"]) == ("ok", "serving")
+        assert _get(url + "/ready")[0] == 200
         status, reply, _ = _post(url + "/v1/chat/completions", CHAT)
         assert status == 200 and reply["usage"]["completion_tokens"] >= 1
+        for _ in range(2):  # the second finds the first's blocks in the prefix cache
+            assert _post(url + "/v1/chat/completions", LONG_CHAT)[0] == 200
+        samples = _metrics(url)
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                     "prefix_cache_queries_total", "prefix_cache_hits_total"):
+            assert samples[f"vllm:{name}{{engine=0,model_name=demo}}"] == samples[f"chatd:{name}{{model_name=demo}}"], name
+        assert samples["vllm:prefix_cache_hits_total{engine=0,model_name=demo}"] > 0
+        assert 0 < samples["vllm:gpu_prefix_cache_hit_rate{engine=0,model_name=demo}"] < 1
         while "start timeline:" not in log_path.read_text():
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -95,7 +140,7 @@ def test_the_port_answers_while_the_model_loads_and_the_start_timeline_is_logged
 
 @pytest.mark.slow  # 7-8 s: a second server start of its own
 def test_sigterm_keeps_listening_refuses_new_requests_and_lets_replies_in_flight_finish(tmp_path):
-    """After SIGTERM: /ready 503 (draining) and new requests 503 with Retry-After, while a stream
+    """After SIGTERM: /health and /ready 503 (draining) and new requests 503 with Retry-After, while a stream
     under way goes on to its last token; then the server exits 0."""
     model_dir = build_demo_model(tmp_path / "demo")
     proc, url, log_path = start_server(tmp_path, model_dir, "[server]\nshutdown_grace_seconds = 60\n")
@@ -113,7 +158,8 @@ def test_sigterm_keeps_listening_refuses_new_requests_and_lets_replies_in_flight
                 # The stream's reader waits; the server keeps its port and says it is draining.
                 ready, ready_body, headers = _get(url + "/ready")
                 assert (ready, ready_body["status"]) == (503, "draining") and int(headers["Retry-After"]) >= 1
-                assert _get(url + "/health")[0] == 200
+                health, health_body, headers = _get(url + "/health")  # a gateway takes it out of rotation
+                assert (health, health_body["phase"]) == (503, "draining") and int(headers["Retry-After"]) >= 1
                 status, error, headers = _post(url + "/v1/chat/completions", CHAT)
                 assert status == 503 and error["error"]["code"] == "server_shutting_down"
                 assert int(headers["Retry-After"]) >= 1

@@ -148,11 +148,23 @@ async def test_an_idle_stream_gets_heartbeat_comments(tokenizer, store):
         await client.close()
 
 
-async def test_health_is_503_once_the_engine_died(tokenizer, store):
+async def test_health_is_200_only_while_it_can_take_traffic(tokenizer, store):
+    """A gateway probing /health sends traffic only on a 200: not while warming up or draining
+    (503, the phase, Retry-After), nor once the engine died (503 and why)."""
     engine = ScriptedEngine([])
     client = await client_for(engine, tokenizer, store)
+    state = client.server.app[STATE]
     try:
+        response = await client.get("/health")
+        assert response.status == 503 and (await response.json())["phase"] == "warming up"
+        assert int(response.headers["Retry-After"]) > 0
+        state.ready = True
         assert (await client.get("/health")).status == 200
+        state.draining_until = asyncio.get_running_loop().time() + 10
+        response = await client.get("/health")
+        assert response.status == 503 and (await response.json())["phase"] == "draining"
+        assert 1 <= int(response.headers["Retry-After"]) <= 10
+        state.draining_until = None
         engine.error, engine.is_running = RuntimeError("CUDA error"), False
         response = await client.get("/health")
         assert response.status == 503 and "CUDA error" in (await response.json())["error"]
