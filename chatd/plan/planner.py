@@ -212,6 +212,9 @@ def _choose_curve(args, inputs: Inputs, shape: ModelShape, kind: str, dtype: str
         batches = inputs.flag(args, "--measure-batches", [1, 4, 16, 64])
         contexts = inputs.flag(args, "--measure-contexts", sorted({max(16, context // 4), context}), "default",
                                "a quarter of context-tokens and context-tokens")
+        inputs.set("--measure-steps", args.measure_steps, "given" if args.measure_steps != 10 else "default",
+                   "timed decode steps per point, after 3 untimed")
+        inputs.set("--no-compile", args.no_compile, "given" if args.no_compile else "default")
         curve = measure_curve(args.model, shape.dims(), batches, contexts, prompt, device="cpu" if kind == "cpu" else "cuda",
                               dtype=dtype, quantization=quantization, kv_cache_dtype=kv_dtype,
                               compile_steps=not args.no_compile, kv_bytes_per_token=shape.kv_bytes_per_token(kv_dtype),
