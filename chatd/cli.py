@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, TypeVar
 from chatd.config import ASYNC_SCHEDULING, DTYPES, KV_CACHE_DTYPES, LOG_LEVELS, QUANTIZATIONS, TOOL_PARSERS, Config, store_path
 from chatd.config_loader import load_config, speculative_settings
 from chatd.logs import setup_logging
+from chatd.plan import add_parser as add_plan_parser
 from chatd.store.moderation import EVENT_STATUSES
 from chatd.store.url import open_store
 
@@ -318,6 +319,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         add_bench_parser(sub)
     else:  # a stand-in that lists it in `chatd --help`
         sub.add_parser("bench", help="load-test an OpenAI-compatible server (chatd, vLLM, ...)")
+
+    add_plan_parser(sub)
 
     gen = sub.add_parser("generate", help="generate one reply and stream it to the terminal")
     gen.add_argument("prompt")
