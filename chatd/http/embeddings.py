@@ -59,7 +59,7 @@ async def embeddings(request: web.Request) -> web.Response:
     inputs = parsed.token_ids if parsed.token_ids is not None else await state.off_loop(embedder.encode, parsed.texts)
     check_lengths(inputs, embedder.max_input_tokens)
     num_tokens = sum(map(len, inputs))
-    lease = state.limits.admit(tenant, num_tokens, num_tokens, priority, _drain_rate(state), "input")
+    lease = await state.limits.admit_async(tenant, num_tokens, num_tokens, priority, _drain_rate(state), "input")
     try:
         vectors = await asyncio.wrap_future(embedder.submit(inputs))
     finally:

@@ -22,13 +22,32 @@ Refusals are OpenAI's: 429 `rate_limit_exceeded` with Retry-After (and retry-aft
 OpenAI SDKs read first), and the x-ratelimit-* headers that every response to a limited tenant
 carries. A refused request takes nothing from any bucket.
 
+Where the buckets live ([tiers] storage): in each replica's memory by default; in Redis
+(buckets.py) when several replicas serve one set of tenants, so that a tenant's requests
+and tokens per minute hold across all of them. The server then admits with `admit_async`, one
+Redis call per admission, and each replica keeps a view of the holder's levels from Redis's
+answers for the x-ratelimit-* headers, /v1/usage and the precheck. Concurrency slots, the queue
+bound and the latency objective stay each replica's own: each protects its own GPU, and a tenant
+may have max_concurrent_requests generating on each replica.
+
+When Redis cannot be reached ([tiers] on_storage_error), "open" (the default) goes on with each
+replica's own buckets from the levels it last saw: a tenant gets at most its limit per replica
+instead of its limit overall, and nobody is refused because a cache is restarting. "closed"
+refuses limited tenants' requests (503, Retry-After) until Redis answers again. Open by default
+because the store shares limits, it does not gate the service: bills come from the usage ledger
+(what each request used), not from the buckets, and each replica's concurrency and queue bounds
+still protect its GPU. Choose "closed" where going over a quota costs more than refusing. Either
+way a call waits at most a fraction of a second, and Redis is used again as soon as it answers.
+
 Why not a library: `limits` counts hits in fixed or moving windows and cannot give back a
 reservation, and reads the wall clock; `aiolimiter` waits for capacity instead of refusing with
-a time to retry, and cannot give back either. A continuous bucket is a few lines of arithmetic.
+a time to retry, and cannot give back either. A continuous bucket is a few lines of arithmetic,
+and in Redis a short Lua script.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -38,41 +57,16 @@ from dataclasses import dataclass, field
 
 from chatd.config import TierConfig
 from chatd.engine import Placement
+from chatd.http.buckets import SharedBuckets, StoreUnavailable, TokenBucket
 from chatd.http.errors import APIError
 from chatd.http.metrics import ServerMetrics
+from chatd.http.queued_work import QueuedWork
+from chatd.http.refusals import Refusal, Refused, duration
 from chatd.store.db import Tenant
 
 log = logging.getLogger("chatd.http")
 
 SWEEP_EVERY = 1024  # admissions between sweeps of idle holders' budgets
-
-
-class TokenBucket:
-    """`capacity` units refilled continuously at `capacity` per minute; starts full."""
-
-    def __init__(self, capacity: int, now: float) -> None:
-        self.capacity = capacity
-        self.rate = capacity / 60.0  # units per second
-        self._level = float(capacity)
-        self._at = now
-
-    def level(self, now: float) -> float:
-        self._level = min(self.capacity, self._level + (now - self._at) * self.rate)
-        self._at = now
-        return self._level
-
-    def wait(self, cost: int, now: float) -> float:
-        """Seconds until `cost` units are there (0: now)."""
-        return max(0.0, (cost - self.level(now)) / self.rate)
-
-    def take(self, cost: int, now: float) -> None:
-        self._level = self.level(now) - cost
-
-    def give_back(self, units: int, now: float) -> None:
-        self._level = min(self.capacity, self.level(now) + units)
-
-    def seconds_to_full(self, now: float) -> float:
-        return (self.capacity - self.level(now)) / self.rate
 
 
 @dataclass
@@ -104,6 +98,7 @@ class Lease:
     queued_tokens: int  # its prompt: work the engine does before its first token
     budget: Budget | None = None  # None: nothing held (the local user)
     reserved_tokens: int = 0
+    shared_holder: str | None = None  # whose buckets in the shared store its reservation is in; None: in-process
     arrived_at: float = field(default_factory=time.perf_counter)  # perf_counter when its request arrived
     queued: bool = True
     released: bool = False
@@ -125,55 +120,21 @@ class Lease:
         self.limits._release(self, used_tokens)
 
 
-@dataclass
-class QueuedWork:
-    """Prompt tokens admitted and not yet answered with a first token, per class and tenant."""
-
-    tokens: dict[int, dict[str, int]] = field(default_factory=dict)  # priority -> tenant id -> tokens
-    weights: dict[str, float] = field(default_factory=dict)  # tenant id -> its tier's weight
-    requests: dict[str, int] = field(default_factory=dict)  # tier name -> requests waiting
-
-    def add(self, lease: Lease, weight: float) -> None:
-        tenants = self.tokens.setdefault(lease.priority, {})
-        tenants[lease.tenant_id] = tenants.get(lease.tenant_id, 0) + lease.queued_tokens
-        self.weights[lease.tenant_id] = weight
-        self.requests[lease.tier_name] = self.requests.get(lease.tier_name, 0) + 1
-
-    def remove(self, lease: Lease) -> None:
-        tenants = self.tokens[lease.priority]
-        tenants[lease.tenant_id] -= lease.queued_tokens
-        if tenants[lease.tenant_id] <= 0:  # its last queued request (an empty prompt counts 0 either way)
-            del tenants[lease.tenant_id]
-            if not tenants:
-                del self.tokens[lease.priority]
-            if not any(lease.tenant_id in t for t in self.tokens.values()):
-                self.weights.pop(lease.tenant_id, None)
-        self.requests[lease.tier_name] -= 1
-
-    def ahead(self, priority: int, tenant_id: str, weight: float, num_tokens: int) -> int:
-        """Prompt tokens the engine computes before a new request's: every better class's, then
-        its own tenant's, and each other tenant of its class up to the same weighted share."""
-        work = sum(sum(t.values()) for p, t in self.tokens.items() if p < priority)
-        own_class = self.tokens.get(priority, {})
-        mine = own_class.get(tenant_id, 0)
-        for other, tokens in own_class.items():
-            if other != tenant_id:
-                work += min(tokens, (mine + num_tokens) * self.weights.get(other, 1.0) / weight)
-        return int(work + mine)
-
-
 class Limits:
     """Every holder's budget and the queued work, checked at admission; stored on ServerState."""
 
     def __init__(self, tiers: dict[str, TierConfig], enabled: bool, metrics: ServerMetrics | None = None,
-                 clock=time.monotonic) -> None:
+                 shared: SharedBuckets | None = None, fail_open: bool = True, clock=time.monotonic) -> None:
         self.tiers = tiers
         self.enabled = enabled  # the key database is on: tenants are limited by their tiers
         self.metrics = metrics
+        self.shared = shared  # the buckets in Redis, shared by the replicas; None: this process's own
+        self.fail_open = fail_open  # Redis unreachable: go on with this replica's buckets (else refuse: 503)
         self.clock = clock
         self.queued = QueuedWork()
         self._budgets: dict[str, Budget] = {}
         self._admissions = 0
+        self._giving_back: set[asyncio.Task] = set()
 
     def tier(self, tenant: Tenant) -> TierConfig:
         tier = self.tiers.get(tenant.tier)
@@ -224,14 +185,40 @@ class Limits:
         """Admit a request of `prompt_tokens` reserving `reserved_tokens` (prompt + max_tokens per
         choice), or refuse it (Refused: 429 or 503, or 400 if it can never fit), taking nothing.
         `priority` is its class as placed; `drain_rate` says how fast the engine drains its queue
-        (read only when an objective needs it); `param` names max_tokens as the client did."""
+        (read only when an objective needs it); `param` names max_tokens as the client did.
+        In-process buckets only: the server admits with `admit_async`."""
         with self._telling(tenant):
             lease = self._admit(tenant, prompt_tokens, reserved_tokens, priority, drain_rate, param)
+        self.queued.add(lease, self.tier(tenant).weight)
+        return self._admitted(lease, arrived_at)
+
+    async def admit_async(self, tenant: Tenant, prompt_tokens: int, reserved_tokens: int, priority: int,
+                          drain_rate: Callable[[], float | None], param: str, arrived_at: float | None = None) -> Lease:
+        """`admit`, taking from the shared store's buckets when there is one (one call to Redis)."""
+        tier = self.tier(tenant)
+        if self.shared is None or not self.enabled or not (tier.requests_per_minute or tier.tokens_per_minute):
+            return self.admit(tenant, prompt_tokens, reserved_tokens, priority, drain_rate, param, arrived_at)
+        with self._telling(tenant):
+            budget = self._check(tenant, tier, reserved_tokens, prompt_tokens, priority, drain_rate, param, buckets=False)
+            # Its slot and queue place are held while Redis answers, so that requests admitted
+            # meanwhile see them: the bounds hold however many wait for Redis at once.
+            lease = Lease(self, tenant.tier, tenant.id, priority, prompt_tokens, budget, reserved_tokens)
+            budget.in_flight += 1
+            self.queued.add(lease, tier.weight)
+            try:
+                lease.shared_holder = await self._take_shared(tenant, tier, budget, reserved_tokens)
+            except BaseException:
+                budget.in_flight -= 1
+                self.queued.remove(lease)
+                raise
+        return self._admitted(lease, arrived_at)
+
+    def _admitted(self, lease: Lease, arrived_at: float | None) -> Lease:
+        """An admitted lease, in the queue already: when its request arrived, and counted."""
         if arrived_at is not None:
             lease.arrived_at = arrived_at
-        self.queued.add(lease, self.tier(tenant).weight)
         if self.metrics is not None:
-            self.metrics.tier_admitted(tenant.tier)
+            self.metrics.tier_admitted(lease.tier_name)
         return lease
 
     def precheck(self, tenant: Tenant, priority: int, drain_rate: Callable[[], float | None]) -> None:
@@ -260,28 +247,51 @@ class Limits:
         if not self.enabled:
             return Lease(self, tenant.tier, tenant.id, priority, prompt_tokens)
         budget = self._check(tenant, tier, reserved_tokens, prompt_tokens, priority, drain_rate, param)
+        self._take(budget, reserved_tokens)
+        budget.in_flight += 1
+        return Lease(self, tenant.tier, tenant.id, priority, prompt_tokens, budget, reserved_tokens)
+
+    def _take(self, budget: Budget, reserved_tokens: int) -> None:
         now = self.clock()
         for bucket, cost in ((budget.requests, 1), (budget.tokens, reserved_tokens)):
             if bucket is not None:
                 bucket.take(cost, now)
-        budget.in_flight += 1
-        return Lease(self, tenant.tier, tenant.id, priority, prompt_tokens, budget, reserved_tokens)
+
+    async def _take_shared(self, tenant: Tenant, tier: TierConfig, budget: Budget, reserved_tokens: int) -> str | None:
+        """Take from the holder's buckets in Redis, or refuse (Refused) taking nothing; the holder,
+        or None when Redis is unreachable and this replica's own buckets took (fail open)."""
+        holder = self._holder(tenant, tier)
+        try:
+            taken = await self.shared.take(tenant.tier, holder, (tier.requests_per_minute, 1),
+                                           (tier.tokens_per_minute, reserved_tokens))
+        except StoreUnavailable:
+            if not self.fail_open:
+                raise Refusal(tenant, tier).store_unavailable(self.shared.where, 1.0) from None
+            self._check_buckets(Refusal(tenant, tier), budget, reserved_tokens)
+            self._take(budget, reserved_tokens)
+            return None
+        now = self.clock()
+        for bucket, level in ((budget.requests, taken.requests), (budget.tokens, taken.tokens)):
+            if bucket is not None and level is not None:
+                bucket.set_level(level, now)
+        if not taken.taken:  # the view now holds Redis's levels: the bucket it found short refuses
+            self._check_buckets(Refusal(tenant, tier), budget, reserved_tokens)
+        return holder
 
     def _check(self, tenant: Tenant, tier: TierConfig, reserved_tokens: int | None, prompt_tokens: int,
-               priority: int, drain_rate: Callable[[], float | None], param: str) -> Budget:
-        """Refuse (Refused) unless every limit lets the request in; `reserved_tokens` None: not known yet."""
+               priority: int, drain_rate: Callable[[], float | None], param: str, buckets: bool = True) -> Budget:
+        """Refuse (Refused) unless every limit lets the request in; `reserved_tokens` None: not known
+        yet; `buckets` False: all but the buckets (the shared store checks them)."""
         now = self.clock()
         budget = self._budget(tenant, tier, now)
-        refuse = _Refusal(tenant, tier)
+        refuse = Refusal(tenant, tier)
         if reserved_tokens is not None and tier.tokens_per_minute and reserved_tokens > tier.tokens_per_minute:
             reducible = reserved_tokens - prompt_tokens
             raise refuse.never(reserved_tokens, param if prompt_tokens < tier.tokens_per_minute and reducible else None)
         if tier.max_concurrent_requests and budget.in_flight >= tier.max_concurrent_requests:
             raise refuse.concurrency(budget.in_flight)
-        if budget.requests is not None and (wait := budget.requests.wait(1, now)):
-            raise refuse.rate("requests", budget.requests, 1, wait, now)
-        if reserved_tokens is not None and budget.tokens is not None and (wait := budget.tokens.wait(reserved_tokens, now)):
-            raise refuse.rate("tokens", budget.tokens, reserved_tokens, wait, now)
+        if buckets:
+            self._check_buckets(refuse, budget, reserved_tokens)
         waiting = self.queued.requests.get(tenant.tier, 0)
         if tier.max_queued_requests and waiting >= tier.max_queued_requests:
             raise refuse.queue_full(waiting, self._expected_wait(tenant, tier, priority, prompt_tokens, drain_rate))
@@ -290,6 +300,12 @@ class Limits:
             if expected > tier.ttft_p95_seconds:
                 raise refuse.overloaded(expected)
         return budget
+
+    def _check_buckets(self, refuse: Refusal, budget: Budget, reserved_tokens: int | None) -> None:
+        now = self.clock()
+        for kind, bucket, cost in (("requests", budget.requests, 1), ("tokens", budget.tokens, reserved_tokens)):
+            if bucket is not None and cost is not None and (wait := bucket.wait(cost, now)):
+                raise refuse.rate(kind, bucket.capacity, bucket.level(now), cost, wait)
 
     def _expected_wait(self, tenant: Tenant, tier: TierConfig, priority: int, prompt_tokens: int,
                        drain_rate: Callable[[], float | None]) -> float:
@@ -312,8 +328,35 @@ class Limits:
         if budget is None:
             return
         budget.in_flight -= 1
-        if budget.tokens is not None and lease.reserved_tokens > used_tokens:
-            budget.tokens.give_back(lease.reserved_tokens - used_tokens, self.clock())
+        unused = lease.reserved_tokens - used_tokens
+        if budget.tokens is None or unused <= 0:
+            return
+        if lease.shared_holder is None:
+            budget.tokens.give_back(unused, self.clock())
+        else:  # Redis answers later; the request has ended either way
+            task = asyncio.get_running_loop().create_task(self._give_back_shared(lease, budget.tokens, unused))
+            self._giving_back.add(task)
+            task.add_done_callback(self._giving_back.discard)
+
+    async def _give_back_shared(self, lease: Lease, view: TokenBucket, unused: int) -> None:
+        try:
+            level = await self.shared.give_back(lease.tier_name, lease.shared_holder, view.capacity, unused)
+        except StoreUnavailable:  # the store logs its outage once; these tokens stay taken
+            log.info("%d unused tokens of tenant %s not given back: the shared limit store is unreachable", unused,
+                     lease.tenant_id)
+            return
+        view.set_level(level, self.clock())
+
+    async def given_back(self, timeout: float = 1.0) -> None:
+        """Wait (at most `timeout` seconds) for the give-backs to the shared store under way."""
+        if self._giving_back:
+            await asyncio.wait(set(self._giving_back), timeout=timeout)
+
+    async def close(self) -> None:
+        """Let give-backs under way finish (a second at most) and close the shared store's connections."""
+        await self.given_back()
+        if self.shared is not None:
+            await self.shared.close()
 
     @staticmethod
     def _holder(tenant: Tenant, tier: TierConfig) -> str:
@@ -374,68 +417,3 @@ class Limits:
 
     def _budget_if_any(self, tenant: Tenant, tier: TierConfig) -> Budget | None:
         return self._budgets.get(self._holder(tenant, tier))
-
-
-class Refused(APIError):
-    """A request a tier's limits refuse; `reason` labels the metrics and the log line."""
-
-    def __init__(self, status: int, reason: str, message: str, code: str, retry_after: float | None,
-                 param: str | None = None) -> None:
-        super().__init__(status, message, param, code, {} if retry_after is None else retry_headers(retry_after))
-        self.reason = reason
-
-
-class _Refusal:
-    """The errors a tenant's request is refused with, in OpenAI's words where OpenAI has some."""
-
-    def __init__(self, tenant: Tenant, tier: TierConfig) -> None:
-        self.tenant, self.tier = tenant, tier
-
-    def _error(self, status: int, reason: str, message: str, code: str, retry_after: float | None,
-               param: str | None = None) -> Refused:
-        return Refused(status, reason, message, code, retry_after, param)
-
-    def never(self, reserved: int, param: str | None) -> Refused:
-        limit = self.tier.tokens_per_minute
-        what = f"lower {param} or shorten the prompt" if param else "shorten the prompt"
-        return self._error(400, "too_large", f"this request needs {reserved} tokens (prompt + max tokens per choice), more "
-                           f"than tier {self.tenant.tier}'s limit of {limit} tokens per minute: {what}",
-                           "request_too_large", None, param)
-
-    def concurrency(self, in_flight: int) -> Refused:
-        return self._error(429, "concurrency", f"{in_flight} of your requests are being generated, tier "
-                           f"{self.tenant.tier}'s limit (max_concurrent_requests); try again when one has finished",
-                           "concurrency_limit_exceeded", 1.0)
-
-    def rate(self, kind: str, bucket: TokenBucket, cost: int, wait: float, now: float) -> Refused:
-        return self._error(429, kind, f"rate limit reached for {kind} per minute (tier {self.tenant.tier}): limit "
-                           f"{bucket.capacity}, remaining {int(bucket.level(now))}, requested {cost}; try again in "
-                           f"{duration(wait)}", "rate_limit_exceeded", wait)
-
-    def queue_full(self, waiting: int, expected: float) -> Refused:
-        return self._error(503, "queue_full", f"the server is busy: {waiting} tier {self.tenant.tier} requests are "
-                           f"waiting for their first token (the tier's max_queued_requests); try again later",
-                           "server_overloaded", max(1.0, expected if math.isfinite(expected) else 1.0))
-
-    def overloaded(self, expected: float) -> Refused:
-        objective = self.tier.ttft_p95_seconds
-        shown = "the engine admits nothing now" if not math.isfinite(expected) else f"about {expected:.1f} s"
-        return self._error(503, "overloaded", f"the server is busy: a tier {self.tenant.tier} request would wait "
-                           f"{shown} for its first token, over the tier's objective of {objective:g} s; try again "
-                           "later", "server_overloaded", expected if math.isfinite(expected) else objective)
-
-
-def retry_headers(seconds: float) -> dict[str, str]:
-    """Retry-After in whole seconds (HTTP's form, at least 1) and in milliseconds (read first by the OpenAI SDKs)."""
-    return {"Retry-After": str(max(1, math.ceil(seconds))), "retry-after-ms": str(max(1, math.ceil(seconds * 1000)))}
-
-
-def duration(seconds: float) -> str:
-    """A time as OpenAI's x-ratelimit-reset-* headers give one: 20ms, 1s, 6m0s, 1h2m3s."""
-    if seconds < 1:
-        return f"{math.ceil(seconds * 1000)}ms"
-    minutes, secs = divmod(math.ceil(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    if hours:
-        return f"{hours}h{minutes}m{secs}s"
-    return f"{minutes}m{secs}s" if minutes else f"{secs}s"

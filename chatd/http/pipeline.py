@@ -76,7 +76,7 @@ async def start(state: ServerState, tenant: Tenant, route: Generation, request_i
                                                              conversation_id))
     prompts = await route.prompts()
     await check_structured(state, route.gen.params.structured, tenant)
-    admitted = admit(state, tenant, route.gen, list(prompts.values()), arrived_at)
+    admitted = await admit(state, tenant, route.gen, list(prompts.values()), arrived_at)
     try:
         handles = launch(state, admitted, prompts)
     except BaseException:
@@ -101,8 +101,8 @@ async def check_structured(state: ServerState, spec: StructuredOutput | None, te
         await state.off_loop(state.engine.check_structured, spec, tenant.id)
 
 
-def admit(state: ServerState, tenant: Tenant, gen: GenerationRequest, prompts: list[list[int]],
-          arrived_at: float | None = None) -> Admitted:
+async def admit(state: ServerState, tenant: Tenant, gen: GenerationRequest, prompts: list[list[int]],
+                arrived_at: float | None = None) -> Admitted:
     """Admit tokenized prompts under the tenant's tier, or refuse them (429, 503, 400: limits.py).
     The reply's length is decided here and only here: the client's, within the tier's ceiling (the
     ceiling, within the context window, when the client names none)."""
@@ -114,8 +114,8 @@ def admit(state: ServerState, tenant: Tenant, gen: GenerationRequest, prompts: l
     n = params.n
     reserved = sum(len(p) + n * (max_tokens if max_tokens is not None else state.max_model_len - len(p)) for p in prompts)
     placement = state.limits.placement(tenant, gen.priority)
-    lease = state.limits.admit(tenant, sum(map(len, prompts)), reserved, placement.priority, _drain_rate(state),
-                               gen.max_tokens_field, arrived_at)
+    lease = await state.limits.admit_async(tenant, sum(map(len, prompts)), reserved, placement.priority,
+                                           _drain_rate(state), gen.max_tokens_field, arrived_at)
     return Admitted(tenant, params, placement, lease, gen.max_tokens_field)
 
 

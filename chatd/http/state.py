@@ -16,6 +16,7 @@ from aiohttp import web
 
 from chatd.config import Config
 from chatd.engine import Embedder, EngineClient, ModelInfo, StructuredOutput, Tokenizer
+from chatd.http.buckets import shared_buckets
 from chatd.http.errors import APIError
 from chatd.http.limits import Limits
 from chatd.http.metrics import ServerMetrics
@@ -70,7 +71,8 @@ class ServerState:
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name, self.model.kv_bytes_per_token, self.model.block_size)
         self.metrics.declare_tiers(self.config.tiers)
-        self.limits = Limits(self.config.tiers, self.config.auth.enabled, self.metrics)
+        self.limits = Limits(self.config.tiers, self.config.auth.enabled, self.metrics,
+                             shared_buckets(self.config.tiers_storage), self.config.tiers_on_storage_error == "open")
         pipeline = SafetyPipeline.build(self.config.safety, self.config.policies, self.guard)
         self.safety = Safety(pipeline, self.store, self.metrics, self.token_text)
 
