@@ -184,7 +184,8 @@ class Database:
 
     async def tables(self) -> dict[str, list[str]]:
         """Each table's name and its columns, in order."""
-        names = await self._fetch("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+        names = await self._fetch("SELECT name FROM sqlite_master WHERE type = 'table' "
+                                  "AND name NOT LIKE 'sqlite_%' ORDER BY name")  # not SQLite's own
         return {name: [column[1] for column in await self._fetch(f"PRAGMA table_info({name})")] for (name,) in names}
 
     async def schema_version(self) -> int:

@@ -207,9 +207,12 @@ async def _translated_errors(where: str) -> AsyncIterator[None]:
 
 
 def _unavailable(exc: Exception, where: str) -> StoreUnavailableError | None:
-    """`exc` as StoreUnavailableError (its cause kept) when it means the server cannot write now."""
+    """`exc` as StoreUnavailableError (its cause kept) when it means the server cannot write now.
+    OSError: refused, reset, timed out. asyncpg's InternalClientError: a connection out of step
+    with the server, which cut it while it was idle (a restart); the pool replaces it."""
     sqlstate = getattr(exc, "sqlstate", None) or ""
-    if isinstance(exc, OSError) or sqlstate.startswith(_CANNOT_WRITE_NOW):  # OSError: refused, reset, timed out
+    cut = isinstance(exc, OSError | import_asyncpg().exceptions.InternalClientError)
+    if cut or sqlstate.startswith(_CANNOT_WRITE_NOW):
         unavailable = StoreUnavailableError(f"{where}: {type(exc).__name__}: {exc}")
         unavailable.__cause__ = exc
         return unavailable

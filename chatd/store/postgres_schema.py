@@ -60,6 +60,8 @@ async def migrate(conn, where: str) -> None:
         if version > latest:
             raise StoreFileError(f"{where} has schema version {version}, but this chatd knows versions up to "
                                  f"{latest}: upgrade chatd, or point [store] url at another database")
+        if version == latest:
+            return  # nothing written: a read-only database (a standby) opens, and fails at its first write
         for statements in all_steps[version:]:
             for sql in statements:
                 await conn.execute(sql)

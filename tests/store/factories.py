@@ -16,6 +16,7 @@ TABLES = ("tenants", "api_keys", "conversations", "messages", "usage_events", "r
 MAX_BYTES = 64 * 4096  # 64 pages: the schema takes about 20
 # A test that keeps PostgreSQL's variant in the fast suite (conftest.py runs it with the slow tests otherwise).
 on_both_backends = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+on_postgresql = pytest.mark.parametrize("backend", ["postgresql"], indirect=True)  # PostgreSQL's own behaviour
 
 
 class FakeClock:

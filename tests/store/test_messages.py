@@ -10,11 +10,13 @@ import pytest
 
 from chatd.store.messages import Call
 from chatd.store.records import Usage
-from tests.store.factories import START, count_rows, finish, hold_transaction_reads, make_tenant, read_rows
+from tests.store.factories import (START, count_rows, finish, hold_transaction_reads, make_tenant, on_both_backends,
+                                   read_rows)
 
 
 # --- turns ---
 
+@on_both_backends  # in the fast suite on PostgreSQL too
 async def test_a_turn_starts_partial_and_finishes_with_its_usage(store, clock):
     alice = await make_tenant(store)
     conversation = await store.create_conversation(alice, model="m")
@@ -70,6 +72,7 @@ async def test_finishing_a_purged_reply_still_records_its_usage(store):
     assert (await store.usage(alice, 0, START + 1)).output_tokens == 3
 
 
+@on_both_backends  # in the fast suite on PostgreSQL too
 async def test_a_reply_whose_caller_is_cancelled_is_still_saved_and_billed(store, monkeypatch):
     alice = await make_tenant(store)
     conversation = await store.create_conversation(alice, model="m")

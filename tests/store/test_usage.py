@@ -4,9 +4,10 @@ events only, the end excluded, and every event keeps the time it was served, not
 from __future__ import annotations
 
 from chatd.store.records import Usage
-from tests.store.factories import START, finish, make_tenant, read_rows
+from tests.store.factories import START, finish, make_tenant, on_both_backends, read_rows
 
 
+@on_both_backends  # in the fast suite on PostgreSQL too
 async def test_usage_sums_the_tenants_events_in_the_window(store, clock):
     alice, bob = await make_tenant(store, "alice"), await make_tenant(store, "bob")
     for tenant_id in (alice, alice, alice, bob):
