@@ -73,7 +73,7 @@ async def draining_middleware(request: web.Request, handler) -> web.StreamRespon
 def _goes_on_while_draining(request: web.Request) -> bool:
     resource = request.match_info.route.resource
     path = resource.canonical if resource is not None else ""
-    return path in ("/health", "/ready", "/metrics") or path == REPLY + "/stream"
+    return path in ("/live", "/health", "/ready", "/metrics") or path == REPLY + "/stream"
 
 
 CONVERSATION = "/v1/conversations/{conversation_id}"
@@ -108,6 +108,7 @@ ROUTES = [
     ("POST", REPLY + "/cancel", conversations.cancel_message),
     ("GET", "/", page.chat_page),
     ("GET", "/static/{name:.+}", page.static_file),
+    ("GET", "/live", status.live),
     ("GET", "/health", status.health),
     ("GET", "/ready", status.ready),
     ("GET", "/metrics", status.metrics),

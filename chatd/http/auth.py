@@ -16,7 +16,7 @@ naming both settings. Accepting either would let the one shared key reach the lo
 conversations beside per-tenant keys, a door easy to forget is open.
 
 Guarded routes are every /v1/ route and /tokenize, /detokenize (they run the model's tokenizer).
-/health, /ready and /metrics stay open (they are for the operator's probes, and carry no tenant
+/live, /health, /ready and /metrics stay open (they are for the operator's probes, and carry no tenant
 data), as do the chat page, its static files and /openapi.json (no tenant data either).
 """
 

@@ -178,8 +178,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", RESPONSE_PATH + "/input_items"): {"response": ref("ConversationItemList"), "query": ORDERED_PAGE},
     ("GET", "/"): {"response": STRING, "content_type": "text/html"},
     ("GET", "/static/{name}"): {"response": STRING, "content_type": "*/*"},
-    ("GET", "/health"): {"response": ref("Health"), "statuses": {503: ref("Health")}},
-    ("GET", "/ready"): {"response": ref("Ready"), "statuses": {503: ref("Ready")}},
+    ("GET", "/live"): {"response": ref("Live")},
+    ("GET", "/health"): {"response": ref("Health"), "statuses": {503: ref("Unavailable")}},
+    ("GET", "/ready"): {"response": ref("Ready"), "statuses": {503: ref("Unavailable")}},
     ("GET", "/metrics"): {"response": STRING, "content_type": "text/plain"},
     ("GET", "/version"): {"response": {"type": "object", "properties": {"version": STRING}, "required": ["version"]}},
     ("POST", "/tokenize"): {

@@ -77,6 +77,7 @@ TOOL_CALL_DELTA = object_({"index": COUNT, "id": STRING, "type": {"const": "func
                            "function": {"type": "object", "properties": {"name": STRING, "arguments": STRING}}},
                           ["index", "function"])
 TEXT_CHOICE = {"text": {"type": "string"}}
+PHASE = {"enum": ["loading", "warming up", "serving", "draining", "stopped"]}
 STORE_STATUS = object_({"writable": {"type": "boolean"}, "pending_writes": COUNT, "error": nullable({"type": "string"})})
 UNIX_SECONDS = {"type": "integer", "description": "unix seconds"}
 NOTHING = {"type": "array", "maxItems": 0}
@@ -214,10 +215,12 @@ COMPONENTS: dict[str, Schema] = {
         "usage": object_({"prompt_tokens": COUNT, "total_tokens": COUNT})}),
     "Tokenized": object_({"tokens": {"type": "array", "items": COUNT}, "count": COUNT, "max_model_len": COUNT}),
     "Detokenized": object_({"prompt": {"type": "string"}}),
-    "Health": {"anyOf": [object_({"status": {"const": "ok"}, "store": STORE_STATUS}),
-                         object_({"status": {"const": "engine stopped"}, "error": {"type": "string"}})]},
-    "Ready": {"anyOf": [object_({"status": {"enum": ["ready", "warming up"]}}),
-                        object_({"status": {"const": "store cannot write"}, "store": STORE_STATUS})]},
+    "Live": object_({"status": {"const": "alive"}, "phase": PHASE}),
+    "Health": object_({"status": {"const": "ok"}, "phase": {"const": "serving"}, "store": STORE_STATUS}),
+    "Ready": object_({"status": {"const": "ready"}}),
+    "Unavailable": {**object_({"status": {"type": "string"}, "phase": PHASE}),
+                    "description": "503 while this replica must get no traffic: status says why (error: the engine's "
+                                   "failure; store: while it cannot write); Retry-After unless the engine died"},
     "Conversation": object_(CONVERSATION),
     "ConversationWithMessages": object_({**CONVERSATION, "messages": {"type": "array", "items": ref("ConversationMessage")}}),
     "ConversationList": {**_page("Conversation"), "description": "newest first"},

@@ -39,7 +39,7 @@ log = logging.getLogger("chatd.http")
 
 # Routes a load balancer or Prometheus calls every few seconds: their 200s are logged at DEBUG (a
 # probe every 5 s would otherwise be most of the log); any other answer of theirs at INFO.
-PROBES = ("/health", "/ready", "/metrics")
+PROBES = ("/live", "/health", "/ready", "/metrics")
 
 # The status logged for a request whose client left before it was answered (nginx's "client closed request").
 CLIENT_CLOSED = 499

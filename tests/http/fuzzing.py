@@ -184,7 +184,7 @@ ROUTES = [
     Route(b"POST", b"/v1/conversations/{id}/messages", "turn"),
     Route(b"GET", b"/v1/conversations/{id}/messages/{message}/stream", query={"after": COUNTS}),
     Route(b"POST", b"/v1/conversations/{id}/messages/{message}/cancel"),
-    Route(b"GET", b"/health"), Route(b"GET", b"/ready"), Route(b"GET", b"/metrics"),
+    Route(b"GET", b"/live"), Route(b"GET", b"/health"), Route(b"GET", b"/ready"), Route(b"GET", b"/metrics"),
 ]
 # Routes that read a body or a query come up more often: that is where the validation is.
 WEIGHTED_ROUTES = [route for route in ROUTES for _ in range(4 if route.body else 2 if route.query else 1)]

@@ -267,6 +267,7 @@ WHOLE = [
     ("GET", "/v1/models", None),
     ("GET", "/v1/models/demo", None),
     ("GET", "/v1/usage", None),
+    ("GET", "/live", None),
     ("GET", "/health", None),
     ("GET", "/ready", None),
     ("GET", "/version", None),

@@ -66,7 +66,7 @@ def test_the_right_key_is_served_and_every_caller_is_the_local_tenant(server):
 
 
 def test_probes_and_the_page_stay_open(server):
-    for path in ("/health", "/ready", "/metrics", "/"):
+    for path in ("/live", "/health", "/ready", "/metrics", "/"):
         assert httpx.get(server[0] + path, timeout=30).status_code == 200, path
     assert httpx.get(server[0] + "/openapi.json", timeout=30).status_code != 401  # describes the API, no tenant data
 

@@ -114,7 +114,7 @@ def test_the_port_answers_while_the_model_loads_and_the_start_timeline_is_logged
             assert time.monotonic() < deadline
         assert "loading" in seen, "the port should answer while the model loads"
         assert (body["status"], body["phase"]) == ("ok", "serving")
-        assert _get(url + "/ready")[0] == 200
+        assert _get(url + "/ready")[0] == 200 and _get(url + "/live")[0] == 200
         status, reply, _ = _post(url + "/v1/chat/completions", CHAT)
         assert status == 200 and reply["usage"]["completion_tokens"] >= 1
         for _ in range(2):  # the second finds the first's blocks in the prefix cache
@@ -158,6 +158,7 @@ def test_sigterm_keeps_listening_refuses_new_requests_and_lets_replies_in_flight
                 # The stream's reader waits; the server keeps its port and says it is draining.
                 ready, ready_body, headers = _get(url + "/ready")
                 assert (ready, ready_body["status"]) == (503, "draining") and int(headers["Retry-After"]) >= 1
+                assert _get(url + "/live")[0] == 200  # a supervisor leaves it be
                 health, health_body, headers = _get(url + "/health")  # a gateway takes it out of rotation
                 assert (health, health_body["phase"]) == (503, "draining") and int(headers["Retry-After"]) >= 1
                 status, error, headers = _post(url + "/v1/chat/completions", CHAT)

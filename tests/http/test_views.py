@@ -155,6 +155,7 @@ async def test_health_is_200_only_while_it_can_take_traffic(tokenizer, store):
     client = await client_for(engine, tokenizer, store)
     state = client.server.app[STATE]
     try:
+        assert (await client.get("/live")).status == 200  # a supervisor keeps it: the process runs
         response = await client.get("/health")
         assert response.status == 503 and (await response.json())["phase"] == "warming up"
         assert int(response.headers["Retry-After"]) > 0
@@ -163,6 +164,8 @@ async def test_health_is_200_only_while_it_can_take_traffic(tokenizer, store):
         state.draining_until = asyncio.get_running_loop().time() + 10
         response = await client.get("/health")
         assert response.status == 503 and (await response.json())["phase"] == "draining"
+        live = await client.get("/live")
+        assert live.status == 200 and (await live.json())["phase"] == "draining"
         assert 1 <= int(response.headers["Retry-After"]) <= 10
         state.draining_until = None
         engine.error, engine.is_running = RuntimeError("CUDA error"), False
