@@ -62,6 +62,11 @@ async def test_a_database_migrated_from_every_older_version_equals_a_fresh_one(p
         assert await fresh.schema_version() == SCHEMA_VERSION  # the same versions as SQLite's
         assert await fetch(postgres_url, "SELECT version FROM chatd_schema") == [(SCHEMA_VERSION,)]
     expected = await schema_of(postgres_url)
+    types = {(table, column): (data_type, identity) for table, column, data_type, _, _, identity in expected["columns"]}
+    assert types["usage_events", "id"] == ("bigint", "YES")  # SQLite's types as PostgreSQL names them
+    assert types["messages", "cost"] == ("double precision", "NO")
+    assert types["messages", "token_ids"] == ("bytea", "NO")
+    assert types["messages", "prompt_tokens"] == ("integer", "NO")
     for version in range(1, SCHEMA_VERSION):
         # Each older database in a schema of its own (asyncpg passes ?search_path= to the server).
         schema = f"from_version_{version}"
@@ -74,16 +79,7 @@ async def test_a_database_migrated_from_every_older_version_equals_a_fresh_one(p
         assert await schema_of(url, schema) == expected, f"migrated from version {version}"
 
 
-async def test_sqlite_types_are_postgresqls_and_usage_ids_an_identity(postgres_url):
-    async with await open_store(postgres_url):
-        columns = {(table, column): (data_type, identity) for table, column, data_type, _, _, identity
-                   in (await schema_of(postgres_url))["columns"]}
-    assert columns["usage_events", "id"] == ("bigint", "YES")
-    assert columns["messages", "cost"] == ("double precision", "NO")
-    assert columns["messages", "token_ids"] == ("bytea", "NO")
-    assert columns["messages", "prompt_tokens"] == ("integer", "NO")
-
-
+@pytest.mark.slow  # PostgreSQL's fast share is kept small (conftest.py)
 async def test_migration_steps_run_once_in_order_and_keep_the_data(postgres_url, monkeypatch):
     async with await open_store(postgres_url) as store:
         await make_tenant(store)
@@ -98,6 +94,7 @@ async def test_migration_steps_run_once_in_order_and_keep_the_data(postgres_url,
     assert await fetch(postgres_url, "SELECT name, note FROM tenants") == [("alice", "later")]
 
 
+@pytest.mark.slow  # PostgreSQL's fast share is kept small (conftest.py)
 async def test_replicas_starting_together_migrate_once(postgres_url):
     first, second = await asyncio.gather(open_store(postgres_url), open_store(postgres_url))
     for store in (first, second):
@@ -115,6 +112,7 @@ async def test_a_database_from_a_newer_chatd_is_refused_and_left_alone(postgres_
     assert await fetch(postgres_url, "SELECT version FROM chatd_schema") == [(SCHEMA_VERSION + 1,)]
 
 
+@pytest.mark.slow  # PostgreSQL's fast share is kept small (conftest.py)
 async def test_a_database_that_is_not_chatds_is_refused(postgres_url):
     await fetch(postgres_url, "CREATE TABLE notes (body TEXT)")
     with pytest.raises(StoreFileError, match="not a chatd database"):
@@ -143,6 +141,7 @@ async def test_two_replicas_appending_to_one_conversation_get_consecutive_positi
 
 # --- when the server cannot write ---
 
+@pytest.mark.slow  # PostgreSQL's fast share is kept small (conftest.py)
 @on_postgresql
 async def test_a_read_only_database_cannot_write_now_and_reads_go_on(postgres_server, store):
     name = store.path.rpartition("/")[2]
@@ -161,6 +160,7 @@ async def test_a_read_only_database_cannot_write_now_and_reads_go_on(postgres_se
         assert await read_rows(writable, "SELECT COUNT(*) FROM write_probe") == [(0,)]
 
 
+@pytest.mark.slow  # PostgreSQL's fast share is kept small (conftest.py)
 @on_postgresql
 async def test_cut_connections_are_unavailable_until_the_pool_reconnects(postgres_server, store):
     alice = await make_tenant(store)
