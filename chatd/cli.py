@@ -31,6 +31,7 @@ from chatd.config import ASYNC_SCHEDULING, DTYPES, KV_CACHE_DTYPES, LOG_LEVELS, 
 from chatd.config_loader import load_config, speculative_settings
 from chatd.logs import setup_logging
 from chatd.plan import add_parser as add_plan_parser
+from chatd.store.copy import add_parser as add_store_parser
 from chatd.store.moderation import EVENT_STATUSES
 from chatd.store.url import open_store
 
@@ -321,6 +322,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         sub.add_parser("bench", help="load-test an OpenAI-compatible server (chatd, vLLM, ...)")
 
     add_plan_parser(sub)
+    add_store_parser(sub)
 
     gen = sub.add_parser("generate", help="generate one reply and stream it to the terminal")
     gen.add_argument("prompt")

@@ -291,8 +291,11 @@ def idempotency_key(request: web.Request) -> str | None:
 
 
 def _request_digest(conversation_id: str, body: dict) -> str:
-    """What a key's request was: a retry must send the same (its JSON read back, so key order and spacing do not matter)."""
-    return hashlib.sha256(orjson.dumps([conversation_id, body], option=orjson.OPT_SORT_KEYS)).hexdigest()
+    """What a key's request was: a retry must send the same (its JSON read back, so key order and
+    spacing do not matter). Whether it streams is how the reply is delivered, not what it is: a
+    retry may follow the reply whole after losing its stream."""
+    asked = {name: value for name, value in body.items() if name not in ("stream", "stream_options")}
+    return hashlib.sha256(orjson.dumps([conversation_id, asked], option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 def _refuse_claim(claim: Claim) -> None:
