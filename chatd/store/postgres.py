@@ -121,9 +121,10 @@ class PostgresStore(Store):
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[PostgresConnection]:
         """Statements that commit together or not at all, one writer at a time across every replica
-        (see the module's docstring). READ COMMITTED, PostgreSQL's default, is what makes the lock
-        enough: each statement sees what committed before it started, so after the lock, everything."""
-        async with self._connection() as conn, conn.transaction():
+        (see the module's docstring). READ COMMITTED, named whatever the server's default, is what
+        makes the lock enough: each statement sees what committed before it started, so after the
+        lock, everything (a snapshot taken at BEGIN, as in REPEATABLE READ, would predate the lock)."""
+        async with self._connection() as conn, conn.transaction(isolation="read_committed"):
             await conn.execute("SELECT pg_advisory_xact_lock($1)", WRITE_LOCK)
             yield PostgresConnection(conn)
 
