@@ -26,9 +26,9 @@ from chatd.http.tool_calls import ToolParser
 from chatd.http.tools import ToolRequest, ToolUse, tool_parser, tool_use
 from chatd.safety.guard import GuardModel
 from chatd.safety.pipeline import SafetyPipeline
-from chatd.store.records import new_id
-from chatd.store.db import Store, Tenant
+from chatd.store.db import Store, StoreUnavailableError, Tenant
 from chatd.store.ledger import Ledger, cannot_write_now
+from chatd.store.records import new_id
 
 log = logging.getLogger("chatd.http")
 
@@ -173,7 +173,7 @@ class ServerState:
     def store_failed(self, exc: BaseException) -> bool:
         """Whether an error is the store's file or disk refusing writes now (not a client's connection,
         not a bug); if so the ledger hears of it, and new work waits until writes succeed again."""
-        if not (isinstance(exc, sqlite3.Error) and cannot_write_now(exc)):
+        if not (isinstance(exc, sqlite3.Error | StoreUnavailableError) and cannot_write_now(exc)):
             return False
         self.ledger.report_failure(exc)
         return True

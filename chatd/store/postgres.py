@@ -110,13 +110,13 @@ class PostgresStore(Store):
 
     async def _fetch(self, sql: str, params: Sequence[Any] = ()) -> list:
         async with self._connection() as conn:
-            return await conn.fetch(numbered(sql), *params)
+            return await conn.fetch(numbered(sql), *storable(params))
 
     async def _write(self, sql: str, params: Sequence[Any]) -> int:
         """Run one statement (atomic on its own; its rows stay locked until it ends) and return the
         number of rows it changed."""
         async with self._connection() as conn:
-            return _rowcount(await conn.execute(numbered(sql), *params))
+            return _rowcount(await conn.execute(numbered(sql), *storable(params)))
 
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[PostgresConnection]:
@@ -141,13 +141,20 @@ class PostgresConnection:
         self._conn = conn
 
     async def execute(self, sql: str, params: Sequence[Any] = ()) -> Outcome:
-        return Outcome(_rowcount(await self._conn.execute(numbered(sql), *params)))
+        return Outcome(_rowcount(await self._conn.execute(numbered(sql), *storable(params))))
 
     async def execute_fetchall(self, sql: str, params: Sequence[Any] = ()) -> list:
-        return await self._conn.fetch(numbered(sql), *params)
+        return await self._conn.fetch(numbered(sql), *storable(params))
 
     async def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
-        await self._conn.executemany(numbered(sql), rows)
+        await self._conn.executemany(numbered(sql), [storable(row) for row in rows])
+
+
+def storable(params: Sequence[Any]) -> tuple:
+    """The values as PostgreSQL's text can hold them: it has no NUL character (SQLite does), so a
+    NUL in a client's text or a model's reply is kept as U+FFFD, the replacement character, and
+    the row is written (and billed) rather than refused."""
+    return tuple(p.replace("\x00", "\ufffd") if isinstance(p, str) and "\x00" in p else p for p in params)
 
 
 class Outcome:

@@ -139,6 +139,19 @@ async def test_two_replicas_appending_to_one_conversation_get_consecutive_positi
     assert (await store.usage(alice, START, START + 1)).requests == 40
 
 
+@on_postgresql
+async def test_a_nul_character_is_kept_as_a_replacement_character_and_the_turn_is_billed(store):
+    """PostgreSQL's text holds no NUL (SQLite's does): a client's or a model's NUL must not cost
+    the row, nor its bill."""
+    alice = await make_tenant(store)
+    conversation = await store.create_conversation(alice, model="m", title="a\x00b")
+    _, reply = await store.start_turn(alice, conversation.id, "hi\x00there")
+    await finish(store, alice, reply.id, content="\x00reply")
+    assert [m.content for m in await store.list_messages(conversation.id)] == ["hi\ufffdthere", "\ufffdreply"]
+    assert (await store.get_conversation(alice, conversation.id)).title == "a\ufffdb"
+    assert (await store.usage(alice, START, START + 1)).requests == 1
+
+
 # --- when the server cannot write ---
 
 @pytest.mark.slow  # PostgreSQL's fast share is kept small (conftest.py)
