@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+def at_least_one(section: str, settings, *names: str) -> None:
+    """ValueError naming the first of the settings `names` that is below 1."""
+    for name in names:
+        if getattr(settings, name) < 1:
+            raise ValueError(f"setting {section}.{name} must be 1 or more, got {getattr(settings, name)}")
+
+
 # The weights' dtypes a config may name; which ones a device takes is checked when the model loads.
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -53,8 +60,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"setting model.quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"setting model.tensor_parallel_size must be 1 or more, got {self.tensor_parallel_size}")
+        at_least_one("model", self, "tensor_parallel_size")
         if not self.worker_timeout > 0:
             raise ValueError(f"setting model.worker_timeout must be more than 0 seconds, got {self.worker_timeout}")
         if self.tool_parser not in TOOL_PARSERS:
@@ -144,9 +150,7 @@ class SpeculativeConfig:
             raise ValueError("setting speculative.model must name the draft model when speculative.method is \"draft_model\"")
         if self.model and self.method != "draft_model":
             raise ValueError(f"setting speculative.model is for speculative.method \"draft_model\" (method is {self.method!r})")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "disable_by_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"setting speculative.{name} must be 1 or more, got {getattr(self, name)}")
+        at_least_one("speculative", self, "num_speculative_tokens", "prompt_lookup_min", "disable_by_batch_size")
         if self.num_speculative_tokens > 16:
             raise ValueError(f"setting speculative.num_speculative_tokens must be at most 16, got {self.num_speculative_tokens}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
@@ -200,9 +204,6 @@ class ServerConfig:
                                  f"(scheme://host[:port], no path or trailing slash) or \"*\", got {origin!r}")
 
 
-STORE_URL_SCHEMES = ("sqlite", "postgresql", "postgres")  # what [store] url may name (chatd/store/url.py)
-
-
 @dataclass(frozen=True)
 class StoreConfig:
     """The database that keeps API keys, conversations and usage: a SQLite file, or PostgreSQL."""
@@ -219,12 +220,7 @@ class StoreConfig:
     # be retried elsewhere with the same Idempotency-Key (each writes it is alive every fifth of it).
     replica_timeout_seconds: float = 10.0
 
-    def __post_init__(self) -> None:
-        scheme, separator, _ = self.url.partition("://")
-        if self.url and not (separator and scheme in STORE_URL_SCHEMES):
-            given = f"a {scheme}:// url" if separator else "no scheme"  # the rest may hold a password
-            raise ValueError("setting [store] url must be sqlite:///path/to/chatd.db or postgresql://user@host:port/db "
-                             f"(empty: the SQLite file at db_path); got {given}")
+    def __post_init__(self) -> None:  # (the url's scheme is checked where it is opened: store/url.py)
         if self.url and self.db_path:
             raise ValueError("settings [store] url and [store] db_path exclude each other: set the file in one of them")
 
@@ -280,9 +276,7 @@ class EmbeddingsConfig:
         if self.embedding_dtype not in DTYPES:
             raise ValueError(f"setting embeddings.embedding_dtype must be one of {', '.join(DTYPES)}, "
                              f"got {self.embedding_dtype!r}")
-        for name in ("max_inputs", "max_batch_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"setting embeddings.{name} must be 1 or more, got {getattr(self, name)}")
+        at_least_one("embeddings", self, "max_inputs", "max_batch_tokens")
 
 
 AUDIT_TEXT = ("hash", "excerpt", "none")
@@ -444,16 +438,9 @@ class Config:
 
 # config.toml's tables of settings, each the section of Config it fills.
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "cache": CacheConfig,
-    "scheduler": SchedulerConfig,
-    "server": ServerConfig,
-    "store": StoreConfig,
-    "auth": AuthConfig,
-    "conversations": ConversationsConfig,
-    "safety": SafetyConfig,
-    "embeddings": EmbeddingsConfig,
-    "speculative": SpeculativeConfig,
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig,
+    "store": StoreConfig, "auth": AuthConfig, "conversations": ConversationsConfig, "safety": SafetyConfig,
+    "embeddings": EmbeddingsConfig, "speculative": SpeculativeConfig,
 }
 
 
@@ -461,7 +448,3 @@ def chatd_home() -> Path:
     """Where chatd keeps its files: $CHATD_HOME, else ~/.cache/chatd."""
     home = os.environ.get("CHATD_HOME")
     return Path(home) if home else Path.home() / ".cache" / "chatd"
-
-
-def store_path(config: Config) -> Path:
-    return Path(config.store.db_path) if config.store.db_path else chatd_home() / "chatd.db"

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from chatd.config import Config, StoreConfig, store_path
+from chatd.config import Config, StoreConfig
 from chatd.engine import AsyncEngine, Embedder, EngineProcess, LLMEngine, SamplingParams, Tokenizer
 from chatd.http.app import create_app
 from chatd.http.buckets import check_storage
@@ -39,7 +39,7 @@ from chatd.safety.pipeline import SafetyPipeline
 from chatd.store.db import SCHEMA_VERSION, Store
 from chatd.store.idempotency import KEY_LIFETIME_S
 from chatd.store.ledger import Ledger
-from chatd.store.url import open_store, store_location
+from chatd.store.url import open_store, store_location, store_target
 
 log = logging.getLogger("chatd.http")
 
@@ -67,7 +67,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     await early_site.start()
     startup.mark("listening", f"http://{config.server.host}:{sock.getsockname()[1]}; /ready says when the model serves")
     try:
-        where = config.store.url or store_path(config)
+        where = store_target(config)
         store = await open_store(where, max_bytes=int(config.store.max_db_mb * 2**20))
         # A PostgreSQL url may hold a password: only its dialect is logged.
         shown = where if store_location(where)[0] == "sqlite" else "a PostgreSQL database ([store] url)"

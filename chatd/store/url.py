@@ -11,7 +11,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from chatd.config import Config, chatd_home
 from chatd.store.db import Store
+
+
+def store_target(config: Config) -> str | Path:
+    """The store a configuration names: [store] url, else the SQLite file at db_path, else
+    $CHATD_HOME/chatd.db."""
+    return config.store.url or (Path(config.store.db_path) if config.store.db_path else chatd_home() / "chatd.db")
 
 
 async def open_store(url_or_path: str | Path, *, clock: Callable[[], float] = time.time, max_bytes: int = 0) -> Store:
