@@ -216,5 +216,5 @@ def _import_redis(url: str):
         import redis.asyncio
     except ImportError:
         raise ValueError(f"[tiers] storage = {shown_url(url)!r} keeps the tiers' buckets in Redis, which needs the "
-                         "redis package: pip install 'redis>=5'") from None
+                         "redis package: pip install 'redis>=5.0.1'") from None
     return redis
