@@ -30,9 +30,10 @@ LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
 )  # fmt: skip
-# Why a tier's requests are refused: by their tenant's own limits, or because the server is busy.
+# Why a tier's requests are refused: by their tenant's own limits, or because the server is busy
+# (or, with [tiers] on_storage_error = "closed", cannot reach the shared limit store).
 LIMITED_REASONS = ("requests", "tokens", "concurrency", "too_large")
-SHED_REASONS = ("overloaded", "queue_full")
+SHED_REASONS = ("overloaded", "queue_full", "limit_store")
 # Powers of two, 1 .. 32768: context windows are powers of two, so the top bucket is one.
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))
 # The APIs that generate, as the per-request series' `route` label: /v1/chat/completions,

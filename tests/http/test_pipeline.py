@@ -65,19 +65,19 @@ def test_a_limit_names_the_fields_the_client_sent():
 
 async def test_admission_decides_the_reply_length_once_and_leaves_the_request_as_sent(state):
     unnamed = chat()
-    admitted = pipeline.admit(state, ALICE, unnamed, [[1, 2, 3]])
+    admitted = await pipeline.admit(state, ALICE, unnamed, [[1, 2, 3]])
     assert admitted.params.max_tokens == 8  # the tier's ceiling
     assert unnamed.params.max_tokens is None  # the parsed request is not rewritten
     admitted.lease.release(0)
 
     within = chat(5)
-    admitted = pipeline.admit(state, ALICE, within, [[1, 2, 3]])
+    admitted = await pipeline.admit(state, ALICE, within, [[1, 2, 3]])
     assert admitted.params is within.params and admitted.params.max_tokens == 5
     assert admitted.placement.priority == 20 and admitted.placement.tenant == ALICE.id
     admitted.lease.release(0)
 
     with pytest.raises(APIError) as refused:
-        pipeline.admit(state, ALICE, chat(100), [[1, 2, 3]])
+        await pipeline.admit(state, ALICE, chat(100), [[1, 2, 3]])
     assert refused.value.param == "max_completion_tokens" and "over the limit of 8" in refused.value.message
 
 
