@@ -4,11 +4,14 @@ holds rows is refused and left as it was."""
 
 from __future__ import annotations
 
-import argparse
+import asyncio
+import re
+import subprocess
+import sys
 
 import pytest
 
-from chatd.store.copy import add_parser, copy_store
+from chatd.store.copy import copy_store
 from chatd.store.db import Store
 from chatd.store.messages import Call
 from chatd.store.url import open_store
@@ -100,9 +103,22 @@ async def test_a_destination_that_holds_rows_is_refused_and_left_as_it_was(tmp_p
         assert [key.tenant_name for key in await store.list_keys()] == ["alice"]
 
 
-def test_the_command_is_chatd_store_copy_source_destination():
-    parser = argparse.ArgumentParser(prog="chatd")
-    add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["store", "copy", "chatd.db", "postgresql://chatd@db/chatd"])
-    assert (args.source, args.destination, args.func.__module__) == (
-        "chatd.db", "postgresql://chatd@db/chatd", "chatd.store.copy")
+def test_the_command_copies_a_sqlite_file_into_a_new_one_and_counts_the_rows(tmp_path, clock):
+    """`chatd store copy SRC DST` as a user runs it: a one-node file into a new one, named as a
+    path and as a sqlite:/// url; it prints what it copied per table."""
+    async def fill() -> None:
+        async with await Store.open(tmp_path / "one-node.db", clock=clock) as store:
+            await populate(store, clock)
+
+    asyncio.run(fill())
+    done = subprocess.run([sys.executable, "-m", "chatd", "store", "copy", str(tmp_path / "one-node.db"),
+                           f"sqlite:///{tmp_path / 'copy.db'}"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^messages +\d+ rows$", done.stdout, re.M) and "copied" in done.stdout
+
+    async def both() -> tuple:
+        async with await Store.open(tmp_path / "one-node.db") as source, await Store.open(tmp_path / "copy.db") as copy:
+            return await rows_of(source), await rows_of(copy)
+
+    source, copy = asyncio.run(both())
+    assert source == copy
