@@ -12,13 +12,9 @@ reconnect with `Last-Event-ID`, and stop one (`.../cancel`) before it ends.
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
-import math
-
-import orjson
 from aiohttp import web
 
+from chatd.http import idempotency
 from chatd.http.auth import TENANT
 from chatd.http.conversation_request import parse_conversation_update, parse_new_conversation
 from chatd.http.errors import REQUEST_ID, APIError, error_body
@@ -29,10 +25,9 @@ from chatd.http.request_log import REQUEST_LOG
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import ROUTING_KEY_HEADER, TURNS, MessageTurn, ReplyStream, conversation_not_found
 from chatd.http.wire import DONE, json_response, read_json, stream_events
-from chatd.store.db import Claim, Conversation, Message, Tenant
+from chatd.store.db import Conversation, Message, Tenant
 
 MAX_NEW_ITEMS = 20  # items one request may add, as OpenAI's Conversations API allows
-MAX_IDEMPOTENCY_KEY = 255  # characters, as Stripe allows
 
 
 # -- routes -------------------------------------------------------------------------------------
@@ -130,28 +125,20 @@ async def post_message(request: web.Request) -> web.StreamResponse:
 
     With an `Idempotency-Key` header, a retry (on this replica or another) of a turn that was
     answered gets that answer again; of one still being generated, 409 with Retry-After; of one
-    whose replica died mid-reply, a new reply in its place (idempotency.py)."""
+    whose replica died mid-reply, a new reply in its place (http/idempotency.py)."""
     state, tenant = request.app[STATE], request[TENANT]
     conversation = await _own_conversation(state, tenant, request.match_info["conversation_id"])
     body = await read_json(request)
     turn = parse_turn(body, state.config.conversations.max_message_chars, state.model.sampling_defaults)
     state.check_model(turn.gen.model, tenant)
     headers = {ROUTING_KEY_HEADER: conversation.id}
-    key = idempotency_key(request)
-    if key is not None:
-        claim = await state.store.claim_key(tenant.id, key, _request_digest(conversation.id, body), state.replica,
-                                            state.config.store.replica_timeout_seconds)
-        if claim.outcome == "replay":
-            return await _replay(request, state, conversation, claim.message_id, turn.gen.stream, headers)
-        _refuse_claim(claim)
+    claimed = await idempotency.claim(state, tenant, request, conversation.id, body)
+    if claimed is not None and claimed.outcome == "replay":
+        return await _replay(request, state, conversation, claimed.message_id, turn.gen.stream, headers)
     state.check_store_writable()
-    try:
-        reply, omitted = await request.app[TURNS].start(tenant, MessageTurn(state, tenant, conversation, turn, key),
-                                                         request[REQUEST_ID], request.get(REQUEST_LOG))
-    except BaseException:
-        if key is not None:  # refused before its rows were written: a retry runs anew
-            await asyncio.shield(state.store.release_key(tenant.id, key))
-        raise
+    async with idempotency.released_if_refused(state, tenant, claimed):
+        job = MessageTurn(state, tenant, conversation, turn, claimed and claimed.key)
+        reply, omitted = await request.app[TURNS].start(tenant, job, request[REQUEST_ID], request.get(REQUEST_LOG))
     headers["X-Chatd-Messages-Omitted"] = str(omitted)
     if turn.gen.stream:
         return await _stream(request, state, reply, 0, headers)
@@ -277,34 +264,6 @@ async def _stream(request: web.Request, state: ServerState, reply: ReplyStream, 
     """Follow a reply from event `after`; a follower that leaves is only dropped: the reply goes on and is saved."""
     response, _ = await stream_events(request, reply.follow(after, state.heartbeat_seconds), headers)
     return response
-
-
-def idempotency_key(request: web.Request) -> str | None:
-    """The request's Idempotency-Key header, checked: 1 to 255 visible ASCII characters; None without one."""
-    key = request.headers.get("Idempotency-Key")
-    if key is None:
-        return None
-    if not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY or not key.isascii() or not key.isprintable() or " " in key:
-        raise APIError(400, f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} visible ASCII characters",
-                       "Idempotency-Key", "invalid_idempotency_key")
-    return key
-
-
-def _request_digest(conversation_id: str, body: dict) -> str:
-    """What a key's request was: a retry must send the same (its JSON read back, so key order and
-    spacing do not matter). Whether it streams is how the reply is delivered, not what it is: a
-    retry may follow the reply whole after losing its stream."""
-    asked = {name: value for name, value in body.items() if name not in ("stream", "stream_options")}
-    return hashlib.sha256(orjson.dumps([conversation_id, asked], option=orjson.OPT_SORT_KEYS)).hexdigest()
-
-
-def _refuse_claim(claim: Claim) -> None:
-    if claim.outcome == "busy":
-        raise APIError(409, "a request with this Idempotency-Key is being answered; retry after it ends",
-                       "Idempotency-Key", "idempotency_key_in_use", headers={"Retry-After": str(math.ceil(claim.retry_after))})
-    if claim.outcome == "mismatch":
-        raise APIError(422, "this Idempotency-Key was used for a different request", "Idempotency-Key",
-                       "idempotency_key_reused")
 
 
 async def _replay(request: web.Request, state: ServerState, conversation: Conversation, message_id: str | None,

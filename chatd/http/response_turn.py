@@ -38,8 +38,9 @@ class ResponseTurn:
     named_events, endpoint, route = True, "responses", "responses"
 
     def __init__(self, state: ServerState, tenant: Tenant, req: ResponseRequest, conversation: Conversation | None,
-                 previous: Response | None) -> None:
+                 previous: Response | None, idempotency_key: str | None = None) -> None:
         self.state, self.tenant, self.req = state, tenant, req
+        self.idempotency_key = idempotency_key  # claimed by the route; a stored response's rows are bound to it
         self.conversation, self.previous = conversation, previous
         self.gen, self.stored = req.gen, req.store
         self.busy_key = conversation.id if conversation is not None else None
@@ -99,7 +100,8 @@ class ResponseTurn:
         self.record, output = await self.state.store.create_response(
             self.tenant.id, model=self.state.model_name, stored=req.store, inputs=req.inputs,
             conversation_id=req.conversation_id, previous_response_id=req.previous_response_id,
-            instructions=req.instructions, request={**req.echo, "items_omitted": self.omitted})
+            instructions=req.instructions, request={**req.echo, "items_omitted": self.omitted},
+            idempotency_key=self.idempotency_key)
         if output is None:  # store=false: the output has no row
             now = time.time()
             output = Message(f"msg_{self.record.id[5:]}", None, "assistant", "", "partial", None, 0, 0, 0, 0.0, now, now)

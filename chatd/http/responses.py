@@ -32,6 +32,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from chatd.engine import ParamError
+from chatd.http import idempotency
 from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, APIError
 from chatd.http.items import item_json, item_page, page_params
@@ -53,8 +54,13 @@ from chatd.store.records import Response
 async def create_response(request: web.Request) -> web.StreamResponse:
     """Generate a response to `input`, after a chain of responses or a conversation's items; whole or streamed."""
     state, tenant = request.app[STATE], request[TENANT]
-    req = parse_response(await read_json(request), state)
+    body = await read_json(request)
+    req = parse_response(body, state)
     state.check_model(req.gen.model, tenant)
+    # A store=false response keeps no rows to give back: its key, if any, is not claimed.
+    claimed = await idempotency.claim(state, tenant, request, "responses", body) if req.store else None
+    if claimed is not None and claimed.outcome == "replay":
+        return await _replay(request, state, tenant, claimed.response_id, req.gen.stream)
     state.check_store_writable()
     conversation = previous = None
     if req.conversation_id is not None:
@@ -64,9 +70,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if req.previous_response_id is not None:
         previous = await _previous(state, request.app[TURNS], tenant, req.previous_response_id)
     turns = request.app[TURNS]
-    job = ResponseTurn(state, tenant, req, conversation, previous)
+    job = ResponseTurn(state, tenant, req, conversation, previous, claimed and claimed.key)
     try:
-        reply, _ = await turns.start(tenant, job, request[REQUEST_ID], request.get(REQUEST_LOG))
+        async with idempotency.released_if_refused(state, tenant, claimed):
+            reply, _ = await turns.start(tenant, job, request[REQUEST_ID], request.get(REQUEST_LOG))
     except ParamError as exc:  # named as the client named it
         if exc.param == "max_tokens":
             raise APIError(400, str(exc).replace("max_tokens", "max_output_tokens"), "max_output_tokens") from None
@@ -88,6 +95,22 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         raise reply.interruption()  # the server is stopping
     return json_response(response_object(state, job.record, [message, *reply.calls], stopped_by=reply.stopped_by),
                          headers=routing)
+
+
+async def _replay(request: web.Request, state: ServerState, tenant, response_id: str | None,
+                  stream: bool) -> web.StreamResponse:
+    """A keyed response that was answered, again: as GET /v1/responses/{id} gives it (events
+    rebuilt from its rows when streamed)."""
+    record = await state.store.get_response(tenant.id, response_id) if response_id is not None else None
+    if record is None:  # deleted since
+        raise APIError(404, "the response to this Idempotency-Key no longer exists", "Idempotency-Key", "not_found")
+    turns = request.app[TURNS]
+    outputs = await _outputs(state, record)
+    headers = {"Idempotent-Replayed": "true"}
+    if stream:
+        reply = turns.reply(record.output_message_id) or replayed(state, record, outputs)[0]
+        return await _stream(request, state, turns, reply, 0, cancel_on_leave=False, headers=headers)
+    return json_response(response_object(state, record, outputs), headers=headers)
 
 
 async def get_response(request: web.Request) -> web.StreamResponse:

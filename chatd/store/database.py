@@ -94,6 +94,7 @@ MIGRATIONS: list[list[str]] = [
             request_sha256  TEXT NOT NULL,      -- the request it was first used for
             user_message_id TEXT,               -- the try's rows, once written (NULL before)
             message_id      TEXT,
+            response_id     TEXT,               -- a Responses try's response (its items go with it)
             replica         TEXT NOT NULL,      -- the replica running the latest try
             created_at      REAL NOT NULL,
             finished_at     REAL,               -- its reply ended (complete, partial or error)

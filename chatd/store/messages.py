@@ -75,7 +75,7 @@ class Messages(Database):
             await insert_messages(conn, conversation_id, None, position, [user, reply])
             await conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
             if idempotency_key is not None:
-                await bind_key(conn, tenant_id, idempotency_key, user.id, reply.id)
+                await bind_key(conn, tenant_id, idempotency_key, reply.id, user_message_id=user.id)
         return user, reply
 
     async def save_partial(self, message_id: str, content: str, completion_tokens: int) -> None:

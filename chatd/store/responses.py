@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from chatd.store.database import Database, whole
+from chatd.store.idempotency import bind_key
 from chatd.store.messages import MESSAGE_COLUMNS, Item, insert_messages, message_from_row, new_message, next_position
 from chatd.store.records import Message, Response, new_id
 
@@ -32,11 +33,12 @@ class Responses(Database):
     @whole
     async def create_response(self, tenant_id: str, *, model: str, stored: bool, inputs: Sequence[Item] = (),
                               conversation_id: str | None = None, previous_response_id: str | None = None,
-                              instructions: str | None = None,
-                              request: dict[str, Any] | None = None) -> tuple[Response, Message | None]:
+                              instructions: str | None = None, request: dict[str, Any] | None = None,
+                              idempotency_key: str | None = None) -> tuple[Response, Message | None]:
         """Record a new response. Stored, it gets its input items (role, text[, call]) and an empty
         `partial` output message, in its conversation when it has one (LookupError and nothing if
-        that is not the tenant's live conversation); a store=false one keeps only its record."""
+        that is not the tenant's live conversation); a store=false one keeps only its record.
+        With `idempotency_key` (claimed first: claim_key), a stored one is bound to it."""
         now = self._clock()
         response = Response(new_id("resp_", 12), tenant_id, conversation_id, previous_response_id, None, stored,
                             model, instructions, dict(request or {}), now)
@@ -51,6 +53,8 @@ class Responses(Database):
             if stored:
                 messages = [new_message(conversation_id, *item, now=now) for item in inputs] + [output]
                 await insert_messages(conn, conversation_id, response.id, position, messages)
+                if idempotency_key is not None:
+                    await bind_key(conn, tenant_id, idempotency_key, output.id, response_id=response.id)
             if conversation_id is not None:
                 await conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
         return response, output

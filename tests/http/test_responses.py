@@ -9,6 +9,7 @@ import random
 import re
 import sqlite3
 import time
+import uuid
 from array import array
 
 import httpx
@@ -157,6 +158,24 @@ def test_a_chain_names_its_first_response_as_the_routing_key_and_top_k_minus_one
     second, second_key = routed(input="Go on.", previous_response_id=first.id)
     _, third_key = routed(input="And on.", previous_response_id=second.id)
     assert key == second_key == third_key == first.id
+
+
+def test_a_retried_response_with_its_idempotency_key_is_the_same_response(server):
+    """The SDK's retry with the same Idempotency-Key gets the response it lost, not a second one;
+    a store=false response keeps nothing to give back, so its key is not held."""
+    def keyed(key, **fields):
+        raw = client(server).responses.with_raw_response.create(
+            model="demo", input="Say it once.", max_output_tokens=4, temperature=0, **fields,
+            extra_headers={"Idempotency-Key": key}, extra_body={"ignore_eos": True})
+        return raw.parse(), raw.headers
+
+    key = f"resp-{uuid.uuid4().hex}"
+    first, _ = keyed(key)
+    again, headers = keyed(key)
+    assert headers["Idempotent-Replayed"] == "true"
+    assert (again.id, again.output_text, again.usage) == (first.id, first.output_text, first.usage)
+    unstored_key = f"unstored-{uuid.uuid4().hex}"
+    assert keyed(unstored_key, store=False)[0].id != keyed(unstored_key, store=False)[0].id
 
 
 def test_input_as_a_list_of_items_with_an_earlier_output_passed_back(server, tokenizer):

@@ -68,3 +68,20 @@ async def test_old_keys_and_silent_replicas_are_purged(store, clock):
     assert await store.purge_keys(clock.now - 50) == 1
     assert [r[0] for r in await store._fetch("SELECT id FROM replicas")] == ["rep_b"]
     assert (await store.claim_key(alice, "old", "sha-x", "rep_b")).outcome == "new"
+
+
+async def test_a_dead_replicas_response_is_taken_over_with_its_items(store, clock):
+    alice = await make_tenant(store)
+    await store.beat("rep_a")
+    await store.claim_key(alice, "r1", "sha", "rep_a")
+    dead, output = await store.create_response(alice, model="m", stored=True, inputs=[("user", "hi")],
+                                               idempotency_key="r1")
+    clock.advance(REPLICA_TIMEOUT_S + 1)
+    assert (await store.claim_key(alice, "r1", "sha", "rep_b")).outcome == "new"
+    assert await store.get_response(alice, dead.id) is None and await store.response_messages(dead.id) == []
+    response, output = await store.create_response(alice, model="m", stored=True, inputs=[("user", "hi")],
+                                                   idempotency_key="r1")
+    await finish(store, alice, output.id, endpoint="responses")
+    replay = await store.claim_key(alice, "r1", "sha", "rep_c")
+    assert (replay.outcome, replay.response_id, replay.message_id) == ("replay", response.id, output.id)
+    assert await _usage_rows(store, alice) == 1
