@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from chatd.cli_args import non_negative_float, positive_number
 from chatd.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 GPU_CHOICES = ("h100", "h200", "cpu")
@@ -42,36 +43,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model folder, GGUF file or hub id (its config only), or 'demo' (default: chatd's "
                                    "default model, SmolLM2-135M-Instruct)")
     p.add_argument("--gpu", choices=GPU_CHOICES, help="the device each replica has (required unless --measure)")
-    p.add_argument("--users", type=_positive(int), required=True, help="users of the service")
-    p.add_argument("--turns-per-day", type=_positive(float), required=True, help="turns (request and reply) per user per day")
+    p.add_argument("--users", type=positive_number(int), required=True, help="users of the service")
+    p.add_argument("--turns-per-day", type=positive_number(float), required=True, help="turns (request and reply) per user per day")
     traffic = p.add_argument_group("traffic")
-    traffic.add_argument("--prompt-tokens", type=_positive(int), help="prompt tokens computed per turn (default 1000)")
-    traffic.add_argument("--output-tokens", type=_positive(int), help="tokens generated per turn (default 250)")
-    traffic.add_argument("--context-tokens", type=_positive(int),
+    traffic.add_argument("--prompt-tokens", type=positive_number(int), help="prompt tokens computed per turn (default 1000)")
+    traffic.add_argument("--output-tokens", type=positive_number(int), help="tokens generated per turn (default 250)")
+    traffic.add_argument("--context-tokens", type=positive_number(int),
                          help="KV tokens a session holds (default prompt + output)")
     traffic.add_argument("--peak-factor", type=_at_least_one, help="peak turn rate over the day's average (default 3)")
-    traffic.add_argument("--turn-seconds", type=_positive(float),
+    traffic.add_argument("--turn-seconds", type=positive_number(float),
                          help="how long a turn holds its stream (default ttft-p95 + output-tokens x tpot)")
     slo = p.add_argument_group("latency objective")
-    slo.add_argument("--ttft-p95", type=_positive(float), help="95th percentile time to first token, seconds (default 1.0)")
-    slo.add_argument("--tpot", type=_positive(float), help="time per output token, seconds (default 0.060)")
+    slo.add_argument("--ttft-p95", type=positive_number(float), help="95th percentile time to first token, seconds (default 1.0)")
+    slo.add_argument("--tpot", type=positive_number(float), help="time per output token, seconds (default 0.060)")
     device = p.add_argument_group("device and serving")
-    device.add_argument("--gpu-memory-gib", type=_positive(float), help="the GPU's memory (default: the kind's)")
+    device.add_argument("--gpu-memory-gib", type=positive_number(float), help="the GPU's memory (default: the kind's)")
     device.add_argument("--gpu-memory-utilization", type=_fraction, help="chatd's share of it (default 0.90)")
-    device.add_argument("--activation-headroom-gib", type=_non_negative, help="memory kept from the KV pool (default 2)")
-    device.add_argument("--cpu-kv-cache-gb", type=_positive(float), help="with --gpu cpu: chatd's KV pool (default 1.0)")
-    device.add_argument("--gpu-hour-usd", type=_non_negative, help="price of one GPU an hour (default: h100 2.5, h200 3.5)")
+    device.add_argument("--activation-headroom-gib", type=non_negative_float, help="memory kept from the KV pool (default 2)")
+    device.add_argument("--cpu-kv-cache-gb", type=positive_number(float), help="with --gpu cpu: chatd's KV pool (default 1.0)")
+    device.add_argument("--gpu-hour-usd", type=non_negative_float, help="price of one GPU an hour (default: h100 2.5, h200 3.5)")
     device.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default auto: bfloat16 on a GPU, float32 on CPU)")
     device.add_argument("--quantization", choices=QUANTIZATIONS, help="weights in fewer bits (default none)")
     device.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="how the KV cache stores values (default auto)")
-    device.add_argument("--max-num-seqs", type=_positive(int), help="chatd's scheduler.max_num_seqs (default 256)")
+    device.add_argument("--max-num-seqs", type=positive_number(int), help="chatd's scheduler.max_num_seqs (default 256)")
     curve = p.add_argument_group("step times")
     curve.add_argument("--curve", metavar="FILE", help="step times from a JSON file (what --save-curve writes)")
     curve.add_argument("--measure", action="store_true", help="time chatd's engine on this machine's device, and plan with that")
     curve.add_argument("--measure-batches", type=_positive_list, metavar="B,B,...", help="batch sizes (default 1,4,16,64)")
     curve.add_argument("--measure-contexts", type=_positive_list, metavar="C,C,...",
                        help="context lengths (default a quarter of context-tokens, and context-tokens)")
-    curve.add_argument("--measure-steps", type=_positive(int), default=10, help="timed decode steps per point (default 10)")
+    curve.add_argument("--measure-steps", type=positive_number(int), default=10, help="timed decode steps per point (default 10)")
     curve.add_argument("--no-compile", action="store_true", help="with --measure on a CPU, run steps eagerly")
     curve.add_argument("--save-curve", metavar="FILE", help="with --measure, write the curve as JSON for --curve")
     curve.add_argument("--allow-other-model-curve", action="store_true",
@@ -96,42 +97,20 @@ def main(args: argparse.Namespace) -> int:
     return 0 if document["result"]["replicas"] is not None else 1
 
 
-def _positive(kind: type):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a {'whole ' if kind is int else ''}number, got {text!r}") from None
-        if not value > 0:  # NaN too
-            raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-        return value
-    return parse
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
 def _at_least_one(text: str) -> float:
-    value = _positive(float)(text)
+    value = positive_number(float)(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 (a peak is no lower than the average), got {text}")
     return value
 
 
 def _fraction(text: str) -> float:
-    value = _positive(float)(text)
+    value = positive_number(float)(text)
     if value > 1:
         raise argparse.ArgumentTypeError(f"must be more than 0 and at most 1, got {text}")
     return value
 
 
 def _positive_list(text: str) -> list[int]:
-    parse = _positive(int)
+    parse = positive_number(int)
     return sorted({parse(part) for part in text.split(",") if part.strip()})

@@ -28,6 +28,9 @@ _SESSION = dict(
 )
 
 _README = "benchmarks/README.md, \"First GPU figures (2026-11-27, 02:58-03:24 UTC, one H100 80GB HBM3, issue 19's session)\""
+# The run that measured the fp8 and int4 rows, as benchmarks/README.md gives it.
+_QUANTIZED_COMMAND = ("bash benchmarks/gpu_session.sh steps --quantization none,fp8,int4 --batches 1,64 --decode-steps 20 "
+                      "--ttft-repeats 3")
 
 # Decode points: batch, each sequence's context when timed (prompts of 1024 tokens), median step ms.
 # Prefill: the time to first token of a fresh 2000-token prompt alone (one step, max_tokens=1).
@@ -47,8 +50,7 @@ MEASURED_CURVES: tuple[dict, ...] = (
         name="h100-fp8-llama-3.1-8b",
         quantization="fp8",
         source=f"{_README}, table \"Quantized weights\", row fp8",
-        command="bash benchmarks/gpu_session.sh steps --quantization none,fp8,int4 --batches 1,64 --decode-steps 20 "
-                "--ttft-repeats 3",
+        command=_QUANTIZED_COMMAND,
         decode=[dict(batch=1, context=1024, step_ms=9.264), dict(batch=64, context=1024, step_ms=15.970)],
         prefill=dict(prompt_tokens=2000, ttft_ms=77.0),
     ),
@@ -57,8 +59,7 @@ MEASURED_CURVES: tuple[dict, ...] = (
         name="h100-int4-llama-3.1-8b",
         quantization="int4",
         source=f"{_README}, table \"Quantized weights\", row int4",
-        command="bash benchmarks/gpu_session.sh steps --quantization none,fp8,int4 --batches 1,64 --decode-steps 20 "
-                "--ttft-repeats 3",
+        command=_QUANTIZED_COMMAND,
         decode=[dict(batch=1, context=1024, step_ms=5.722), dict(batch=64, context=1024, step_ms=42.163)],
         prefill=dict(prompt_tokens=2000, ttft_ms=969.0),
     ),
