@@ -209,20 +209,20 @@ class StoreConfig:
     """The database that keeps API keys, conversations and usage: a SQLite file, or PostgreSQL."""
 
     db_path: str = ""  # empty = $CHATD_HOME/chatd.db (~/.cache/chatd/chatd.db)
-    # Empty: the SQLite file at db_path. sqlite:///path/to/chatd.db, or postgresql://user@host:port/db
-    # for a PostgreSQL database that several replicas may share. Never shown: it may hold a password.
+    # "": the file at db_path; sqlite:///path, or postgresql://user@host:port/db (replicas share it; never shown)
     url: str = field(default="", repr=False)
     retention_days: float = 30.0  # deleted conversations are purged this long after deletion
     purge_interval_seconds: float = 3600.0  # how often the purge runs
     max_db_mb: float = 0.0  # the file may grow to this many MiB (0 = no limit but the disk's)
     retry_seconds: float = 5.0  # while writes fail: how often they are retried (and the Retry-After)
-    # Replicas sharing a store: one silent this long counts as dead, and a turn it was answering may
-    # be retried elsewhere with the same Idempotency-Key (each writes it is alive every fifth of it).
+    # A replica silent this long is dead: its keyed turns may be retried elsewhere (it beats every fifth of it)
     replica_timeout_seconds: float = 10.0
 
     def __post_init__(self) -> None:  # (the url's scheme is checked where it is opened: store/url.py)
         if self.url and self.db_path:
             raise ValueError("settings [store] url and [store] db_path exclude each other: set the file in one of them")
+        if not self.replica_timeout_seconds > 0:
+            raise ValueError(f"setting store.replica_timeout_seconds must be more than 0, got {self.replica_timeout_seconds}")
 
 
 # What an API key may hold: it travels in an HTTP header, so visible ASCII, no spaces.

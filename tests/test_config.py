@@ -72,6 +72,8 @@ def test_unknown_and_mistyped_settings_are_named():
         build_config({"cache": {"prefix_cache_scope": "everyone"}})
     with pytest.raises(ValueError, match="cache.shared_system_prompts must be a list of strings"):
         build_config({"cache": {"shared_system_prompts": "Be brief."}})
+    with pytest.raises(ValueError, match="store.replica_timeout_seconds must be more than 0"):
+        build_config({"store": {"replica_timeout_seconds": 0.0}})  # its heartbeat would never sleep
     with pytest.raises(ValueError, match="unknown engine option 'colour'"):
         config_from_options(colour="blue")
 
