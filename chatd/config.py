@@ -235,9 +235,9 @@ class AuthConfig:
 
     enabled: bool = False  # on: each request needs a key from `chatd keys create` (the key database)
     local_tier: str = "paid"  # the local user's tier while the key database is off
-    # One key shared by every caller, without the key database (as `vllm serve --api-key`).
-    # Never shown: not in repr, logs, nor error messages.
+    # One key shared by every caller, without the key database (as `vllm serve --api-key`). Never shown.
     api_key: str = field(default="", repr=False)
+    public_models: bool = False  # GET /v1/models answers callers without a key too (a gateway learning the model)
 
     def __post_init__(self) -> None:
         if self.api_key and not API_KEY.fullmatch(self.api_key):

@@ -17,7 +17,9 @@ conversations beside per-tenant keys, a door easy to forget is open.
 
 Guarded routes are every /v1/ route and /tokenize, /detokenize (they run the model's tokenizer).
 /live, /health, /ready and /metrics stay open (they are for the operator's probes, and carry no tenant
-data), as do the chat page, its static files and /openapi.json (no tenant data either).
+data), as do the chat page, its static files and /openapi.json (no tenant data either). With
+`public_models`, so does `GET /v1/models` for a caller that sends no key: a gateway (the SGLang
+Model Gateway) learns the served model's name there.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     state = request.app[STATE]
     auth = state.config.auth
+    if auth.public_models and _model_list_without_key(request):
+        request[TENANT] = state.local_tenant  # it sees the models the local tier ([auth] local_tier) may use
+        return await handler(request)
     if auth.api_key:
         key = _bearer_key(request, SHARED_KEY_HINT)
         # Constant time: how long a wrong key takes says nothing of how much of it was right.
@@ -64,6 +69,10 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     else:
         request[TENANT] = state.local_tenant
     return await handler(request)
+
+
+def _model_list_without_key(request: web.Request) -> bool:
+    return request.method == "GET" and request.path == "/v1/models" and "Authorization" not in request.headers
 
 
 def _bearer_key(request: web.Request, where_from: str) -> str:
