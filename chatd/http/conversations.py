@@ -135,8 +135,8 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     claimed = await idempotency.claim(state, tenant, request, conversation.id, body)
     if claimed is not None and claimed.outcome == "replay":
         return await _replay(request, state, conversation, claimed.message_id, turn.gen.stream, headers)
-    state.check_store_writable()
-    async with idempotency.released_if_refused(state, tenant, claimed):
+    async with idempotency.released_if_refused(state, tenant, claimed):  # a refusal gives the key back
+        state.check_store_writable()
         job = MessageTurn(state, tenant, conversation, turn, claimed and claimed.key)
         reply, omitted = await request.app[TURNS].start(tenant, job, request[REQUEST_ID], request.get(REQUEST_LOG))
     headers["X-Chatd-Messages-Omitted"] = str(omitted)

@@ -6,8 +6,10 @@ and the turn is stored once and billed once (store/idempotency.py decides what e
     if claimed and claimed.outcome == "replay": answer with the stored reply
     async with released_if_refused(state, tenant, claimed): start the turn, bound to the key
 
-A try whose turn is refused before its rows are written (limits, safety, a bad field) gives its
-key back, so a retry runs anew rather than replaying a refusal.
+A try whose turn is refused before its rows are written (the store cannot write, an unknown or
+unfinished response or conversation to continue, limits, safety, a bad field) gives its key back,
+so a retry runs anew: the same body is refused the same way, a corrected one is served. Routes
+therefore claim the key first and run every later check inside `released_if_refused`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,6 +28,8 @@ from aiohttp import web
 from chatd.http.errors import APIError
 from chatd.http.state import ServerState
 from chatd.store.db import Claim, Tenant
+
+log = logging.getLogger("chatd.http")
 
 MAX_KEY = 255  # characters, as Stripe allows
 # How the reply is delivered, not what it is: a retry may take whole the reply it lost mid-stream.
@@ -73,7 +78,10 @@ async def released_if_refused(state: ServerState, tenant: Tenant, claimed: Claim
         yield
     except BaseException:
         if claimed is not None:
-            await asyncio.shield(state.store.release_key(tenant.id, claimed.key))
+            try:
+                await asyncio.shield(state.store.release_key(tenant.id, claimed.key))
+            except Exception:  # the client hears of the refusal, not of this; the key is held until purged
+                log.exception("could not give back the Idempotency-Key of a refused request (tenant %s)", tenant.id)
         raise
 
 

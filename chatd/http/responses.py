@@ -40,12 +40,12 @@ from chatd.http.protocol import shown
 from chatd.http.request_log import REQUEST_LOG
 # The body's parsing. openapi.py (and test_openapi.py) read its fields and limits as responses.X: kept here.
 from chatd.http.response_request import (MAX_INPUT_ITEMS, RESPONSE_FIELDS, SERVICE_TIERS, UNSUPPORTED,  # noqa: F401
-                                         parse_response)
+                                         ResponseRequest, parse_response)
 from chatd.http.response_turn import ResponseTurn, replayed, response_object
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import ROUTING_KEY_HEADER, TURNS, ReplyStream, Turns
 from chatd.http.wire import json_response, read_json, stream_events
-from chatd.store.db import Message, Tenant
+from chatd.store.db import Conversation, Message, Tenant
 from chatd.store.records import Response
 
 # -- routes ---------------------------------------------------------------------------------------
@@ -61,23 +61,19 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     claimed = await idempotency.claim(state, tenant, request, "responses", body) if req.store else None
     if claimed is not None and claimed.outcome == "replay":
         return await _replay(request, state, tenant, claimed.response_id, req.gen.stream)
-    state.check_store_writable()
-    conversation = previous = None
-    if req.conversation_id is not None:
-        conversation = await state.store.get_conversation(tenant.id, req.conversation_id)
-        if conversation is None:
-            raise APIError(404, f"no conversation {req.conversation_id!r}", "conversation", "not_found")
-    if req.previous_response_id is not None:
-        previous = await _previous(state, request.app[TURNS], tenant, req.previous_response_id)
     turns = request.app[TURNS]
-    job = ResponseTurn(state, tenant, req, conversation, previous, claimed and claimed.key)
-    try:
-        async with idempotency.released_if_refused(state, tenant, claimed):
+    # Every refusal from here until the turn's rows are written gives the key back: a retry of
+    # the same body is refused the same way, a corrected one is served.
+    async with idempotency.released_if_refused(state, tenant, claimed):
+        state.check_store_writable()
+        conversation, previous = await _continued(state, turns, tenant, req)
+        job = ResponseTurn(state, tenant, req, conversation, previous, claimed and claimed.key)
+        try:
             reply, _ = await turns.start(tenant, job, request[REQUEST_ID], request.get(REQUEST_LOG))
-    except ParamError as exc:  # named as the client named it
-        if exc.param == "max_tokens":
-            raise APIError(400, str(exc).replace("max_tokens", "max_output_tokens"), "max_output_tokens") from None
-        raise APIError(400, str(exc), "input" if exc.param == "prompt" else exc.param) from None
+        except ParamError as exc:  # named as the client named it
+            if exc.param == "max_tokens":
+                raise APIError(400, str(exc).replace("max_tokens", "max_output_tokens"), "max_output_tokens") from None
+            raise APIError(400, str(exc), "input" if exc.param == "prompt" else exc.param) from None
     routing = {ROUTING_KEY_HEADER: conversation.id if conversation is not None
                else await state.store.chain_root(previous.id) if previous is not None else job.record.id}
     if req.gen.stream:
@@ -203,6 +199,19 @@ async def _own_response(state: ServerState, tenant: Tenant, response_id: str) ->
         raise APIError(404, f"response {response_id!r} was created with store=false: it was not kept", "response_id",
                        "not_found")
     return record
+
+
+async def _continued(state: ServerState, turns: Turns, tenant: Tenant,
+                     req: ResponseRequest) -> tuple[Conversation | None, Response | None]:
+    """The conversation and the previous response a new response continues (either may be None)."""
+    conversation = previous = None
+    if req.conversation_id is not None:
+        conversation = await state.store.get_conversation(tenant.id, req.conversation_id)
+        if conversation is None:
+            raise APIError(404, f"no conversation {req.conversation_id!r}", "conversation", "not_found")
+    if req.previous_response_id is not None:
+        previous = await _previous(state, turns, tenant, req.previous_response_id)
+    return conversation, previous
 
 
 async def _previous(state: ServerState, turns: Turns, tenant: Tenant, response_id: str) -> Response:

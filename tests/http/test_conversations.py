@@ -512,13 +512,21 @@ async def test_a_retry_with_the_same_idempotency_key_gets_the_same_reply_billed_
         assert status == 422 and refused["error"]["param"] == "Idempotency-Key"
         status, refused = await call(session, "POST", url, json=body, headers={**keyed, "Idempotency-Key": "x" * 256})
         assert status == 400 and "255" in refused["error"]["message"]
+        # A try refused before its turn starts (more tokens than the window) leaves its key free: the
+        # same body is refused again, the corrected one served.
+        keyed = {**headers(server), "Idempotency-Key": "refused-1"}
+        for _ in range(2):
+            status, refused = await call(session, "POST", url, json={**body, "max_tokens": 100_000}, headers=keyed)
+            assert status == 400 and refused["error"]["param"] == "max_tokens", refused
+        status, served = await call(session, "POST", url, json={**body, "content": "A short one."}, headers=keyed)
+        assert status == 200 and served["choices"][0]["message"]["content"]
         bobs = await new_conversation(session, server, "bob")
         status, _ = await call(session, "POST", f"{server['url']}/v1/conversations/{bobs['id']}/messages", json=body,
                                headers={**headers(server, "bob"), "Idempotency-Key": "retry-1"})
         assert status == 200
         status, items = await call(session, "GET", f"{server['url']}/v1/conversations/{conversation['id']}/items",
                                    headers=headers(server))
-        assert [item["role"] for item in items["data"]] == ["assistant", "user"]
+        assert [item["role"] for item in items["data"]] == ["assistant", "user"] * 2
     events = sqlite3.connect(server["db"]).execute("SELECT COUNT(*) FROM usage_events WHERE message_id = ?",
                                                    (first["id"],)).fetchone()[0]
     assert events == 1

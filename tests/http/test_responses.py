@@ -178,6 +178,29 @@ def test_a_retried_response_with_its_idempotency_key_is_the_same_response(server
     assert keyed(unstored_key, store=False)[0].id != keyed(unstored_key, store=False)[0].id
 
 
+def test_a_keyed_response_refused_before_it_starts_leaves_its_key_free(server):
+    """A keyed request that continues nothing the tenant has (an unknown response or conversation,
+    another tenant's response) is a 404 each time it is retried, never a 409 that holds the key;
+    the corrected body with the same key is then served."""
+    bobs = create(server, "bob", input=unique("bob's own"))
+    alice = client(server)
+
+    def keyed(key, **fields):
+        return alice.responses.create(model="demo", input="Continue.", max_output_tokens=4, temperature=0, **fields,
+                                      extra_headers={"Idempotency-Key": key}, extra_body={"ignore_eos": True})
+
+    for wrong in ({"previous_response_id": "resp_unknown"}, {"previous_response_id": bobs.id},
+                  {"conversation": "conv_unknown"}):
+        key = f"refused-{uuid.uuid4().hex}"
+        for _ in range(2):
+            with pytest.raises(openai.NotFoundError) as error:
+                keyed(key, **wrong)
+            assert error.value.param == next(iter(wrong))
+        served = keyed(key)
+        assert served.id.startswith("resp_") and served.output_text
+        assert keyed(key).id == served.id  # and now the key holds that response
+
+
 def test_input_as_a_list_of_items_with_an_earlier_output_passed_back(server, tokenizer):
     earlier = create(server, input=unique("Say something."))
     history = [
