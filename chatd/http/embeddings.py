@@ -118,7 +118,9 @@ def parse_request(body: Any, embedder: Embedder, max_inputs: int) -> EmbeddingRe
             raise APIError(400, f"unknown field {shown(name)}; known: {', '.join(sorted(FIELDS))}", name)
     model = _optional(body, "model", str, "a string")
     _optional(body, "user", str, "a string")
-    encoding = _optional(body, "encoding_format", str, "a string") or "float"
+    encoding = _optional(body, "encoding_format", str, "a string")
+    if encoding is None:  # left out or null; an empty string is refused like any other unknown format
+        encoding = "float"
     if encoding not in ENCODINGS:
         raise APIError(400, f"encoding_format must be one of {', '.join(ENCODINGS)}, got {shown(encoding)}",
                        "encoding_format")

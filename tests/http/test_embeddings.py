@@ -188,6 +188,8 @@ async def app(tmp_path, folder):
     ({"input": [[2, 5], []]}, "input", "input[1] is a list; every entry must be a non-empty list of token ids"),
     ({"input": "a " * 70}, "input", "input[0] has 72 tokens; this embedding model reads at most 64"),
     ({"input": "a", "encoding_format": "int8"}, "encoding_format", "encoding_format must be one of float, base64"),
+    ({"input": "a", "encoding_format": ""}, "encoding_format", "encoding_format must be one of float, base64, got ''"),
+    ({"input": "a", "encoding_format": "FLOAT"}, "encoding_format", "encoding_format must be one of float, base64"),
     ({"input": "a", "dimensions": 33}, "dimensions", "dimensions is 33; this model's vectors have 1 to 32"),
     ({"input": "a", "dimensions": 0}, "dimensions", "dimensions is 0"),
     ({"input": "a", "dimensions": True}, "dimensions", "dimensions must be an integer"),
