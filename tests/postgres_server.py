@@ -70,10 +70,18 @@ class PostgresServer:
             shutil.chown(self.folder, SERVER_USER)
         self._run(find_binary("initdb"), "-D", self.data, "-U", "postgres", "-A", "trust", "-E", "UTF8",
                   "--no-locale", "--no-sync")
+        self.resume()
+        return self
+
+    def pause(self) -> None:
+        """Stop the server at once, as a crash or an outage would, keeping its data for resume()."""
+        self._run(find_binary("pg_ctl"), "-D", self.data, "-m", "immediate", "-w", "stop")
+
+    def resume(self) -> None:
+        """Start the server (again) on its port."""
         options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -c unix_socket_directories={self.folder} "
                    "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
         self._run(find_binary("pg_ctl"), "-D", self.data, "-l", self.folder / "server.log", "-w", "-o", options, "start")
-        return self
 
     def stop(self) -> None:
         """Stop the server at once and remove its folder."""

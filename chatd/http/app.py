@@ -49,7 +49,7 @@ async def store_middleware(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except Exception as exc:
         if state.store_failed(exc):
-            raise state.store_unavailable(exc) from None
+            raise state.store_unavailable() from None
         raise
 
 

@@ -266,7 +266,7 @@ class Limits:
                                            (tier.tokens_per_minute, reserved_tokens))
         except StoreUnavailable:
             if not self.fail_open:
-                raise Refusal(tenant, tier).store_unavailable(self.shared.where, 1.0) from None
+                raise Refusal(tenant, tier).store_unavailable(1.0) from None
             self._check_buckets(Refusal(tenant, tier), budget, reserved_tokens)
             self._take(budget, reserved_tokens)
             return None

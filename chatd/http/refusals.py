@@ -49,8 +49,9 @@ class Refusal:
                            f"{limit}, remaining {int(remaining)}, requested {cost}; try again in {duration(wait)}",
                            "rate_limit_exceeded", wait)
 
-    def store_unavailable(self, where: str, retry_after: float) -> Refused:
-        return self._error(503, "limit_store", f"the shared limit store ({where}) that counts tier "
+    def store_unavailable(self, retry_after: float) -> Refused:
+        # Not where the store is (host, port, database): that is the operator's, in the log (buckets.py).
+        return self._error(503, "limit_store", "the shared limit store that counts tier "
                            f"{self.tenant.tier}'s requests and tokens across this server's replicas cannot be reached, "
                            "and this server refuses limited requests until it can ([tiers] on_storage_error = "
                            "\"closed\"); try again later", "limit_store_unavailable", retry_after)

@@ -168,7 +168,7 @@ class ServerState:
     def check_store_writable(self) -> None:
         """New work waits while the store cannot write: no token is served that could not be billed."""
         if not self.ledger.healthy:
-            raise self.store_unavailable(self.ledger.last_error)
+            raise self.store_unavailable()
 
     def store_failed(self, exc: BaseException) -> bool:
         """Whether an error is the store's file or disk refusing writes now (not a client's connection,
@@ -178,9 +178,11 @@ class ServerState:
         self.ledger.report_failure(exc)
         return True
 
-    def store_unavailable(self, reason: object) -> APIError:
-        """The 503 a client gets while the store cannot write, with when to try again."""
-        return APIError(503, f"the server cannot record usage right now ({reason}); try again later", None,
+    def store_unavailable(self) -> APIError:
+        """The 503 a client gets while the store cannot write, with when to try again. It says no
+        more: the store's error names its address (a PostgreSQL URL's user, host, port, database),
+        which is the operator's to read, in the log (ledger.py logs it once an outage)."""
+        return APIError(503, "the server cannot record usage right now; try again later", None,
                         "store_unavailable", headers={"Retry-After": str(self.ledger.retry_after)})
 
     def check_model(self, model: str | None, tenant: Tenant | None = None) -> None:

@@ -172,8 +172,10 @@ def _refusal(status: str, phase: str, retry_after: int | None, **details) -> web
 
 def _store_status(state: ServerState) -> dict:
     ledger = state.ledger
+    # The error's kind only: its text names the store's address, which /health (open to anyone who
+    # reaches the port) must not tell; the log has it whole.
     return {"writable": ledger.healthy, "pending_writes": ledger.num_pending,
-            "error": None if ledger.healthy else ledger.last_error}
+            "error": None if ledger.healthy else ledger.last_error_kind}
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -118,6 +118,7 @@ class Ledger:
         self._stopping = False
         self._task: asyncio.Task | None = None
         self.last_error: str | None = None  # the latest write failure, kept after recovery for diagnosis
+        self.last_error_kind: str | None = None  # its exception's name, which names no address (for /health)
 
     @property
     def healthy(self) -> bool:
@@ -277,6 +278,7 @@ class Ledger:
         for _, written in self._pending:  # nobody waits for a write that waits for the disk
             _settle(written, False)
         self.last_error = f"{type(exc).__name__}: {exc}"
+        self.last_error_kind = type(exc).__name__
         if self.healthy:  # once per outage, not at every retry
             log.error("the store cannot write (%s): new work is refused, billing writes are kept in memory "
                       "and retried every %g s", self.last_error, self._retry_seconds)

@@ -1,6 +1,7 @@
 """A store that cannot write (its file at [store] max_db_mb, as on a full disk), through a real
 `chatd serve`: new work is refused with 503 and Retry-After, what was already being served is
-billed once there is room again, and a reply streamed meanwhile is saved whole."""
+billed once there is room again, and a reply streamed meanwhile is saved whole. A PostgreSQL store
+that goes down is a 503 too, which tells clients nothing of where the store is."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from chatd.engine.models.demo import build_demo_model
 from tests.http.serving import start_server, stop_server
+from tests.postgres_server import PostgresServer, missing
 
 MAX_DB_BYTES = 512 * 1024  # [store] max_db_mb = 0.5
 # Long enough that neither reply can end between its start and the file filling up.
@@ -155,3 +157,40 @@ async def test_a_full_store_refuses_new_work_and_bills_what_it_served(server):
             assert r.status == 200
     log = server["log"].read_text()
     assert "the store cannot write" in log and "the store writes again" in log
+
+
+@pytest.mark.slow
+async def test_a_postgresql_outage_is_a_503_that_tells_clients_nothing_of_where_the_store_is(tmp_path):
+    """The store's address (user, host, port, database) is the operator's: a client, and /health,
+    get a generic 503; the log says what failed, where."""
+    if missing():
+        pytest.skip(missing())
+    with PostgresServer() as postgres:
+        store_url = postgres.create_database("chatd_where_secret")
+        proc, url, log_path = start_server(tmp_path, build_demo_model(tmp_path / "demo"), (
+            f'[store]\nurl = "{store_url}"\nretry_seconds = 0.2\n[server]\nheartbeat_seconds = 0.5\n'))
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"{url}/v1/conversations", json={}) as r:
+                    conversation = (await r.json())["id"]
+                postgres.pause()
+                answers = []
+                for method, path, body in (("POST", "/v1/conversations", {}),
+                                           ("POST", f"/v1/conversations/{conversation}/messages", {"content": "hi"}),
+                                           ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                                           ("GET", "/health", None)):
+                    async with session.request(method, url + path, json=body) as r:
+                        answers.append((path, r.status, await r.text()))
+                for path, status, text in answers:
+                    assert status == 503, (path, text)
+                    for secret in ("chatd_where_secret", "127.0.0.1", str(postgres.port), "postgres"):
+                        assert secret not in text, (path, text)
+                assert json.loads(answers[2][2])["error"]["code"] == "store_unavailable"
+                postgres.resume()
+                await wait_ready(session, url)
+                async with session.post(f"{url}/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) as r:
+                    assert r.status == 200
+        finally:
+            stop_server(proc)
+        assert "chatd_where_secret" in log_path.read_text()  # the operator's log says where

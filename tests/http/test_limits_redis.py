@@ -130,7 +130,7 @@ async def test_redis_down_fails_closed_with_a_503_and_counts_again_once_it_is_ba
         refusal = await admit(limits, ALICE)
         assert (refusal.status, refusal.code, refusal.reason) == (503, "limit_store_unavailable", "limit_store")
         assert refusal.body()["error"]["type"] == "server_error" and refusal.headers["Retry-After"] == "1"
-        assert redis_server.url in refusal.message
+        assert str(redis_server.port) not in refusal.message  # where Redis is: the operator's log only
     assert limits.remaining(ALICE)["in_flight_requests"] == 1  # the refusals held nothing
     redis_server.start()  # empty: it kept nothing on disk, so alice's bucket is full again
     clock.now += 1.0  # the store is tried again a second after the last failed try
