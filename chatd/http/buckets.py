@@ -12,6 +12,7 @@ replicas whose clocks disagree still agree on every level), and takes from both 
 It answers whether it took and both levels, from which limits.py tells the client its
 x-ratelimit-* headers and its Retry-After. Giving back what a request did not use is a second
 script. Redis runs a script alone, so two replicas admitting at once cannot both take the last unit.
+A key that holds no bucket (LEVEL below) is that holder's bucket reset and logged, not an outage.
 
 This module knows nothing of tiers' other limits (concurrency, queues: each replica's own) nor
 of what to do when Redis cannot be reached: every failure, and any call slower than `timeout`,
@@ -62,21 +63,41 @@ class TokenBucket:
         return (self.capacity - self.level(now)) / self.rate
 
 
-# KEYS: the requests bucket, the tokens bucket. ARGV: each one's capacity and cost (a capacity of
-# 0: no such bucket). Answers {taken (1 or 0), requests level, tokens level} after taking or not,
-# levels as strings (Redis would cut a Lua number to an integer), "-1" for no bucket.
-TAKE = """
+# Both scripts read a bucket through LEVEL: a key that holds anything but a bucket (another type,
+# as `SET` or `LPUSH` by hand or another program would leave; fields that are not finite numbers;
+# a time far ahead of Redis's clock) is deleted, and the holder's bucket starts full again. That
+# is one holder's problem, answered for that holder; were the script to fail (WRONGTYPE), the
+# replica would read it as "Redis is down" and fail every tenant open or closed.
+LEVEL = """
+local function level_of(key, capacity, now)
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'none' then return capacity, 0 end
+  if kind == 'hash' then
+    local held = redis.call('HMGET', key, 'level', 'at')
+    local level, at = tonumber(held[1]), tonumber(held[2])
+    local finite = function(x) return x ~= nil and x == x and x > -math.huge and x < math.huge end
+    if finite(level) and finite(at) and at <= now + 60 then
+      return math.min(capacity, level + math.max(0, now - at) * capacity / 60), 0
+    end
+  end
+  redis.call('DEL', key)
+  return capacity, 1
+end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-local levels, taken = {}, 1
+"""
+
+# KEYS: the requests bucket, the tokens bucket. ARGV: each one's capacity and cost (a capacity of
+# 0: no such bucket). Answers {taken (1 or 0), requests level, tokens level, keys reset} after
+# taking or not, levels as strings (Redis would cut a Lua number to an integer), "-1" for no bucket.
+TAKE = LEVEL + """
+local levels, taken, reset = {}, 1, 0
 for i = 1, 2 do
   local capacity, cost = tonumber(ARGV[2 * i - 1]), tonumber(ARGV[2 * i])
   if capacity > 0 then
-    local held = redis.call('HMGET', KEYS[i], 'level', 'at')
-    levels[i] = capacity
-    if held[1] then
-      levels[i] = math.min(capacity, tonumber(held[1]) + math.max(0, now - tonumber(held[2])) * capacity / 60)
-    end
+    local was_reset
+    levels[i], was_reset = level_of(KEYS[i], capacity, now)
+    reset = reset + was_reset
     if levels[i] < cost then taken = 0 end
   end
 end
@@ -90,21 +111,21 @@ for i = 1, 2 do
   end
   answer[i + 1] = capacity > 0 and string.format('%.17g', levels[i]) or '-1'
 end
+answer[4] = reset
 return answer
 """
 
-# KEYS: a bucket. ARGV: its capacity, the units given back. Answers its level after. A bucket
-# whose key has expired is full: nothing to give back to.
-GIVE_BACK = """
+# KEYS: a bucket. ARGV: its capacity, the units given back. Answers {its level after, keys reset}.
+# A bucket whose key has expired (or was reset) is full: nothing to give back to.
+GIVE_BACK = LEVEL + """
 local capacity, units = tonumber(ARGV[1]), tonumber(ARGV[2])
-local held = redis.call('HMGET', KEYS[1], 'level', 'at')
-if not held[1] then return tostring(capacity) end
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-local level = math.min(capacity, tonumber(held[1]) + math.max(0, now - tonumber(held[2])) * capacity / 60 + units)
+if redis.call('EXISTS', KEYS[1]) == 0 then return {tostring(capacity), 0} end
+local level, reset = level_of(KEYS[1], capacity, now)
+if reset == 1 then return {tostring(capacity), 1} end
+level = math.min(capacity, level + units)
 redis.call('HSET', KEYS[1], 'level', string.format('%.17g', level), 'at', string.format('%.6f', now))
 redis.call('PEXPIRE', KEYS[1], math.ceil((capacity - level) * 60000 / capacity) + 1000)
-return string.format('%.17g', level)
+return {string.format('%.17g', level), 0}
 """
 
 PROBE_EVERY = 1.0  # seconds between tries while the store is down; calls meanwhile fail at once
@@ -147,14 +168,23 @@ class SharedBuckets:
     async def take(self, tier: str, holder: str, requests: tuple[int, int], tokens: tuple[int, int]) -> Taken:
         """Take `requests` = (capacity, cost) and `tokens` = (capacity, cost) from a holder's buckets,
         both or neither (a capacity of 0: no such bucket)."""
-        answer = await self._run(self._take, [key(tier, holder, "requests"), key(tier, holder, "tokens")],
-                                 [*requests, *tokens])
-        taken, levels = int(answer[0]), [float(level) for level in answer[1:]]
+        keys = [key(tier, holder, "requests"), key(tier, holder, "tokens")]
+        answer = await self._run(self._take, keys, [*requests, *tokens])
+        taken, levels = int(answer[0]), [float(level) for level in answer[1:3]]
+        self._say_reset(int(answer[3]), keys)
         return Taken(bool(taken), *(None if level < 0 else level for level in levels))
 
     async def give_back(self, tier: str, holder: str, capacity: int, units: int) -> float:
         """Return unused tokens to a holder's token bucket; its level after."""
-        return float(await self._run(self._give_back, [key(tier, holder, "tokens")], [capacity, units]))
+        keys = [key(tier, holder, "tokens")]
+        level, reset = await self._run(self._give_back, keys, [capacity, units])
+        self._say_reset(int(reset), keys)
+        return float(level)
+
+    def _say_reset(self, reset: int, keys: list[str]) -> None:
+        if reset:
+            log.warning("the shared limit store %s held something other than a bucket under %s: reset to a full "
+                        "bucket (only this holder's limits were affected)", self.where, " or ".join(keys))
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -1,6 +1,7 @@
 """Tier buckets shared in Redis (chatd/http/buckets.py, limits.py) against a real redis-server:
 two replicas' limiters admit exactly a tier's rate between them, tenants keep their own buckets,
-an outage is answered as configured, and Redis is used again once it is back. The slow test at
+an outage is answered as configured, a key that holds no bucket is that holder's bucket reset (not
+an outage), and Redis is used again once it is back. The slow test at
 the end runs two chatd servers on one Redis."""
 
 from __future__ import annotations
@@ -119,6 +120,50 @@ async def test_one_tenant_exhausting_its_shared_bucket_leaves_another_s_alone(re
     await client.aclose()
     # Keyed by the authenticated tenant's id and tier; an unlimited tokens bucket is not stored.
     assert keys == ["chatd:bucket:{free:t-alice}:requests", "chatd:bucket:{free:t-bob}:requests"]
+
+
+CORRUPTIONS = {  # what a key can hold that is no bucket, written by hand or by another program
+    "a string": lambda r, k: r.set(k, "not a bucket"),
+    "a list": lambda r, k: r.rpush(k, "1", "2"),
+    "a level that is no number": lambda r, k: r.hset(k, mapping={"level": "abc", "at": "1"}),
+    "a level that is nan": lambda r, k: r.hset(k, mapping={"level": "nan", "at": "1"}),
+    "a time far ahead": lambda r, k: r.hset(k, mapping={"level": "0", "at": "1e15"}),
+}
+
+
+@pytest.mark.parametrize("fail_open", [False, True], ids=["closed", "open"])
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+async def test_a_key_that_holds_no_bucket_is_that_holder_s_bucket_reset_never_an_outage(
+        replicas, redis_server, corruption, fail_open, caplog):
+    """One holder's key holding something else (WRONGTYPE, garbage fields) is reset for that holder
+    and logged: the others are served from Redis as before, closed or open, and so is that holder."""
+    import redis
+
+    limits = replicas(fail_open=fail_open, requests_per_minute=2, tokens_per_minute=1000)
+    sync = redis.Redis.from_url(redis_server.url)
+
+    def corrupt(key: str) -> None:
+        sync.delete(key)
+        CORRUPTIONS[corruption](sync, key)
+
+    for bucket in ("requests", "tokens"):
+        corrupt(f"chatd:bucket:{{free:t-alice}}:{bucket}")
+    with caplog.at_level(logging.WARNING, logger="chatd.http"):
+        bob, alice = await admit(limits, BOB), await admit(limits, ALICE)
+        assert isinstance(bob, Lease) and bob.shared_holder == "t-bob"  # Redis counted bob, as always
+        assert isinstance(alice, Lease) and alice.shared_holder == "t-alice"  # and alice, on a full bucket
+        assert limits.shared.down_since is None
+        # Corrupt again before the give-back: it too resets, and the request is unharmed.
+        corrupt("chatd:bucket:{free:t-alice}:tokens")
+        alice.release(used_tokens=1)
+        await limits.given_back()
+    assert sync.hget("chatd:bucket:{free:t-alice}:requests", "level") == b"1"  # a bucket again, one taken
+    warned = [r.getMessage() for r in caplog.records if "held something other than a bucket" in r.getMessage()]
+    assert len(warned) == 2 and all("t-alice" in message and "t-bob" not in message for message in warned)
+    # Alice's rate still holds: 2 a minute.
+    admitted, refused = split([await admit(limits, ALICE) for _ in range(2)])
+    assert (len(admitted), len(refused)) == (1, 1) and refused[0].reason == "requests"
+    sync.close()
 
 
 async def test_redis_down_fails_closed_with_a_503_and_counts_again_once_it_is_back(replicas, redis_server):
