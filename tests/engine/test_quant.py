@@ -6,6 +6,8 @@ answers within the agreement measured here; a quantization the device cannot run
 
 from __future__ import annotations
 
+import logging
+
 import gguf
 import numpy as np
 import pytest
@@ -297,6 +299,32 @@ def test_a_gguf_models_int8_blocks_are_kept_exactly(model_dirs, tmp_path, type_n
         assert torch.equal(quantized.dequantized(), float_weight), name
     head = whole.embed_tokens.weight if whole.lm_head is None else whole.lm_head.weight
     assert torch.equal(kept.quantized_head.dequantized(), head)
+
+
+def test_int4_keeps_a_gguf_file_s_4bit_blocks_and_says_so_when_it_rounds_a_file_s_blocks_again(
+        q4_gguf, q8_gguf, model_dirs, tmp_path, caplog):
+    """`--quantization int4` on a Q4 file serves its blocks as `gguf` does, nothing rounded again;
+    where int4 or int8 would round blocks the file already quantized (Q8_0 to int4; anything to int8
+    per row) the start says so, naming `--quantization gguf`. A float model is quantized in silence."""
+    def loaded(path, kind):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="chatd.engine"):
+            model, _ = load_model(open_checkpoint(path, tmp_path), torch.float32, torch.device("cpu"), quantization=kind)
+        return model, [r.getMessage() for r in caplog.records if "a second time" in r.getMessage()]
+
+    kept, _ = loaded(q4_gguf, "gguf")
+    int4, warned = loaded(q4_gguf, "int4")
+    assert warned == []
+    for kept_layer, int4_layer in zip(kept.layers, int4.layers):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            assert torch.equal(int4_layer.get_submodule(name).quantized.dequantized(),
+                               kept_layer.get_submodule(name).quantized.dequantized()), name
+    for path, kind in ((q8_gguf, "int4"), (q8_gguf, "int8"), (q4_gguf, "int8")):
+        _, warned = loaded(path, kind)
+        assert len(warned) == 1 and f"quantization {kind} rounded" in warned[0], (path, kind)
+        assert "--quantization gguf" in warned[0] and path.name in warned[0]
+    for kind in ("int4", "int8"):
+        assert loaded(model_dirs["llama"], kind)[1] == []
 
 
 def test_eager_decode_steps_take_q8_0_blocks_per_row(q8_gguf):

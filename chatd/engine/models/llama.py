@@ -250,25 +250,32 @@ class LlamaForCausalLM(nn.Module):
         logits = self.tp.gather_columns(local)  # [N, ranks * vocab rows per rank]
         return None if logits is None else logits[:, : self.vocab_size].float()
 
-    def quantize(self, kind: str, gguf: GGUFBlocks | None = None) -> None:
+    def quantize(self, kind: str, gguf: GGUFBlocks | None = None) -> list[str]:
         """Weight-only quantization of every projection and the LM head (quant.py); the embedding,
         norms and biases stay as they are. A tied head gets a quantized copy of the embedding.
         `kind` "gguf": a layer whose GGUF tensors are 4-bit blocks keeps them (int4, exactly), one of
         Q8_0 or Q6_K blocks keeps them too (int8 with a scale per block), another quantized one is
-        int8 with a scale per row, a float one stays float."""
+        int8 with a scale per row, a float one stays float. `kind` "int4" on a GGUF file keeps its
+        4-bit blocks too (they are the int4 kernel's groups). Returns the checkpoint tensors that
+        were quantized in the file and have been rounded a second time (the caller warns)."""
         self.quantization = kind
+        rounded_again: list[str] = []
+        layers = []
         for name, module in self.named_modules():
             if isinstance(module, FusedLinear):
                 parent, _, fused = name.rpartition(".")
                 parts = [f"model.{parent}.{shard}.weight" for shard, (owner, _) in FUSED_SHARDS.items() if owner == fused]
-                module.quantize(self._quantized(kind, module.weight, module.bias, parts, gguf))
+                layers.append((module, module.weight, module.bias, parts))
             elif isinstance(module, RowParallelLinear):
-                module.quantize(self._quantized(kind, module.weight, None, [f"model.{name}.weight"], gguf))
+                layers.append((module, module.weight, None, [f"model.{name}.weight"]))
+        for module, weight, bias, parts in layers:
+            module.quantize(self._quantized(kind, weight, bias, parts, gguf, rounded_again))
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
-        self.quantized_head = self._quantized(kind, head, None, [head_name], gguf)
+        self.quantized_head = self._quantized(kind, head, None, [head_name], gguf, rounded_again)
         if self.quantized_head is not None and self.lm_head is not None:
             self.lm_head.register_parameter("weight", None)
+        return rounded_again
 
     def int8_blocks_per_row(self) -> int:
         """Make every int8 layer with a scale per block (a GGUF file's types) one with a scale per row; returns
@@ -292,11 +299,19 @@ class LlamaForCausalLM(nn.Module):
         return counts
 
     def _quantized(self, kind: str, weight: Tensor, bias: Tensor | None, names: list[str],
-                   gguf: GGUFBlocks | None) -> nn.Module | None:
-        if kind != "gguf":
-            return quantize_linear(weight, bias, kind)
+                   gguf: GGUFBlocks | None, rounded_again: list[str]) -> nn.Module | None:
         # The blocks are whole rows and columns of the file's tensors: exact only on one rank.
-        if gguf is not None and self.tp.size == 1:
+        keeps_blocks = gguf is not None and self.tp.size == 1 and weight.device.type == "cpu"
+        if kind != "gguf":
+            if kind == "int4" and keeps_blocks:
+                int4 = [gguf.int4_parts(name) for name in names]
+                if all(part is not None for part in int4):
+                    return _int4_layer(int4, bias)
+            layer = quantize_linear(weight, bias, kind)
+            if layer is not None and gguf is not None:
+                rounded_again.extend(name for name in names if gguf.is_quantized(name))
+            return layer
+        if keeps_blocks:
             int4 = [gguf.int4_parts(name) for name in names]
             int8 = [gguf.int8_parts(name) if part is None else None for name, part in zip(names, int4)]
             if all(part is not None for part in int4):

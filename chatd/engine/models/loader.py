@@ -203,6 +203,14 @@ def check_weights_fit(model: torch.nn.Module, device: torch.device, tp: TPGroup)
                          f"{total / 2**30:.1f} GiB free; {hint}")
 
 
+def warn_rounded_again(gguf, quantization: str, names: list[str]) -> None:
+    """Say at start that weights the file had already quantized were rounded a second time (which
+    costs quality: the default model's Q4_1 file in int4 answered "L'Étoile" for France's capital)."""
+    log.warning("quantization %s rounded %d tensors of %s a second time, which the file stores quantized already "
+                "(%s ...): `--quantization gguf` (model.quantization = \"gguf\") keeps the file's own blocks, nothing "
+                "rounded again", quantization, len(names), gguf.path.name, ", ".join(names[:3]))
+
+
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
                tp: TPGroup = TPGroup(), quantization: str = "none") -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """Build the model (this rank's part of it, under tensor parallelism) from the checkpoint's
@@ -239,7 +247,9 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
         source = checkpoint.gguf.path if checkpoint.gguf is not None else checkpoint.config_dir
         raise ValueError(f"{source}: {exc}") from exc
     if quantization != "none":
-        model.quantize(quantization, checkpoint.gguf)
+        rounded_again = model.quantize(quantization, checkpoint.gguf)
+        if rounded_again:
+            warn_rounded_again(checkpoint.gguf, quantization, rounded_again)
         if device.type == "cuda":  # the float weights' memory goes back to the GPU, for the KV pool
             torch.cuda.empty_cache()
         log.info("quantization %s: %s (of %d projections and the LM head)", quantization,
