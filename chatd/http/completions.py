@@ -33,21 +33,23 @@ from chatd.http.request_log import REQUEST_LOG, GenerationRecord
 from chatd.http.safety import input_strings
 from chatd.http.state import STATE, ServerState
 from chatd.http.tools import ToolUse
-from chatd.http.wire import DONE, SlowClient, drop_slow_client, json_response, read_json, send, sse_event
+from chatd.http.wire import DONE, SlowClient, checked, drop_slow_client, json_response, read_json, send, sse_event
 from chatd.store.db import Tenant
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's chat completions: the messages rendered with the chat template."""
     state = request.app[STATE]
-    gen = parse_chat(await read_json(request), state.config.server.max_messages, state.model.sampling_defaults)
+    gen = await checked(request, parse_chat, await read_json(request), state.config.server.max_messages,
+                        state.model.sampling_defaults)
     return await _complete(request, state, gen, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's (legacy) text completions: a prompt of text or token ids, continued as is."""
     state = request.app[STATE]
-    gen = parse_completion(await read_json(request), state.max_model_len, state.model.sampling_defaults)
+    gen = await checked(request, parse_completion, await read_json(request), state.max_model_len,
+                        state.model.sampling_defaults)
     return await _complete(request, state, gen, chat=False)
 
 

@@ -24,7 +24,7 @@ from chatd.http.protocol import json_body, parse_turn, shown
 from chatd.http.request_log import REQUEST_LOG
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import ROUTING_KEY_HEADER, TURNS, MessageTurn, ReplyStream, conversation_not_found
-from chatd.http.wire import DONE, json_response, read_json, stream_events
+from chatd.http.wire import DONE, checked, json_response, read_json, stream_events
 from chatd.store.db import Conversation, Message, Tenant
 
 MAX_NEW_ITEMS = 20  # items one request may add, as OpenAI's Conversations API allows
@@ -129,7 +129,8 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     state, tenant = request.app[STATE], request[TENANT]
     conversation = await _own_conversation(state, tenant, request.match_info["conversation_id"])
     body = await read_json(request)
-    turn = parse_turn(body, state.config.conversations.max_message_chars, state.model.sampling_defaults)
+    turn = await checked(request, parse_turn, body, state.config.conversations.max_message_chars,
+                         state.model.sampling_defaults)
     state.check_model(turn.gen.model, tenant)
     headers = {ROUTING_KEY_HEADER: conversation.id}
     claimed = await idempotency.claim(state, tenant, request, conversation.id, body)

@@ -27,7 +27,7 @@ from chatd.engine import Embedder
 from chatd.http.auth import TENANT
 from chatd.http.errors import APIError, shown
 from chatd.http.state import STATE, ServerState
-from chatd.http.wire import read_json
+from chatd.http.wire import checked, read_json
 from chatd.store.db import Tenant
 
 FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
@@ -51,7 +51,7 @@ async def embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     embedder = _embedder(state)
     tenant = request[TENANT]
-    parsed = parse_request(await read_json(request), embedder, state.config.embeddings.max_inputs)
+    parsed = await checked(request, parse_request, await read_json(request), embedder, state.config.embeddings.max_inputs)
     check_model(state, embedder, parsed.model, tenant)
     state.check_store_writable()
     priority = state.limits.placement(tenant, 0).priority

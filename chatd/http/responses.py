@@ -44,7 +44,7 @@ from chatd.http.response_request import (MAX_INPUT_ITEMS, RESPONSE_FIELDS, SERVI
 from chatd.http.response_turn import ResponseTurn, replayed, response_object
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import ROUTING_KEY_HEADER, TURNS, ReplyStream, Turns
-from chatd.http.wire import json_response, read_json, stream_events
+from chatd.http.wire import checked, json_response, read_json, stream_events
 from chatd.store.db import Conversation, Message, Tenant
 from chatd.store.records import Response
 
@@ -55,7 +55,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     """Generate a response to `input`, after a chain of responses or a conversation's items; whole or streamed."""
     state, tenant = request.app[STATE], request[TENANT]
     body = await read_json(request)
-    req = parse_response(body, state)
+    req = await checked(request, parse_response, body, state)
     state.check_model(req.gen.model, tenant)
     # A store=false response keeps no rows to give back: its key, if any, is not claimed.
     claimed = await idempotency.claim(state, tenant, request, "responses", body) if req.store else None

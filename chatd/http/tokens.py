@@ -19,7 +19,7 @@ from aiohttp import web
 from chatd.http.errors import APIError
 from chatd.http.protocol import parse_chat, shown
 from chatd.http.state import STATE, ServerState
-from chatd.http.wire import json_response, read_json
+from chatd.http.wire import checked, json_response, read_json
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "tools"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
@@ -43,7 +43,7 @@ async def tokenize(request: web.Request) -> web.Response:
         tokens = await state.encode_prompt(prompt)
     else:
         chat = {name: body[name] for name in ("messages", "tools") if name in body}
-        gen = parse_chat(chat, state.config.server.max_messages)
+        gen = await checked(request, parse_chat, chat, state.config.server.max_messages)
         tools = await state.off_loop(state.tool_use, gen.tools, gen.messages)
         tokens = await state.encode_chat(tools.messages, add_generation_prompt=add_generation_prompt is not False,
                                          tools=tools.shown)
@@ -55,7 +55,7 @@ async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = _body(await read_json(request), DETOKENIZE_FIELDS)
     state.check_model(_optional(body, "model", str))
-    tokens = _token_ids(state, body.get("tokens"))
+    tokens = await checked(request, _token_ids, state, body.get("tokens"))
     text = await state.off_loop(state.tokenizer.decode, tokens, False) if tokens else ""
     return json_response({"prompt": text})
 

@@ -15,7 +15,8 @@ import struct
 import sys
 import termios
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import orjson
 from aiohttp import web
@@ -24,8 +25,15 @@ from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, BodyTimeout
 from chatd.http.state import STATE
 
 JSON_MAX_DEPTH = 1024  # how deep orjson reads
+# A body up to this size (decoded) is checked on the event loop: walking it in Python takes well
+# under a millisecond. A bigger one (a schema of thousands of nodes, thousands of token ids or
+# messages: up to max_body_bytes) is checked on a tokenizing thread, whose Python gives the GIL
+# back to the loop every switch interval (5 ms), so one request's walk never stalls the others.
+INLINE_BODY_BYTES = 16 * 1024
+BODY_BYTES = web.RequestKey("body_bytes", int)  # the size of the body read_json decoded
 
 log = logging.getLogger("chatd.http")
+T = TypeVar("T")
 
 
 # Content-Encodings a body may arrive in, as zlib's wbits. The server runs with aiohttp's
@@ -44,13 +52,25 @@ async def read_json(request: web.Request):
         raise BodyTimeout(timeout) from None
     except web.RequestPayloadError as exc:
         raise APIError(400, f"the request body could not be read: {exc}") from None
+    decoded = _decoded(request, raw)
+    request[BODY_BYTES] = len(decoded)
     try:
-        return orjson.loads(_decoded(request, raw))
+        # orjson holds the GIL while it reads (a thread would not free the loop): it is C, and the
+        # body's size (max_body_bytes) and depth (JSON_MAX_DEPTH) bound it before any Python walks it.
+        return orjson.loads(decoded)
     except orjson.JSONDecodeError as exc:
         if "depth" in str(exc):  # orjson reads at most 1,024 levels: no field of any route may nest that deep
             raise APIError(400, f"the request body nests more than {JSON_MAX_DEPTH} levels of objects and lists; "
                                 f"the limit is {JSON_MAX_DEPTH}") from exc
         raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+
+
+async def checked(request: web.Request, check: Callable[..., T], body, *args) -> T:
+    """`check(body, *args)`: a route's parsing of the body read_json read, on the event loop for a
+    small body and on a tokenizing thread for a large one (INLINE_BODY_BYTES)."""
+    if request.get(BODY_BYTES, 0) <= INLINE_BODY_BYTES:
+        return check(body, *args)
+    return await request.app[STATE].off_loop(check, body, *args)
 
 
 def _decoded(request: web.Request, raw: bytes) -> bytes:
