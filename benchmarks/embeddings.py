@@ -44,12 +44,18 @@ def texts_for(count: int, seed: int = 7) -> list[str]:
 
 
 def start_chatd(model: str, work: Path, threads: int) -> tuple[subprocess.Popen, str]:
+    config = work / "config.toml"
+    config.write_text(f'[embeddings]\nmodel = "{model}"\n[store]\ndb_path = "{work / "chatd.db"}"\n')
+    return serve_demo(work, config, {"OMP_NUM_THREADS": str(threads)})
+
+
+def serve_demo(work: Path, config: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`chatd serve` of the demo chat model (its steps not compiled) with `config`, CHATD_HOME in
+    `work`; the process and its URL once it is ready."""
     from chatd.engine.models.demo import build_demo_model
 
     demo = build_demo_model(work / "demo")
-    config = work / "config.toml"
-    config.write_text(f'[embeddings]\nmodel = "{model}"\n[store]\ndb_path = "{work / "chatd.db"}"\n')
-    env = {**os.environ, "CHATD_HOME": str(work / "home"), "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "CHATD_HOME": str(work / "home"), **(env or {})}
     log = open(work / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "chatd", "serve", "--model", str(demo), "--config", str(config),
                              "--port", "0", "--no-compile"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

@@ -36,6 +36,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout, installed or not
+sys.path.insert(0, str(ROOT / "benchmarks"))  # embeddings.py's helpers
+
+from embeddings import serve_demo  # noqa: E402
 
 WORDS = ("the cache holds keys and values of past tokens so that each new token reads them instead of computing "
          "them again while a scheduler batches requests from many users").split()
@@ -56,9 +59,6 @@ def long_texts(count: int, tokens: int = 250, seed: int = 11) -> list[str]:
 
 def start_chatd(work: Path) -> tuple[subprocess.Popen, str, dict[str, str]]:
     """chatd serve with keys on and two paid tenants; the process, its URL and the keys."""
-    from chatd.engine.models.demo import build_demo_model
-
-    demo = build_demo_model(work / "demo")
     config = work / "config.toml"
     # The paid tier as it ships but for its requests a minute: bob sends hundreds of requests.
     config.write_text(f'[embeddings]\nmodel = "default"\n[auth]\nenabled = true\n[store]\ndb_path = "{work / "chatd.db"}"\n'
@@ -69,17 +69,8 @@ def start_chatd(work: Path) -> tuple[subprocess.Popen, str, dict[str, str]]:
         made = subprocess.run([sys.executable, "-m", "chatd", "keys", "create", "--name", name, "--tier", "paid",
                                "--config", str(config)], capture_output=True, text=True, check=True, env=env, cwd=ROOT)
         keys[name] = re.search(r"chatd_[0-9a-f]{12}_\S+", made.stdout).group(0)
-    log = open(work / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "chatd", "serve", "--model", str(demo), "--config", str(config),
-                             "--port", "0", "--no-compile"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        found = re.search(r"ready: .* (http://127\.0\.0\.1:\d+)", (work / "serve.log").read_text())
-        if found:
-            return proc, found.group(1), keys
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("chatd serve did not become ready:\n" + (work / "serve.log").read_text()[-3000:])
+    proc, url = serve_demo(work, config)
+    return proc, url, keys
 
 
 def bob_requests(client, until: threading.Event | None, count: int) -> list[float]:
