@@ -242,7 +242,8 @@ def test_a_streamed_response_and_its_replay(server):
 
     # The stream idled past HEARTBEAT between events: its keep-alives are lone comment lines (the SDK
     # would take a blank line after one, following an event with an `id:`, for an empty event).
-    body = {"model": "demo", "input": unique("Once more."), "max_output_tokens": 64, "stream": True, "ignore_eos": True}
+    # 256 tokens: on a quick machine 64 demo steps once ran without a gap of HEARTBEAT between them.
+    body = {"model": "demo", "input": unique("Once more."), "max_output_tokens": 256, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server['url']}/v1/responses", json=body,
                       headers={"Authorization": f"Bearer {server['keys']['alice']}"}) as r:
         raw = r.read()
