@@ -22,8 +22,13 @@ little; greedy, as a GPU samples on the device).
    CPU is not in these columns).
 
 It ends with one line:
-    served/offline: NN% at 256 streams, MM% at 512; host overhead per step at 256: X ms
-(X: how much longer a step with async scheduling on takes than the device's step, at 256.)
+    served/offline: NN% at 256 streams, MM% at 512; host overhead per step at 256: X ms; loop per
+    streamed token: A µs at 256, B µs at 512; engine per sequence: C µs at 256, D µs at 512
+(X: how much longer a step with async scheduling on takes than the device's step, at 256. A, B:
+CPU of the server's event-loop thread per token streamed; the table also has the whole process's
+but the engine thread, tokenizing and store threads included. C, D: the engine thread's CPU per
+sequence a step decodes. The load generator's own CPU, in this process on the same cores, is in the
+table apart.)
 
     python benchmarks/host.py                       # ~8 minutes on the 2-core machine
     python benchmarks/host.py --quick               # a smoke test, seconds
@@ -246,8 +251,10 @@ def scrape(url: str) -> dict[str, float]:
     return {"engine_steps": 0.0, "engine_thread_cpu_seconds": 0.0, "dispatch": 0.0, **values}  # (older checkouts: none)
 
 
-def process_cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def process_cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """CPU seconds (user + system) of a process, or of one of its threads (the main thread: its pid)."""
+    stat = f"/proc/{pid}/task/{thread}/stat" if thread is not None else f"/proc/{pid}/stat"
+    fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
@@ -278,10 +285,14 @@ def measure_server(demo: Path, args, streams_levels: list[int], work: Path, asyn
             options = BenchOptions(url=base + "/v1", concurrency=(streams,), num_requests=2 * streams,
                                    prompt_tokens=(100, 200), output_tokens=(args.output_tokens, args.output_tokens),
                                    ignore_eos=True, seed=args.seed, timeout=600)
-            before, cpu_before = scrape(base), process_cpu_seconds(server.process.pid)
+            pid = server.process.pid
+            before, cpu_before, loop_before = scrape(base), process_cpu_seconds(pid), process_cpu_seconds(pid, pid)
+            generator_before = time.process_time()
             level = asyncio.run(run_bench(options)).levels[0].summary()
-            after, cpu_after = scrape(base), process_cpu_seconds(server.process.pid)
+            generator_cpu = time.process_time() - generator_before  # the load generator's own (it shares the machine)
+            after, cpu_after, loop_after = scrape(base), process_cpu_seconds(pid), process_cpu_seconds(pid, pid)
             steps = after["engine_steps"] - before["engine_steps"] or float("nan")  # (older checkouts count none)
+            tokens = after["generation_tokens"] - before["generation_tokens"]
             engine_cpu = after["engine_thread_cpu_seconds"] - before["engine_thread_cpu_seconds"]
             served = level["output_tokens_per_s"]
             offline = offline_tokens_per_s(demo, args.step_ms / 1000, streams, async_scheduling, options)
@@ -290,9 +301,14 @@ def measure_server(demo: Path, args, streams_levels: list[int], work: Path, asyn
                 "engine": "process" if engine_process else "thread",
                 "served_tok_s": served, "offline_tok_s": offline, "served_over_offline": served / offline,
                 "itl_p50_ms": (level["itl_per_chunk"]["p50"] or 0) * 1000,
-                "tokens_per_step": (after["generation_tokens"] - before["generation_tokens"]) / steps,
+                "tokens_per_step": tokens / steps,
                 "engine_thread_cpu_ms_per_step": engine_cpu / steps * 1000,
+                # A decode step's sequences are its tokens: the engine's CPU per sequence it stepped.
+                "engine_us_per_sequence": engine_cpu / tokens * 1e6,
                 "rest_of_process_cpu_ms_per_step": (cpu_after - cpu_before - engine_cpu) / steps * 1000,
+                "loop_us_per_token": (loop_after - loop_before) / tokens * 1e6,  # the event loop's thread
+                "rest_of_process_us_per_token": (cpu_after - cpu_before - engine_cpu) / tokens * 1e6,
+                "generator_cpu_ms_per_step": generator_cpu / steps * 1000,
                 "dispatch_ms_per_step": (after["dispatch"] - before["dispatch"]) / steps * 1000,
             })
             print(f"[serve, engine {results[-1]['engine']}, async {async_scheduling}] {streams} streams: served {served:.0f} tok/s, offline "
@@ -325,13 +341,16 @@ def print_report(steps: list[dict], served: list[dict], step_ms: float) -> None:
     if served:
         print("\nserver vs offline engine, same requests (medians)")
         print("| streams | engine | async | served tok/s | offline tok/s | served/offline | ITL p50 ms | tokens a step | "
-              "engine thread CPU ms/step | rest of process CPU ms/step | dispatch ms/step |")
-        print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+              "engine thread CPU ms/step | engine µs/sequence | rest of process CPU ms/step | loop µs/token | "
+              "rest of process µs/token | dispatch ms/step | load generator CPU ms/step |")
+        print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in served:
             print(f"| {r['streams']} | {r['engine']} | {r['async_scheduling']} | {r['served_tok_s']:.0f} | {r['offline_tok_s']:.0f} | "
                   f"{r['served_over_offline']:.0%} | {r['itl_p50_ms']:.1f} | {r['tokens_per_step']:.0f} | "
-                  f"{r['engine_thread_cpu_ms_per_step']:.2f} | {r['rest_of_process_cpu_ms_per_step']:.2f} | "
-                  f"{r['dispatch_ms_per_step']:.2f} |")
+                  f"{r['engine_thread_cpu_ms_per_step']:.2f} | {r.get('engine_us_per_sequence', 0):.1f} | "
+                  f"{r['rest_of_process_cpu_ms_per_step']:.2f} | {r.get('loop_us_per_token', 0):.1f} | "
+                  f"{r.get('rest_of_process_us_per_token', 0):.1f} | {r['dispatch_ms_per_step']:.2f} | "
+                  f"{r.get('generator_cpu_ms_per_step', 0):.2f} |")
 
 
 def main() -> None:
@@ -378,7 +397,8 @@ def main() -> None:
                   f"device busy {r['device_busy']:.0%}", flush=True)
     served = []
     keys = ("served_tok_s", "offline_tok_s", "served_over_offline", "itl_p50_ms", "tokens_per_step",
-            "engine_thread_cpu_ms_per_step", "rest_of_process_cpu_ms_per_step", "dispatch_ms_per_step")
+            "engine_thread_cpu_ms_per_step", "rest_of_process_cpu_ms_per_step", "dispatch_ms_per_step",
+            "engine_us_per_sequence", "loop_us_per_token", "rest_of_process_us_per_token", "generator_cpu_ms_per_step")
     for where in args.server_engines.split(",") if not args.skip_server and streams_levels else []:
         with tempfile.TemporaryDirectory(prefix="chatd-host-") as tmp:
             runs = [measure_server(demo, args, streams_levels, Path(tmp), args.server_mode, where == "process")
@@ -394,9 +414,13 @@ def main() -> None:
     ratio = {r["streams"]: r["served_over_offline"] for r in default}
     overlapped = [r for r in steps if r["async_scheduling"] == "on"]
     at = next((r for r in overlapped if r["batch"] == 256), overlapped[-1] if overlapped else steps[-1])
+    by_streams = {r["streams"]: r for r in default}
     share = lambda n: f"{ratio[n]:.0%}" if n in ratio else "-"  # noqa: E731
+    figure = lambda n, key: f"{by_streams[n][key]:.1f}" if n in by_streams else "-"  # noqa: E731
     print(f"served/offline: {share(256)} at 256 streams, {share(512)} at 512; host overhead per step at "
-          f"{at['batch']}: {max(at['step_ms'] - args.step_ms, 0.0):.2f} ms")
+          f"{at['batch']}: {max(at['step_ms'] - args.step_ms, 0.0):.2f} ms; loop per streamed token: "
+          f"{figure(256, 'loop_us_per_token')} µs at 256, {figure(512, 'loop_us_per_token')} µs at 512; engine per "
+          f"sequence: {figure(256, 'engine_us_per_sequence')} µs at 256, {figure(512, 'engine_us_per_sequence')} µs at 512")
 
 
 def _serving(log: str) -> bool:

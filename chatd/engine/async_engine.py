@@ -98,6 +98,11 @@ class RequestStream:
     The engine thread's outputs are put here on the event loop. Iterating to the end (the
     finished output) leaves nothing behind; `aclose()` (or `contextlib.aclosing`), `abort()`, or
     a cancellation while waiting abort the request, so its blocks are freed at the next step.
+
+    A reader that can handle an output at once (a stream writing to a client that keeps up) may
+    set a `sink` (`deliver_to`): each output is offered to it as the step's outputs are handed
+    out, with no task to wake, and reaches the iterator only when the sink leaves it (the client
+    fell behind, an error), merged with whatever follows until the reader takes it.
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_token_ids: list[int], num_choices: int) -> None:
@@ -106,9 +111,20 @@ class RequestStream:
         self._engine = engine
         self._pending: RequestOutput | None = None
         self._ready = asyncio.Event()
-        self._finished = False  # the finished output was handed to the reader, or the request aborted
+        self._finished = False  # the finished output was handed to the reader (or the sink), or the request aborted
+        self._sink: Callable[[RequestOutput], bool] | None = None
+
+    def deliver_to(self, sink: Callable[[RequestOutput], bool] | None) -> None:
+        """Offer each output to `sink` first (on the event loop): True, it took it; False, the
+        iterator gets it. Outputs waiting for the reader are never passed by a later one."""
+        self._sink = sink
 
     def put(self, out: RequestOutput) -> None:
+        if self._pending is None and self._sink is not None and self._sink(out):
+            if out.finished:  # the reader's iteration ends: nothing is left for it
+                self._finished = True
+                self._ready.set()
+            return
         if self._pending is None:
             self._pending = out
         else:
@@ -128,7 +144,8 @@ class RequestStream:
             raise
         self._ready.clear()
         out, self._pending = self._pending, None
-        assert out is not None
+        if out is None:  # the sink took the finished output
+            raise StopAsyncIteration
         if out.finished:
             self._finished = True
         return out

@@ -229,14 +229,17 @@ class RequestOutput:
 
     def merge(self, later: RequestOutput) -> None:
         """Fold a later delta of the same request into this one (used by streams and LLM)."""
-        by_index = {o.index: o for o in self.outputs}
-        for out in later.outputs:
-            if out.index in by_index:
-                by_index[out.index].merge(out)
-            else:
-                self.outputs.append(out)
-                by_index[out.index] = out
-        self.outputs.sort(key=lambda o: o.index)
+        if len(self.outputs) == len(later.outputs) == 1 and self.outputs[0].index == later.outputs[0].index:
+            self.outputs[0].merge(later.outputs[0])  # one choice (most requests): a token's worth of work
+        else:
+            by_index = {o.index: o for o in self.outputs}
+            for out in later.outputs:
+                if out.index in by_index:
+                    by_index[out.index].merge(out)
+                else:
+                    self.outputs.append(out)
+                    by_index[out.index] = out
+            self.outputs.sort(key=lambda o: o.index)
         self.finished = later.finished
         self.num_cached_tokens = max(self.num_cached_tokens, later.num_cached_tokens)
         self.num_draft_tokens = max(self.num_draft_tokens, later.num_draft_tokens)

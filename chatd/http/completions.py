@@ -33,7 +33,8 @@ from chatd.http.request_log import REQUEST_LOG, GenerationRecord
 from chatd.http.safety import input_strings
 from chatd.http.state import STATE, ServerState
 from chatd.http.tools import ToolUse
-from chatd.http.wire import DONE, SlowClient, checked, drop_slow_client, json_response, read_json, send, sse_event
+from chatd.http.wire import (DONE, SlowClient, checked, drop_slow_client, json_response, read_json, send, sse_event,
+                             writable_now, write_now)
 from chatd.store.db import Tenant
 
 
@@ -201,7 +202,7 @@ class _Replies:
 
     async def __anext__(self) -> RequestOutput:
         if len(self._iterators) == 1:  # nobody to wait beside: read the one request directly
-            return self._took(0, await self._iterators[0].__anext__())
+            return self.took(0, await self._iterators[0].__anext__())
         while True:
             while not self._arrived:
                 if not self._reads:
@@ -215,7 +216,7 @@ class _Replies:
                 continue  # that prompt's request has ended
             if not out.finished:
                 self._read(k)
-            return self._took(k, out)
+            return self.took(k, out)
 
     def abort(self) -> None:
         """End every request that has not finished (a no-op for those that have), and the reads waiting on them."""
@@ -233,7 +234,14 @@ class _Replies:
         self._arrived.append(k)
         self._wakeup.set()
 
-    def _took(self, k: int, out: RequestOutput) -> RequestOutput:
+    def deliver_to(self, sink: Callable[[RequestOutput], bool] | None) -> None:
+        """Offer each delta to `sink` as the engine hands it out (see RequestStream.deliver_to): for
+        one engine request that can take one (AsyncEngine's); otherwise every delta is read."""
+        if len(self.streams) == 1 and hasattr(self.streams[0], "deliver_to"):
+            self.streams[0].deliver_to(sink)
+
+    def took(self, k: int, out: RequestOutput) -> RequestOutput:
+        """Prompt k's delta, read or delivered: numbered as OpenAI numbers a batch's choices, and kept."""
         if any(c.token_ids for c in out.outputs):
             self.lease.first_token(out.queue_time)
         if k:  # prompt 0's choices keep the engine's numbers
@@ -244,11 +252,21 @@ class _Replies:
 
 
 class _ChunkWriter:
-    """Writes one request's deltas as OpenAI chunks over SSE."""
+    """Writes one request's deltas as OpenAI chunks over SSE.
+
+    While the client keeps up, each delta is written as the engine's step hands it out (`_deliver`,
+    the stream's sink): no task wakes for it. A delta the sink leaves (the client fell behind, an
+    error) is read by this writer's task, which waits for a slow client and drops one that stopped
+    reading; once the client has caught up, the sink takes over again.
+    """
 
     def __init__(self, state: ServerState, chunk_format: ChunkFormat, n: int, include_usage: bool) -> None:
         self.state, self.format, self.n, self.include_usage = state, chunk_format, n, include_usage
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self._request: web.Request | None = None
+        self._replies: _Replies | None = None
+        self._record: GenerationRecord | None = None
+        self._heartbeat: _Heartbeat | None = None
 
     async def stream(self, request: web.Request, replies: _Replies, record: GenerationRecord) -> None:
         """Write every delta; a client that leaves or stops reading ends it early (unfinished)."""
@@ -261,12 +279,18 @@ class _ChunkWriter:
             pass  # the client went away; the caller aborts what is left of its requests
 
     async def _write_all(self, request: web.Request, replies: _Replies, record: GenerationRecord) -> None:
+        sent = False  # the headers go out with the first event; the sink writes only after them
         for chunk in self.format.role_chunks(self.n):
             await send(request, self.response, sse_event(chunk))
+            sent = True
         iterator = replies.__aiter__()
         heartbeat = _Heartbeat(request, self.response, self.state.heartbeat_seconds)
+        self._request, self._replies, self._record, self._heartbeat = request, replies, record, heartbeat
+        chunked = self.response.headers.get("Transfer-Encoding") == "chunked"  # HTTP/1.1 (not 1.0)
         try:
             while True:
+                if sent and chunked:
+                    replies.deliver_to(self._deliver)  # the client keeps up: the next deltas go straight out
                 heartbeat.waiting(True)
                 try:
                     out = await iterator.__anext__()
@@ -274,19 +298,35 @@ class _ChunkWriter:
                     break
                 finally:
                     heartbeat.waiting(False)
+                    replies.deliver_to(None)  # until what this task holds is written
                 if out.error:
                     await send(request, self.response, sse_event(_failure(out).body()))
                     return
                 record.tokens_arrived()
-                chunk = self.format.delta_chunk(out)
-                if chunk is not None:
-                    await send(request, self.response, sse_event(chunk))
+                event = self.format.delta_json(out)
+                if event is not None:
+                    await send(request, self.response, sse_event(event))
+                    sent = True
         finally:
+            replies.deliver_to(None)
             heartbeat.stop()
         if replies.outputs and self.include_usage:
             await send(request, self.response, sse_event(self.format.usage_chunk(*replies.outputs)))
         await send(request, self.response, sse_event(DONE))
         await self.response.write_eof()
+
+
+    def _deliver(self, out: RequestOutput) -> bool:
+        """The stream's sink: write a delta now if the client has taken everything before it."""
+        if out.error or not writable_now(self._request):
+            return False  # the task answers an error; it waits for a client that is behind, merging meanwhile
+        out = self._replies.took(0, out)
+        self._record.tokens_arrived()
+        event = self.format.delta_json(out)
+        if event is not None:
+            write_now(self._request, self.response, sse_event(event))
+            self._heartbeat.sent()
+        return True
 
 
 class _Heartbeat:
@@ -307,6 +347,10 @@ class _Heartbeat:
         self.idle = idle
         if not idle:
             self.since = self._loop.time()
+
+    def sent(self) -> None:
+        """A delta went out while the writer waited: the idle time starts again."""
+        self.since = self._loop.time()
 
     def stop(self) -> None:
         self._task.cancel()

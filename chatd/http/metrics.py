@@ -12,13 +12,15 @@ of HTTP; the route serves what `render` returns.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from chatd.engine import STAGES, FinishReason
 
@@ -73,7 +75,9 @@ class ServerMetrics:
             for reason in FinishReason:
                 self._request_success.labels(model_name=model_name, route=route, finished_reason=reason.value)
         self._ttft = histogram("chatd:time_to_first_token_seconds", "Seconds from arrival to the first token.", LATENCY_BUCKETS)
-        self._inter_token = histogram("chatd:inter_token_latency_seconds", "Seconds between consecutive tokens of one choice.", LATENCY_BUCKETS)
+        self._inter_token = _BulkHistogram("chatd:inter_token_latency_seconds",
+                                           "Seconds between consecutive tokens of one choice.", LATENCY_BUCKETS, model_name)
+        self.registry.register(self._inter_token)
         self._e2e = histogram("chatd:e2e_request_latency_seconds", "Seconds from arrival to the last token.", LATENCY_BUCKETS)
         self._queue_time = histogram("chatd:request_queue_time_seconds", "Seconds a request waited before its first schedule.", LATENCY_BUCKETS)
         self._prompt_tokens = histogram("chatd:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
@@ -182,9 +186,7 @@ class ServerMetrics:
         if queue_time is not None:
             self._queue_time.labels(**labels).observe(queue_time)
         self._e2e.labels(**labels).observe(e2e)
-        inter_token = self._inter_token.labels(**labels)
-        for latency in inter_token_latencies:
-            inter_token.observe(latency)
+        self._inter_token.observe_many(route, inter_token_latencies)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, for GET /metrics."""
@@ -208,6 +210,35 @@ class _WithoutCreated(Collector):
         for family in self.registry.collect():  # fresh objects on every collect: safe to trim
             family.samples = [s for s in family.samples if not s.name.endswith("_created")]
             yield family
+
+
+class _BulkHistogram(Collector):
+    """A histogram by route whose values come many at once: a request's inter-token latencies, one
+    a token, counted in one numpy call when it ends (an observe() a value cost ~1.5 us a token).
+    Exposed as prometheus-client's Histogram exposes one (`_bucket` with `le`, `_count`, `_sum`)."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float], model_name: str) -> None:
+        self.name, self.documentation, self.model_name = name, documentation, model_name
+        self.bounds = np.array(buckets, dtype=np.float64)
+        self.counts = {route: np.zeros(len(buckets) + 1, dtype=np.int64) for route in ROUTES}  # the last: +Inf
+        self.sums = dict.fromkeys(ROUTES, 0.0)
+
+    def observe_many(self, route: str, values: Sequence[float]) -> None:
+        if values:
+            # A value equal to a bound is in that bound's bucket (`le`): the first bound >= it.
+            self.counts[route] += np.bincount(np.searchsorted(self.bounds, values), minlength=len(self.bounds) + 1)
+            self.sums[route] += float(np.sum(values))
+
+    def describe(self) -> Iterable[Metric]:
+        return self.collect()
+
+    def collect(self) -> Iterable[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name", "route"])
+        les = [floatToGoString(bound) for bound in self.bounds] + ["+Inf"]
+        for route in ROUTES:
+            cumulative = np.cumsum(self.counts[route]).tolist()
+            family.add_metric([self.model_name, route], list(zip(les, cumulative)), self.sums[route])
+        yield family
 
 
 class _EngineCollector:

@@ -1,11 +1,14 @@
 """OpenAI's response shapes, built from the engine's outputs: streamed chunks, whole responses,
 usage, logprobs and finish reasons.
 
-Pure shaping of dicts: it knows nothing of HTTP, SSE framing (wire.py) or the store. The served
-model's name and token texts come from ServerState.
+Pure shaping of dicts (and, for a stream's every token, of their JSON from prepared parts): it
+knows nothing of HTTP, SSE framing (wire.py) or the store. The served model's name and token
+texts come from ServerState.
 """
 
 from __future__ import annotations
+
+import orjson
 
 from chatd.engine import FinishReason, RequestOutput
 from chatd.http.state import ServerState
@@ -29,6 +32,7 @@ class ChunkFormat:
         self.include_usage, self.extra = include_usage, extra or {}
         self.tool_parser = tool_parser  # set when the model may call tools: its text is read for calls
         self._tool_streams: dict[int, ToolCallStream] = {}  # per choice
+        self._text_parts: dict[int, tuple[bytes, bytes]] = {}  # per choice: a text delta's JSON around its text
 
     def role_chunks(self, n: int) -> list[dict]:
         """Chat streams open each choice with a chunk that carries the role."""
@@ -44,6 +48,27 @@ class ChunkFormat:
         # Text held back by a tool-call parser (a marker may be starting) leaves nothing to send.
         choices = [c for c in choices if not self.chat or c["delta"] or c["finish_reason"] or c["logprobs"]]
         return self.chunk(choices) if choices else None
+
+    def delta_json(self, out: RequestOutput) -> bytes | None:
+        """`delta_chunk`'s JSON. A delta of one choice that is only text (most of a stream's tokens)
+        is the choice's prepared bytes around its text: the same bytes, without building the dicts."""
+        if len(out.outputs) == 1 and (not self.chat or self.tool_parser is None):
+            c = out.outputs[0]
+            if c.text and c.finish_reason is None and not c.logprobs:
+                parts = self._text_parts.get(c.index)
+                if parts is None:
+                    parts = self._text_parts[c.index] = self._text_delta_parts(c.index)
+                return parts[0] + orjson.dumps(c.text) + parts[1]
+        chunk = self.delta_chunk(out)
+        return None if chunk is None else orjson.dumps(chunk)
+
+    def _text_delta_parts(self, index: int) -> tuple[bytes, bytes]:
+        """A text delta's chunk as JSON, cut where its text goes."""
+        marker = "\x00text\x00"  # a string no envelope field holds
+        choice = {"index": index, "delta": {"content": marker}} if self.chat else {"index": index, "text": marker}
+        whole = orjson.dumps(self.chunk([{**choice, "logprobs": None, "finish_reason": None}]))
+        before, after = whole.split(orjson.dumps(marker))
+        return before, after
 
     def usage_chunk(self, *merged: RequestOutput) -> dict:
         """The last chunk of a stream that asked for `include_usage`: no choices, the whole usage

@@ -89,6 +89,36 @@ async def test_a_slow_reader_gets_merged_deltas_and_does_not_hold_back_others(en
     assert len(first.outputs[0].token_ids) + len(rest.outputs[0].token_ids) == 30
 
 
+async def test_a_sink_takes_outputs_as_they_come_and_leaves_the_rest_to_the_reader_in_order(engine):
+    """A sink that takes every other output: the reader gets the ones it left, each merged with
+    what came while it waited (a later output never passes one left for the reader), so the two
+    together have every token once, in order; the sink taking the finished output ends the reader."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected = (await collect(engine, [8, 9, 10], params)).outputs[0].token_ids
+    stream = engine.generate([8, 9, 10], params)
+    in_order, offered = [], [0]
+
+    def sink(out):
+        offered[0] += 1
+        if offered[0] % 2 or out.finished:
+            in_order.append(("sink", out.outputs[0].token_ids))
+            return True
+        return False
+
+    stream.deliver_to(sink)
+    async for out in stream:
+        in_order.append(("reader", out.outputs[0].token_ids))
+        await asyncio.sleep(0.01)  # steps go on meanwhile
+    assert [t for _, tokens in in_order for t in tokens] == expected
+    assert {who for who, _ in in_order} == {"sink", "reader"}
+    # A sink that takes everything, the finished output too: the reader's loop ends with nothing read.
+    taken = []
+    stream = engine.generate([8, 9, 10], params)
+    stream.deliver_to(lambda out: taken.append(out.outputs[0].token_ids) is None)
+    assert [out async for out in stream] == [] and [t for tokens in taken for t in tokens] == expected
+    assert not engine._streams  # its last output left the table as a read one would have
+
+
 async def test_bad_request_raises_before_anything_is_queued(engine):
     with pytest.raises(ParamError) as err:
         await collect(engine, [1, 2], SamplingParams(top_p=1.5))
