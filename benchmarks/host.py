@@ -206,6 +206,8 @@ def serve_child(args) -> None:
     server = dict(host="127.0.0.1", port=args.port)
     if args.engine_process:
         server["engine_process"] = True
+    if args.stream_interval != 1:
+        server["stream_interval"] = args.stream_interval
     config = engine_config(demo, args.max_num_seqs, args.async_scheduling, server=ServerConfig(**server),
                            store=StoreConfig(db_path=args.db))
     build = functools.partial(timed_engine, step_seconds=args.step_ms / 1000)
@@ -272,7 +274,8 @@ def measure_server(demo: Path, args, streams_levels: list[int], work: Path, asyn
     server = Server("chatd", [sys.executable, __file__, "--serve-child", "--port", str(port), "--demo", str(demo),
                               "--step-ms", str(args.step_ms), "--max-num-seqs", str(max(streams_levels)),
                               "--async-scheduling", async_scheduling, "--db", str(work / f"host-{async_scheduling}.db")]
-                    + (["--engine-process"] if engine_process else []),
+                    + (["--engine-process"] if engine_process else [])
+                    + (["--stream-interval", str(args.stream_interval)] if args.stream_interval != 1 else []),
                     work / f"server-{async_scheduling}.log")
     try:
         server.wait_until(lambda: _serving(server.log_path.read_text(errors="replace")), 300)
@@ -366,6 +369,7 @@ def main() -> None:
                         help="where the served engine runs: thread (the default) and/or process (--engine-process)")
     parser.add_argument("--server-repeats", type=int, default=2, help="runs of each served measurement")
     parser.add_argument("--skip-server", action="store_true")
+    parser.add_argument("--stream-interval", type=int, default=1, help="the served runs' [server] stream_interval")
     parser.add_argument("--quick", action="store_true", help="a smoke test: small batches, one run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every figure here")

@@ -136,6 +136,8 @@ def serve_config(args: argparse.Namespace) -> Config:
         overrides["scheduler"]["async_scheduling"] = args.async_scheduling
     if args.engine_process:
         overrides["server"]["engine_process"] = True
+    if args.stream_interval is not None:
+        overrides["server"]["stream_interval"] = args.stream_interval
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     if api_key:
         overrides["auth"]["api_key"] = api_key
@@ -181,6 +183,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                        help="plan each step while the device runs the one before (default auto: on a GPU)")
     serve.add_argument("--engine-process", action="store_true",
                        help="run the engine in a process of its own (its Python and the HTTP server's run at once)")
+    serve.add_argument("--stream-interval", type=positive_int, metavar="TOKENS",
+                       help="send a stream's tokens once this many have come (default 1: each as it comes)")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="the model ids requests may name; the first is the one replies show (default: the model "
                             "folder's name)")

@@ -183,13 +183,14 @@ class ServerConfig:
     body_timeout_seconds: float = 60.0  # the body must arrive this soon after the head (else 408, closed)
     send_timeout_seconds: float = 60.0  # a response write the client does not take this soon drops it
     stream_buffer_bytes: int = 8 * 2**20  # output held for a stream's client beyond this drops it
-    # Run the engine in a child process (engine_process.py), so its Python and the event loop's
-    # run at once rather than taking turns with one GIL.
-    engine_process: bool = False
+    engine_process: bool = False  # the engine in a child process (engine_process.py): no GIL shared with the loop
+    # A stream's tokens go out once this many have come (vLLM's --stream-interval): fewer writes a token.
+    stream_interval: int = 1
     # Web pages on these origins may call the API from a browser (CORS); "*" is any origin. Empty: none.
     allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        at_least_one("server", self, "stream_interval")
         if any(not name.strip() for name in self.model_name):
             raise ValueError(f"setting server.model_name takes non-empty names, got {list(self.model_name)!r}")
         if len(set(self.model_name)) != len(self.model_name):

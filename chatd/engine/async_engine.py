@@ -112,19 +112,23 @@ class RequestStream:
         self._pending: RequestOutput | None = None
         self._ready = asyncio.Event()
         self._finished = False  # the finished output was handed to the reader (or the sink), or the request aborted
-        self._sink: Callable[[RequestOutput], bool] | None = None
+        self._sink: Callable[[RequestOutput], RequestOutput | None] | None = None
 
-    def deliver_to(self, sink: Callable[[RequestOutput], bool] | None) -> None:
-        """Offer each output to `sink` first (on the event loop): True, it took it; False, the
-        iterator gets it. Outputs waiting for the reader are never passed by a later one."""
+    def deliver_to(self, sink: Callable[[RequestOutput], RequestOutput | None] | None) -> None:
+        """Offer each output to `sink` first (on the event loop): it returns None when it took it,
+        or the output the iterator is to get (this one, or merged with outputs the sink held back).
+        Outputs waiting for the reader are never passed by a later one."""
         self._sink = sink
 
     def put(self, out: RequestOutput) -> None:
-        if self._pending is None and self._sink is not None and self._sink(out):
-            if out.finished:  # the reader's iteration ends: nothing is left for it
-                self._finished = True
-                self._ready.set()
-            return
+        if self._pending is None and self._sink is not None:
+            finished = out.finished
+            out = self._sink(out)
+            if out is None:
+                if finished:  # the reader's iteration ends: nothing is left for it
+                    self._finished = True
+                    self._ready.set()
+                return
         if self._pending is None:
             self._pending = out
         else:

@@ -234,7 +234,7 @@ class _Replies:
         self._arrived.append(k)
         self._wakeup.set()
 
-    def deliver_to(self, sink: Callable[[RequestOutput], bool] | None) -> None:
+    def deliver_to(self, sink: Callable[[RequestOutput], RequestOutput | None] | None) -> None:
         """Offer each delta to `sink` as the engine hands it out (see RequestStream.deliver_to): for
         one engine request that can take one (AsyncEngine's); otherwise every delta is read."""
         if len(self.streams) == 1 and hasattr(self.streams[0], "deliver_to"):
@@ -257,16 +257,19 @@ class _ChunkWriter:
     While the client keeps up, each delta is written as the engine's step hands it out (`_deliver`,
     the stream's sink): no task wakes for it. A delta the sink leaves (the client fell behind, an
     error) is read by this writer's task, which waits for a slow client and drops one that stopped
-    reading; once the client has caught up, the sink takes over again.
+    reading; once the client has caught up, the sink takes over again. With [server]
+    stream_interval N, the sink holds deltas until N tokens have come (or the reply ends).
     """
 
     def __init__(self, state: ServerState, chunk_format: ChunkFormat, n: int, include_usage: bool) -> None:
         self.state, self.format, self.n, self.include_usage = state, chunk_format, n, include_usage
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self.interval = state.config.server.stream_interval
         self._request: web.Request | None = None
         self._replies: _Replies | None = None
         self._record: GenerationRecord | None = None
         self._heartbeat: _Heartbeat | None = None
+        self._held: RequestOutput | None = None  # deltas the sink holds for the stream interval
 
     async def stream(self, request: web.Request, replies: _Replies, record: GenerationRecord) -> None:
         """Write every delta; a client that leaves or stops reading ends it early (unfinished)."""
@@ -310,23 +313,36 @@ class _ChunkWriter:
         finally:
             replies.deliver_to(None)
             heartbeat.stop()
+            if self._held is not None:  # the client left while tokens were held: they were generated, and are billed
+                replies.took(0, self._held)
         if replies.outputs and self.include_usage:
             await send(request, self.response, sse_event(self.format.usage_chunk(*replies.outputs)))
         await send(request, self.response, sse_event(DONE))
         await self.response.write_eof()
 
 
-    def _deliver(self, out: RequestOutput) -> bool:
-        """The stream's sink: write a delta now if the client has taken everything before it."""
+    def _deliver(self, out: RequestOutput) -> RequestOutput | None:
+        """The stream's sink: write a delta now if the client has taken everything before it (None);
+        otherwise the delta, with any it held, is the task's to write."""
+        if self._held is not None:
+            self._held.merge(out)
+            out, self._held = self._held, None
+        if self.interval > 1 and not (out.finished or out.error) and _num_tokens(out) < self.interval:
+            self._held = out
+            return None
         if out.error or not writable_now(self._request):
-            return False  # the task answers an error; it waits for a client that is behind, merging meanwhile
+            return out  # the task answers an error; it waits for a client that is behind, merging meanwhile
         out = self._replies.took(0, out)
         self._record.tokens_arrived()
         event = self.format.delta_json(out)
         if event is not None:
             write_now(self._request, self.response, sse_event(event))
             self._heartbeat.sent()
-        return True
+        return None
+
+
+def _num_tokens(out: RequestOutput) -> int:
+    return sum(len(c.token_ids) for c in out.outputs)
 
 
 class _Heartbeat:

@@ -102,8 +102,8 @@ async def test_a_sink_takes_outputs_as_they_come_and_leaves_the_rest_to_the_read
         offered[0] += 1
         if offered[0] % 2 or out.finished:
             in_order.append(("sink", out.outputs[0].token_ids))
-            return True
-        return False
+            return None
+        return out
 
     stream.deliver_to(sink)
     async for out in stream:
@@ -114,7 +114,7 @@ async def test_a_sink_takes_outputs_as_they_come_and_leaves_the_rest_to_the_read
     # A sink that takes everything, the finished output too: the reader's loop ends with nothing read.
     taken = []
     stream = engine.generate([8, 9, 10], params)
-    stream.deliver_to(lambda out: taken.append(out.outputs[0].token_ids) is None)
+    stream.deliver_to(lambda out: taken.append(out.outputs[0].token_ids))
     assert [out async for out in stream] == [] and [t for tokens in taken for t in tokens] == expected
     assert not engine._streams  # its last output left the table as a read one would have
 

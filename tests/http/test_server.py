@@ -293,3 +293,22 @@ def test_an_attention_backend_that_cannot_run_here_stops_startup_with_its_reason
     )
     assert done.returncode == 2
     assert "attention_backend 'torch-varlen' cannot run here: torch's varlen attention needs CUDA" in done.stderr
+
+
+def test_a_stream_interval_sends_tokens_in_groups_with_the_same_reply_and_usage(tmp_path):
+    """[server] stream_interval = 4: each content chunk carries 4 tokens (the last the rest), and
+    the streamed text, finish and usage are those of the same greedy reply sent whole."""
+    proc, url, _ = start_server(tmp_path, build_demo_model(tmp_path / "demo"), "[server]\nstream_interval = 4\n")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        ask = dict(model="demo", messages=MESSAGES, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+        whole = client.chat.completions.create(**ask)
+        chunks = list(client.chat.completions.create(**ask, stream=True, logprobs=True,
+                                                      stream_options={"include_usage": True}))
+        deltas = [c.choices[0] for c in chunks if c.choices and c.choices[0].logprobs is not None]
+        assert [len(d.logprobs.content) for d in deltas] == [4, 4, 2]  # one logprob a token
+        assert "".join(d.delta.content or "" for d in deltas) == whole.choices[0].message.content
+        assert deltas[-1].finish_reason == whole.choices[0].finish_reason == "length"
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 10
+    finally:
+        stop_server(proc)
