@@ -28,7 +28,8 @@ Reading order, following one request in:
     async_engine.py    AsyncEngine.generate queues it; the engine thread steps
     request.py         what a request must pass before anything is allocated for it
     engine.py          LLMEngine.step: schedule -> launch -> postprocess -> detokenize (with
-                       async scheduling, the next step launched before the last is waited for)
+                       async scheduling, the next step launched before the last is waited for);
+                       step_outputs.py: a step's tokens as each request's delta
     model_info.py      what the engine reports of its model; drain_rate.py, of its queue
     engine_process.py  the same engine in a child process, driven from AsyncEngine's thread
     loading.py         config -> model, tokenizer, KV pool, runner (LLMEngine.from_config)

@@ -3,8 +3,8 @@
 A step reads as four stages: the scheduler plans the batch (`schedule`), the runner launches
 it on the model and samples (`launch`, then `result()` waits for the draws), the scheduler folds
 the sampled tokens back into the sequences (`postprocess`: cached blocks, forks, stop tokens and
-lengths), and the engine detokenizes them (text, stop strings) into each request's delta. The
-engine talks to the scheduler, never to the block manager. The offline `LLM` wrapper is in llm.py;
+lengths), and step_outputs.py detokenizes them (text, stop strings) into each request's delta.
+The engine talks to the scheduler, never to the block manager. The offline `LLM` wrapper is in llm.py;
 what a request must pass to be admitted is request.py, what the engine reports of its model
 model_info.py.
 
@@ -42,7 +42,6 @@ from chatd.engine.params import (
     CacheScope,
     CompletionOutput,
     FinishReason,
-    Logprob,
     ParamError,
     Placement,
     RequestOutput,
@@ -50,6 +49,7 @@ from chatd.engine.params import (
     StructuredOutput,
 )
 from chatd.engine.request import Request, checked_params
+from chatd.engine.step_outputs import step_outputs
 from chatd.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("chatd.engine")
@@ -57,14 +57,6 @@ log = logging.getLogger("chatd.engine")
 # How long an engine with nothing to run but sequences waiting for grammar masks sleeps before
 # looking again (a mask that is ready wakes it sooner).
 IDLE_MASK_WAIT_SECONDS = 0.01
-
-
-class GrammarFailed(Exception):
-    """A sequence's grammar failed mid-reply (it reached a parser limit): the request's fault."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param, self.message = param, message
 
 
 def freeze_startup_objects() -> None:
@@ -306,14 +298,14 @@ class LLMEngine:
         if self.grammars is not None:  # the next masks, computed while this step's tokens are detokenized
             self.grammars.masks.compute(s.grammar for s, _ in seqs if s.grammar is not None and not s.is_finished)
         started = self.times.since("postprocess", started)
-        outputs = self._detokenize(seqs, sampled.token_ids, sampled.logprobs)
+        outputs = step_outputs(self, seqs, sampled.token_ids, sampled.logprobs)
         self.times.since("detokenize", started)
         return outputs
 
     def _fail_step(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         log.error("step failed; failing %d sequences", len(plan.scheduled), exc_info=exc)
         failed = {s.seq.request_id for s in plan.scheduled}
-        return [self._fail(self.requests[rid], f"engine step failed: {exc}") for rid in failed if rid in self.requests]
+        return [self.fail(self.requests[rid], f"engine step failed: {exc}") for rid in failed if rid in self.requests]
 
     def stage_times(self) -> dict[str, float]:
         """Seconds each stage of the host's work took since the start, and the steps (core/stage_times.py)."""
@@ -331,86 +323,13 @@ class LLMEngine:
             if request.queue_time is None:
                 request.queue_time = now - request.queued_at
 
-    def _detokenize(self, seqs: list[tuple[Sequence, range]], token_ids: list[int],
-                    logprobs: list[Logprob | None]) -> list[RequestOutput]:
-        """Each request's delta from its sequences' new tokens (each sequence with the rows of its
-        tokens: more than one after a verify step); requests that ended leave the engine."""
-        deltas: dict[str, RequestOutput] = {}
-        for seq, rows in seqs:
-            request = self.requests.get(seq.request_id)
-            if request is None:  # failed earlier in this loop
-                continue
-            try:
-                delta = self._delta(request, seq, [token_ids[r] for r in rows], [logprobs[r] for r in rows])
-            except GrammarFailed as exc:  # the client's grammar, not a bug: the client hears which field
-                log.warning("request %s: %s", seq.request_id, exc.message)
-                deltas[seq.request_id] = self._fail(request, exc.message, exc.param)
-                continue
-            except Exception as exc:  # a bug in output handling fails this request only
-                log.exception("request %s failed while handling its output", seq.request_id)
-                deltas[seq.request_id] = self._fail(request, f"output processing failed: {exc}")
-                continue
-            out = deltas.get(seq.request_id)
-            if out is None:
-                deltas[seq.request_id] = out = RequestOutput(request.request_id, request.prompt_token_ids, [])
-            out.outputs.append(delta)
-        for request_id, out in deltas.items():
-            request = self.requests.get(request_id)
-            if request is None:  # failed above
-                continue
-            if len(out.outputs) > 1:
-                out.outputs.sort(key=lambda o: o.index)
-            out.num_cached_tokens = request.num_cached_tokens
-            out.queue_time = request.queue_time
-            out.num_draft_tokens, out.num_accepted_tokens = request.guesses()
-            # A request ends with the step that ends its last choice.
-            out.finished = any(o.finish_reason is not None for o in out.outputs) and request.finished
-            if out.finished:
-                del self.requests[request_id]
-        return list(deltas.values())
-
-    def _delta(self, request: Request, seq: Sequence, token_ids: list[int],
-               logprobs: list[Logprob | None]) -> CompletionOutput:
-        """A sequence's new tokens as a delta: their text (held back while a stop string may be
-        starting), and the end. A stop string ends it at its last token: any kept after it are dropped."""
-        if seq.index == 0 and len(seq.output_token_ids) == len(token_ids):
-            request.num_cached_tokens = seq.num_cached_tokens
-        if seq.finish_reason == FinishReason.ERROR:  # only a failed grammar ends a sequence so: fail the request
-            self.runner.release(seq)
-            raise GrammarFailed(seq.params.structured.param, seq.grammar.error or "structured output could not be followed")
-        delta = CompletionOutput(seq.index, token_ids=[], logprobs=None if logprobs[0] is None else [])
-        detokenizer = request.detokenizers[seq.index]
-        for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
-            delta.token_ids.append(token_id)
-            if delta.logprobs is not None:
-                delta.logprobs.append(logprob)
-            # A stop token's own text is not part of the answer (a grammar's last token is).
-            stopped_by_token = i == len(token_ids) - 1 and seq.finish_reason == FinishReason.STOP and (
-                token_id in self.scheduler.eos_token_ids or token_id in seq.params.stop_token_ids)
-            if detokenizer is not None and not stopped_by_token:
-                text, stop_string = detokenizer.step([token_id])
-                delta.text += text
-                if stop_string is not None:  # wins over a length limit reached by the same token
-                    seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_string
-                    if not seq.is_finished:
-                        self.scheduler.finish(seq)
-                    break
-        if seq.finish_reason is not None:
-            if detokenizer is not None and not isinstance(seq.stop_reason, str):
-                delta.text += detokenizer.flush()  # release text held back in case a stop string began
-            delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
-            self.runner.release(seq)
-            if self.speculator is not None:
-                self.speculator.release(seq)
-        return delta
-
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.runner.release(seq)
         if self.speculator is not None:
             self.speculator.release(seq)
 
-    def _fail(self, request: Request, message: str, param: str | None = None) -> RequestOutput:
+    def fail(self, request: Request, message: str, param: str | None = None) -> RequestOutput:
         """End every choice of a request with an error output (`param`: the field at fault, if the request's)."""
         self.abort(request.request_id)
         outputs = [CompletionOutput(s.index, finish_reason=FinishReason.ERROR) for s in request.seqs]

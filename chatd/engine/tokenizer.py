@@ -208,8 +208,11 @@ class RustDecodeStream:
 
     def __call__(self, token_ids: list[int]) -> str:
         if len(token_ids) != 1:
-            return "".join(self([t]) for t in token_ids)
-        token_id = token_ids[0]  # a decode step's one token: the common case
+            return "".join(self.one(t) for t in token_ids)
+        return self.one(token_ids[0])  # a decode step's one token: the common case
+
+    def one(self, token_id: int) -> str:
+        """The new text of one more token."""
         try:
             text = self._stream.step(self._backend, token_id)
         except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception here
@@ -265,6 +268,18 @@ class IncrementalDetokenizer:
         self._stream = tokenizer.decode_stream(prompt_token_ids[start:], skip_special_tokens)
         self._window: list[int] = [] if self._stream is not None else list(prompt_token_ids[start:])
         self._read_offset = len(self._window)
+
+    @property
+    def plain(self) -> bool:
+        """Whether the next token's text goes out whole (`step_plain`): Rust's decoder, no stop
+        strings, nothing held back, not finished."""
+        return self._stream is not None and not self.stop and not self._held and not self._finished
+
+    def step_plain(self, token_id: int) -> str:
+        """`step` of one token when `plain`: its new text ("" while a character is incomplete)."""
+        new_text = self._stream.one(token_id)
+        self.text += new_text
+        return new_text
 
     def step(self, new_token_ids: list[int]) -> tuple[str, str | None]:
         """Add tokens; return (new text, the stop string if one was hit). Tokens after a stop are ignored."""

@@ -138,6 +138,28 @@ def test_stop_string_ends_text_before_it(scheduling, model_dirs):
     assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop
 
 
+def test_a_plain_decode_step_gives_what_the_general_path_gives(scheduling, model_dirs):
+    """Most decode steps take step_outputs.py's short path (one choice, one token, no stop strings,
+    no logprobs); a stop string that never comes, or logprobs, sends every step the general way:
+    the same tokens, text (byte-fallback characters included), finish and counts, delta by delta."""
+    prompt = prompts(500, [40], seed=8)[0]
+    base = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def streamed(**extra):
+        engine = make_llm(model_dirs["llama"], async_scheduling=scheduling).engine
+        deltas = []
+        for i in range(2):  # the second finds the first's prompt in the prefix cache
+            engine.add_request(f"r{i}", prompt, SamplingParams(**base, **extra))
+            while engine.has_unfinished_requests():
+                deltas += [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.num_cached_tokens,
+                            o.finished) for o in engine.step()]
+        return deltas
+
+    plain = streamed()
+    assert streamed(stop=["\x00never"]) == plain
+    assert [d[:2] for d in streamed(logprobs=1)] == [d[:2] for d in plain]
+
+
 def test_logprobs_are_those_of_the_model(scheduling, model_dirs):
     from transformers import AutoModelForCausalLM
 
