@@ -11,16 +11,25 @@ request with no stop strings and no logprobs (most of them) takes a short path; 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from chatd.engine.core.scheduler import Scheduler
 from chatd.engine.core.sequence import Sequence
 from chatd.engine.params import CompletionOutput, FinishReason, Logprob, RequestOutput
 from chatd.engine.request import Request
 
-if TYPE_CHECKING:
-    from chatd.engine.engine import LLMEngine
-
 log = logging.getLogger("chatd.engine")
+
+
+class LLMEngine(Protocol):
+    """What this module reads of the engine (engine.py's LLMEngine)."""
+
+    requests: dict[str, Request]
+    scheduler: Scheduler
+    runner: Any  # releases a finished sequence's draws
+    speculator: Any  # None while speculative decoding is off
+
+    def fail(self, request: Request, message: str, param: str | None = None) -> RequestOutput: ...
 
 
 class GrammarFailed(Exception):
