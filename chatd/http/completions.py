@@ -263,7 +263,10 @@ class _ChunkWriter:
 
     def __init__(self, state: ServerState, chunk_format: ChunkFormat, n: int, include_usage: bool) -> None:
         self.state, self.format, self.n, self.include_usage = state, chunk_format, n, include_usage
-        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        # A chat stream's role chunk follows its headers at once: they go out together. A text
+        # completion's first event waits for its first token: its headers go out alone, at once.
+        response_class = _EventStream if chunk_format.chat else web.StreamResponse
+        self.response = response_class(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         self.interval = state.config.server.stream_interval
         self._request: web.Request | None = None
         self._replies: _Replies | None = None
@@ -315,10 +318,16 @@ class _ChunkWriter:
             heartbeat.stop()
             if self._held is not None:  # the client left while tokens were held: they were generated, and are billed
                 replies.took(0, self._held)
-        if replies.outputs and self.include_usage:
-            await send(request, self.response, sse_event(self.format.usage_chunk(*replies.outputs)))
-        await send(request, self.response, sse_event(DONE))
-        await self.response.write_eof()
+        # The usage (when asked for), [DONE] and the body's end in one write: a client that stops
+        # reading at [DONE] (most do) then finds its connection at the end of the body, to use again
+        # (one that found the end still to come would close it, and open another for its next request).
+        usage = sse_event(self.format.usage_chunk(*replies.outputs)) if replies.outputs and self.include_usage else b""
+        ending = usage + sse_event(DONE)
+        if writable_now(request):
+            await self.response.write_eof(ending)
+        else:  # the client is behind: wait for it (or drop it) as for any event
+            await send(request, self.response, ending)
+            await self.response.write_eof()
 
 
     def _deliver(self, out: RequestOutput) -> RequestOutput | None:
@@ -339,6 +348,13 @@ class _ChunkWriter:
             write_now(self._request, self.response, sse_event(event))
             self._heartbeat.sent()
         return None
+
+
+class _EventStream(web.StreamResponse):
+    """A Server-Sent Events response whose headers go out with its first event, in one write
+    (aiohttp's StreamResponse sends them alone when prepared; its Response waits, as here)."""
+
+    _send_headers_immediately = False
 
 
 def _num_tokens(out: RequestOutput) -> int:

@@ -82,6 +82,7 @@ class ServerMetrics:
         self._queue_time = histogram("chatd:request_queue_time_seconds", "Seconds a request waited before its first schedule.", LATENCY_BUCKETS)
         self._prompt_tokens = histogram("chatd:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
         self._generation_tokens = histogram("chatd:request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS)
+        self._route_series: dict[str, tuple] = {}  # route -> its labelled children of the histograms above
 
         # Per tier ([tiers.NAME]): who got in, who was refused and why, and how long they waited.
         self._tier_admitted = Counter("chatd:tier_requests_admitted_total", "Generation requests admitted, by tier.",
@@ -175,17 +176,23 @@ class ServerMetrics:
         # FinishReason(...) refuses unknown reasons and turns the enum into its plain value;
         # str() of a str-enum on Python 3.11 would give "FinishReason.STOP".
         reason = FinishReason(finish_reason).value
-        labels = {"model_name": self.model_name, "route": route}
-        self._request_success.labels(**labels, finished_reason=reason).inc()
-        self._prompt_tokens.labels(**labels).observe(prompt_tokens)
-        self._generation_tokens.labels(**labels).observe(generation_tokens)
+        series = self._route_series.get(route)
+        if series is None:  # labels() costs ~2 us a call: each route's children are looked up once
+            labels = {"model_name": self.model_name, "route": route}
+            series = self._route_series[route] = tuple(
+                metric.labels(**labels) for metric in (self._prompt_tokens, self._generation_tokens, self._ttft,
+                                                       self._queue_time, self._e2e))
+        prompt_series, generation_series, ttft_series, queue_series, e2e_series = series
+        self._request_success.labels(model_name=self.model_name, route=route, finished_reason=reason).inc()
+        prompt_series.observe(prompt_tokens)
+        generation_series.observe(generation_tokens)
         # cached_tokens needs no series of its own: the engine already counts prefix-cache
         # hits per token (chatd:prefix_cache_hits_total).
         if ttft is not None:
-            self._ttft.labels(**labels).observe(ttft)
+            ttft_series.observe(ttft)
         if queue_time is not None:
-            self._queue_time.labels(**labels).observe(queue_time)
-        self._e2e.labels(**labels).observe(e2e)
+            queue_series.observe(queue_time)
+        e2e_series.observe(e2e)
         self._inter_token.observe_many(route, inter_token_latencies)
 
     def render(self) -> tuple[bytes, str]:

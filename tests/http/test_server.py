@@ -312,3 +312,20 @@ def test_a_stream_interval_sends_tokens_in_groups_with_the_same_reply_and_usage(
         assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 10
     finally:
         stop_server(proc)
+
+
+async def test_a_client_that_stops_reading_at_done_keeps_its_connection_for_the_next_request(server):
+    """The usage, [DONE] and the end of the body go out in one write: a client that leaves a stream
+    at [DONE] (as the SDKs and load generators do) finds the body ended and reuses the connection,
+    rather than closing it and opening another for its next request."""
+    url, _, _ = server
+    sockets = set()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
+        for _ in range(50):
+            body = {"messages": MESSAGES, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+            async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+                sockets.add(response.connection.transport.get_extra_info("sockname"))
+                async for line in response.content:
+                    if line.strip() == b"data: [DONE]":
+                        break
+    assert len(sockets) == 1
