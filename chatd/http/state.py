@@ -65,6 +65,7 @@ class ServerState:
     # hold up everyone else's, and the loop competes for the GIL with few threads.
     tokenizing: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="chatd-tokenize"))
+    heartbeats: object = None  # completions.py's one timer for every stream's keep-alive comments
     _tasks: set[asyncio.Task] = field(default_factory=set)
     _token_text: dict[int, str] = field(default_factory=dict)
 

@@ -63,7 +63,7 @@ class UsageWrite:
 
     async def apply(self, store: Store) -> None:
         """Write it."""
-        fields = dataclasses.asdict(self)
+        fields = dict(vars(self))  # its fields, all plain values (dataclasses.asdict copies deeply: slower)
         await store.record_usage(fields.pop("tenant_id"), **fields)
 
 

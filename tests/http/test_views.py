@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -144,6 +145,27 @@ async def test_an_idle_stream_gets_heartbeat_comments(tokenizer, store):
         events = await read_events(await client.post("/v1/chat/completions", json=BODY))
         assert any(e.startswith(":") for e in events), "an SSE comment keeps an idle stream open"
         assert events[-1] == "data: [DONE]"
+    finally:
+        await client.close()
+
+
+async def test_concurrent_idle_streams_each_get_comments_from_one_timer_that_ends_with_them(tokenizer, store):
+    """The keep-alive comments of every stream come from the server's one timer: each idle stream
+    gets its own, with its own reply intact, and the timer stops once no stream is open."""
+    engine = ScriptedEngine([delta("a"), delta("b", FinishReason.STOP)], pause=0.35)
+    client = await client_for(engine, tokenizer, store, heartbeat=0.1)
+    try:
+        async def one() -> list[str]:
+            return await read_events(await client.post("/v1/chat/completions", json=BODY))
+
+        first, second = await asyncio.gather(one(), one())
+        for events in (first, second):
+            assert sum(e.startswith(":") for e in events) >= 2, "each idle stream hears comments"
+            data = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+            assert "".join(d["choices"][0]["delta"].get("content", "") for d in data) == "ab"
+            assert events[-1] == "data: [DONE]"
+        await asyncio.sleep(0.1)  # the timer's next look finds no stream
+        assert not [t for t in asyncio.all_tasks() if t.get_name() == "heartbeats"]
     finally:
         await client.close()
 

@@ -64,6 +64,9 @@ class Sequence:
     # Structured output: a grammar/GrammarMatcher (accept(token_id) -> bool, is_terminated, error);
     # None for free text. The sampler masks with it, `Scheduler.postprocess` advances it.
     grammar: Any = None
+    # What the sampler needs of it each step once nothing about that changes any more (min_tokens
+    # reached): the runner's SamplingRow, built once instead of every step.
+    sampling_row: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

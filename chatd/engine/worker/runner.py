@@ -389,13 +389,15 @@ class ModelRunner:
     def _sampling_row(self, seq: Sequence, drafts: tuple[int, ...] = (), grammar=None) -> SamplingRow:
         """What the sampler needs of a sequence's next token; after `drafts` (a verify row: as if
         the proposed tokens before it were its own, and `grammar` its matcher's state there)."""
+        if not drafts and seq.sampling_row is not None:
+            return seq.sampling_row
         params = seq.params
         banned: tuple[int, ...] = ()
         # A grammar decides where structured output ends: min_tokens does not ban its EOS. The token
         # drawn now is already counted (pending from when its step was planned).
         if seq.num_output_tokens + len(drafts) <= params.min_tokens and seq.grammar is None:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
-        return SamplingRow(
+        row = SamplingRow(
             params=params,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids + list(drafts) if drafts else seq.output_token_ids,
@@ -403,6 +405,9 @@ class ModelRunner:
             banned_token_ids=banned,
             grammar=grammar if drafts else seq.grammar,
         )
+        if not drafts and not banned:  # past min_tokens it stays so: the same row every step
+            seq.sampling_row = row
+        return row
 
     def _verify_rows(self, seq: Sequence, drafts: tuple[int, ...]) -> list[SamplingRow]:
         """A verify step's rows: the next token as usual, then one after each proposed token. Each

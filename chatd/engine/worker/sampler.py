@@ -16,6 +16,7 @@ Where the logits are on a CPU, sampled rows are worked out one by one in numpy
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -41,11 +42,11 @@ class SamplingRow:
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS while min_tokens is not reached
     grammar: GrammarMatcher | None = None  # structured output: only tokens it allows may be sampled
 
-    @property
+    @cached_property  # a row's fields do not change once built (runner.py keeps one a sequence)
     def greedy(self) -> bool:
         return self.params.temperature < MIN_TEMPERATURE
 
-    @property
+    @cached_property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes or reports the logits: its token is their argmax."""
         params = self.params
