@@ -74,7 +74,7 @@ case "$what" in
         for where in thread process; do  # the engine on a thread of the server, then in its own process
             timeout 70 "$PYTHON" benchmarks/serve.py --device cuda --skip-transformers --concurrency 256,512 \
                 --hidden 1024 --layers 28 --heads 16 --kv-heads 8 --intermediate 3072 --max-num-batched-tokens 8192 \
-                --output-tokens 64 64 $([ $where = process ] && echo --engine-process) \
+                --output-tokens 64 64 --engine-process $([ $where = process ] && echo on || echo off) \
                 --json "$OUT/busy-serve-$where.json" 2>&1 | tee -a "$OUT/busy.log"
         done
         timeout 50 "$PYTHON" benchmarks/steps.py --device cuda --tmp-dir /tmp --batches 1 --decode-steps 30 \

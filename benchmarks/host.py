@@ -204,8 +204,7 @@ def serve_child(args) -> None:
     setup_logging()
     demo = Path(args.demo)
     server = dict(host="127.0.0.1", port=args.port)
-    if args.engine_process:
-        server["engine_process"] = True
+    server["engine_process"] = "on" if args.engine_process else "off"
     if args.stream_interval != 1:
         server["stream_interval"] = args.stream_interval
     config = engine_config(demo, args.max_num_seqs, args.async_scheduling, server=ServerConfig(**server),

@@ -164,7 +164,7 @@ def run_chatd(args, model_dir: Path, config_path: Path, work: Path) -> dict:
     server = Server(
         "chatd", [sys.executable, "-m", "chatd", "serve", "--model", str(model_dir), "--config", str(config_path),
                   "--host", HOST, "--port", str(port), "--device", args.device]
-        + (["--engine-process"] if args.engine_process else []),
+        + ["--engine-process", args.engine_process],
         work / "chatd.log",
     )
     try:
@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="max_tokens per request, uniform (default 64 64)")
     parser.add_argument("--skip-transformers", action="store_true", help="run chatd (server and offline) only")
     parser.add_argument("--skip-offline", action="store_true", help="do not run chatd's offline engine")
-    parser.add_argument("--engine-process", action="store_true", help="serve chatd with --engine-process")
+    parser.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto",
+                        help="chatd's engine in a process of its own: on, off, or auto (chatd's rule: on a GPU with 4+ CPUs)")
     add_common_arguments(parser)
     parser.add_argument("--device", default="cpu", help="where both servers and the offline engine run: cpu or cuda (default cpu)")
     parser.add_argument("--dtype", help="the model's dtype (default float32 on CPU, bfloat16 on CUDA)")

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from chatd.admin_cli import add_parsers as add_admin_parsers
 from chatd.cli_args import non_negative_float, positive_int
-from chatd.config import ASYNC_SCHEDULING, DTYPES, KV_CACHE_DTYPES, LOG_LEVELS, QUANTIZATIONS, TOOL_PARSERS, Config
+from chatd.config import ASYNC_SCHEDULING, DTYPES, ENGINE_PROCESS, KV_CACHE_DTYPES, LOG_LEVELS, QUANTIZATIONS, TOOL_PARSERS, Config
 from chatd.config_loader import load_config, speculative_settings
 from chatd.logs import setup_logging
 from chatd.plan import add_parser as add_plan_parser
@@ -135,7 +135,7 @@ def serve_config(args: argparse.Namespace) -> Config:
     if args.async_scheduling:
         overrides["scheduler"]["async_scheduling"] = args.async_scheduling
     if args.engine_process:
-        overrides["server"]["engine_process"] = True
+        overrides["server"]["engine_process"] = args.engine_process
     if args.stream_interval is not None:
         overrides["server"]["stream_interval"] = args.stream_interval
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
@@ -181,8 +181,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
                        help="on CPU, run every step eagerly (no torch.compile on a thread beside them)")
     serve.add_argument("--async-scheduling", choices=ASYNC_SCHEDULING,
                        help="plan each step while the device runs the one before (default auto: on a GPU)")
-    serve.add_argument("--engine-process", action="store_true",
-                       help="run the engine in a process of its own (its Python and the HTTP server's run at once)")
+    serve.add_argument("--engine-process", nargs="?", const="on", choices=ENGINE_PROCESS,
+                       help="run the engine in a process of its own, its Python and the HTTP server's at once (alone: "
+                            "on; default auto: on a GPU with the CPUs for it)")
     serve.add_argument("--stream-interval", type=positive_int, metavar="TOKENS",
                        help="send a stream's tokens once this many have come (default 1: each as it comes)")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME",

@@ -162,6 +162,7 @@ class SpeculativeConfig:
 ORIGIN = re.compile(r"\*|[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
 # The least severe log lines `chatd serve` writes, as Python's logging names them (lower case).
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ENGINE_PROCESS = ("auto", "on", "off")  # config.toml's true and false are "on" and "off"
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ class ServerConfig:
     body_timeout_seconds: float = 60.0  # the body must arrive this soon after the head (else 408, closed)
     send_timeout_seconds: float = 60.0  # a response write the client does not take this soon drops it
     stream_buffer_bytes: int = 8 * 2**20  # output held for a stream's client beyond this drops it
-    engine_process: bool = False  # the engine in a child process (engine_process.py): no GIL shared with the loop
+    engine_process: str = "auto"  # the engine in a child process (engine_process.py has "auto"'s rule)
     # A stream's tokens go out once this many have come (vLLM's --stream-interval): fewer writes a token.
     stream_interval: int = 1
     # Web pages on these origins may call the API from a browser (CORS); "*" is any origin. Empty: none.
@@ -196,6 +197,7 @@ class ServerConfig:
         if len(set(self.model_name)) != len(self.model_name):
             raise ValueError(f"setting server.model_name names a model twice: {list(self.model_name)!r}")
         one_of("server", self, "log_level", LOG_LEVELS)
+        one_of("server", self, "engine_process", ENGINE_PROCESS)
         for origin in self.allowed_origins:
             if not ORIGIN.fullmatch(origin):
                 raise ValueError(f"setting server.allowed_origins takes origins like \"https://chat.example.com\" "
@@ -438,13 +440,11 @@ class Config:
 
 # config.toml's tables of settings, each the section of Config it fills.
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig,
-    "store": StoreConfig, "auth": AuthConfig, "conversations": ConversationsConfig, "safety": SafetyConfig,
-    "embeddings": EmbeddingsConfig, "speculative": SpeculativeConfig,
-}
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig, "store": StoreConfig,
+    "auth": AuthConfig, "conversations": ConversationsConfig, "safety": SafetyConfig, "embeddings": EmbeddingsConfig,
+    "speculative": SpeculativeConfig}
 
 
 def chatd_home() -> Path:
     """Where chatd keeps its files: $CHATD_HOME, else ~/.cache/chatd."""
-    home = os.environ.get("CHATD_HOME")
-    return Path(home) if home else Path.home() / ".cache" / "chatd"
+    return Path(os.environ.get("CHATD_HOME") or Path.home() / ".cache" / "chatd")

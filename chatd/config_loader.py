@@ -56,6 +56,8 @@ def _checked(where: str, cls: type, values: dict[str, Any]) -> dict[str, Any]:
         expected = type(getattr(cls(), key))
         if (where, key) in ONE_OR_MORE and isinstance(value, str):
             value = (value,) if value else ()
+        if (where, key) == ("server", "engine_process") and isinstance(value, bool):
+            value = "on" if value else "off"  # (it was a boolean before "auto")
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         elif expected is tuple:

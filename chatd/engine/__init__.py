@@ -8,6 +8,7 @@ Public names (the rest is internal; `chatd.http` imports only these):
     EngineUnavailable  the engine cannot take requests now (and why)          async_engine.py
     LLMEngine        the synchronous engine: add_request, abort, step          engine.py
     EngineProcess    an LLMEngine in a child process (--engine-process)        engine_process.py
+    engine_process_wanted  whether "auto" runs it so on this machine        engine_process.py
     ModelInfo        what the loaded model is (name, context, dtype, ...)      model_info.py
     SamplingParams, RequestOutput, CompletionOutput, FinishReason, ParamError  params.py
     StructuredOutput the grammar a request's output must follow (JSON schema...) params.py
@@ -60,7 +61,7 @@ from chatd.engine.core.scheduler import EngineStats
 from chatd.engine.core.stage_times import STAGES
 from chatd.engine.embeddings import Embedder
 from chatd.engine.engine import LLMEngine
-from chatd.engine.engine_process import EngineProcess
+from chatd.engine.engine_process import EngineProcess, engine_process_wanted
 from chatd.engine.llm import LLM
 from chatd.engine.model_info import ModelInfo
 from chatd.engine.params import (
@@ -105,4 +106,5 @@ __all__ = [
     "SamplingParams",
     "StructuredOutput",
     "Tokenizer",
+    "engine_process_wanted",
 ]

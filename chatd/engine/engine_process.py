@@ -32,6 +32,26 @@ from chatd.engine.request import Request
 
 log = logging.getLogger("chatd.engine")
 
+# "auto" runs the engine in its own process from this many usable CPUs: the loop, the engine and
+# the tokenizing threads each need one. On 2 cores, with a client on the same machine, the three
+# processes lose to one (docs/design.md, issue 53); from 4 cores each has its own.
+ENGINE_PROCESS_CORES = 4
+
+
+def engine_process_wanted(setting: str, device: str) -> tuple[bool, str]:
+    """[server] engine_process ("on", "off", "auto") for a model on `device`: whether the engine
+    runs in its own process, and why, for the log. "auto" does on a GPU where this process may use
+    ENGINE_PROCESS_CORES CPUs or more; on a CPU the model's own threads want the cores."""
+    if setting != "auto":
+        return setting == "on", f"engine_process = {setting}"
+    from chatd.engine.worker.build import resolve_device  # (torch: importing chatd.engine does not load it)
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    gpu = resolve_device(device).type == "cuda"
+    wanted = gpu and cores >= ENGINE_PROCESS_CORES
+    return wanted, f"auto: {'a GPU' if gpu else 'no GPU'}, {cores} CPUs"
+
+
 # How long a step waits for the child's next message before the engine thread looks at its own
 # commands again (a new request waits at most this long to be sent on).
 POLL_SECONDS = 0.002

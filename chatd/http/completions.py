@@ -26,6 +26,7 @@ from chatd.engine import RequestHandle, RequestOutput
 from chatd.http import pipeline
 from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, APIError, loggable
+from chatd.http.heartbeats import Heartbeat
 from chatd.http.limits import Lease
 from chatd.http.openai_format import ChunkFormat, merged_with, output_usage, whole_response
 from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion
@@ -271,7 +272,7 @@ class _ChunkWriter:
         self._request: web.Request | None = None
         self._replies: _Replies | None = None
         self._record: GenerationRecord | None = None
-        self._heartbeat: _Heartbeat | None = None
+        self._heartbeat: Heartbeat | None = None
         self._held: RequestOutput | None = None  # deltas the sink holds for the stream interval
 
     async def stream(self, request: web.Request, replies: _Replies, record: GenerationRecord) -> None:
@@ -290,7 +291,7 @@ class _ChunkWriter:
             await send(request, self.response, sse_event(chunk))
             sent = True
         iterator = replies.__aiter__()
-        heartbeat = _Heartbeat(self.state, request, self.response)
+        heartbeat = Heartbeat(self.state, request, self.response)
         self._request, self._replies, self._record, self._heartbeat = request, replies, record, heartbeat
         chunked = self.response.headers.get("Transfer-Encoding") == "chunked"  # HTTP/1.1 (not 1.0)
         try:
@@ -359,90 +360,6 @@ class _EventStream(web.StreamResponse):
 
 def _num_tokens(out: RequestOutput) -> int:
     return sum(len(c.token_ids) for c in out.outputs)
-
-
-class _Heartbeat:
-    """An SSE comment on a stream whose writer has waited `seconds` for its next delta (`idle`),
-    keeping the connection alive. No timer of its own: the server's `_Heartbeats` looks at every
-    stream a few times a `seconds` (a task and a timer a stream cost ~50 us of each request). A
-    client that cannot take the comment ends the writer's wait."""
-
-    COMMENT = b": keep-alive\n\n"
-
-    def __init__(self, state: ServerState, request: web.Request, response: web.StreamResponse) -> None:
-        self.request, self.response = request, response
-        self._writer = asyncio.current_task()
-        self._sending: asyncio.Task | None = None  # a comment to a client that is behind, waiting for it
-        self._beats = _Heartbeats.of(state)
-        self.idle, self.since = False, self._beats.loop.time()  # since: the last delta (or comment)
-        self._beats.add(self)
-
-    def waiting(self, idle: bool) -> None:
-        self.idle = idle
-        if not idle:
-            self.since = self._beats.loop.time()
-
-    def sent(self) -> None:
-        """A delta went out while the writer waited: the idle time starts again."""
-        self.since = self._beats.loop.time()
-
-    def stop(self) -> None:
-        self._beats.remove(self)
-        if self._sending is not None:
-            self._sending.cancel()
-
-    def beat(self, now: float) -> None:
-        self.since = now
-        if writable_now(self.request):
-            write_now(self.request, self.response, self.COMMENT)
-        elif self._sending is None:
-            self._sending = asyncio.create_task(self._send(), name="heartbeat")
-
-    async def _send(self) -> None:
-        try:
-            await send(self.request, self.response, self.COMMENT)
-        except SlowClient as exc:
-            drop_slow_client(self.request, exc)
-            self._writer.cancel()
-        except ConnectionError:
-            self._writer.cancel()
-        finally:
-            self._sending = None
-
-
-class _Heartbeats:
-    """One timer for every stream's `_Heartbeat` of a server: every quarter of [server]
-    heartbeat_seconds, a comment to each stream idle for that long (so after 1-1.25 times it)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds, self.loop = seconds, asyncio.get_running_loop()
-        self.streams: dict[_Heartbeat, None] = {}  # (an ordered set)
-        self._task: asyncio.Task | None = None
-
-    @classmethod
-    def of(cls, state: ServerState) -> _Heartbeats:
-        beats = state.heartbeats
-        if beats is None:
-            state.heartbeats = beats = cls(state.heartbeat_seconds)
-        return beats
-
-    def add(self, beat: _Heartbeat) -> None:
-        self.streams[beat] = None
-        if self._task is None:
-            self._task = self.loop.create_task(self._run(), name="heartbeats")
-
-    def remove(self, beat: _Heartbeat) -> None:
-        self.streams.pop(beat, None)
-
-    async def _run(self) -> None:
-        try:
-            while self.streams:  # it ends with the last stream; the next one starts it again
-                await asyncio.sleep(self.seconds / 4)
-                now = self.loop.time()
-                for beat in [b for b in self.streams if b.idle and now - b.since >= self.seconds]:
-                    beat.beat(now)
-        finally:
-            self._task = None
 
 
 def _logged_fields(gen: GenerationRequest, num_prompts: int) -> dict:

@@ -29,7 +29,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from chatd.config import Config, StoreConfig
-from chatd.engine import AsyncEngine, Embedder, EngineProcess, LLMEngine, SamplingParams, Tokenizer
+from chatd.engine import (AsyncEngine, Embedder, EngineProcess, LLMEngine, SamplingParams, Tokenizer,
+                          engine_process_wanted)
 from chatd.http.app import create_app
 from chatd.http.buckets import check_storage
 from chatd.http.starting import Startup, starting_app
@@ -218,7 +219,9 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
     # or in a process of its own (engine_process.py) that the engine thread drives.
     startup = listening.startup
     build = functools.partial(build_engine, config)
-    if config.server.engine_process:
+    own_process, why = engine_process_wanted(config.server.engine_process, config.model.device)
+    log.info("engine: %s (%s)", "in a process of its own" if own_process else "on a thread of the server", why)
+    if own_process:
         build = functools.partial(EngineProcess, build, config.scheduler, config.cache)
     async_engine = AsyncEngine(build)
     model = await async_engine.start()

@@ -10,9 +10,11 @@ import os
 import signal
 
 import pytest
+import torch
 
-from chatd.config_loader import config_from_options
-from chatd.engine import AsyncEngine, EngineProcess, LLMEngine, ParamError, SamplingParams
+from chatd.config_loader import build_config, config_from_options
+from chatd.engine import AsyncEngine, EngineProcess, LLMEngine, ParamError, SamplingParams, engine_process_wanted
+from chatd.engine.engine_process import ENGINE_PROCESS_CORES
 from tests.engine.conftest import make_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -105,3 +107,22 @@ async def test_a_burst_larger_than_the_pipes_is_served(model_dirs):
         streams = [engine.generate([3 + (i + j) % 90 for j in range(100)], params) for i in range(400)]
         results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 120)
         assert all(error is None and len(tokens) == 4 for tokens, error in results)
+
+
+def test_auto_keeps_the_engine_on_a_thread_without_a_gpu_or_the_cores(monkeypatch):
+    """`engine_process = "auto"`: its own process only on a GPU with ENGINE_PROCESS_CORES CPUs; a CPU
+    model keeps its thread however many cores (its forward's own threads want them); on and off
+    are as said; config.toml's booleans mean on and off, anything else is refused by name."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert engine_process_wanted("auto", "cpu") == (False, "auto: no GPU, 64 CPUs")
+    assert engine_process_wanted("on", "cpu")[0] and not engine_process_wanted("off", "cpu")[0]
+    import chatd.engine.worker.build as build
+    monkeypatch.setattr(build, "resolve_device", lambda name: torch.device("cuda"))  # (no CUDA here to ask)
+    assert engine_process_wanted("auto", "cuda") == (True, "auto: a GPU, 64 CPUs")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(ENGINE_PROCESS_CORES - 1)))
+    assert not engine_process_wanted("auto", "cuda")[0]
+    assert build_config({"server": {"engine_process": True}}).server.engine_process == "on"
+    assert build_config({"server": {"engine_process": False}}).server.engine_process == "off"
+    assert build_config({}).server.engine_process == "auto"
+    with pytest.raises(ValueError, match="server.engine_process must be one of auto, on, off"):
+        build_config({"server": {"engine_process": "sometimes"}})
