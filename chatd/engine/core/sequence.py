@@ -88,12 +88,13 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens still to go through the model before this sequence can sample again."""
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens  # (num_tokens, inline: per step)
 
     @property
     def is_prefilling(self) -> bool:
         """True until the prompt (and, after a preemption, the output so far) is all computed."""
-        return self.num_uncomputed_tokens > 1 or self.num_computed_tokens < self.num_prompt_tokens
+        computed = self.num_computed_tokens  # (the properties' sums inline: asked of every sequence, every step)
+        return len(self.token_ids) + self.num_pending_tokens - computed > 1 or computed < len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:
