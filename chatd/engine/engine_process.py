@@ -44,12 +44,18 @@ def engine_process_wanted(setting: str, device: str) -> tuple[bool, str]:
     ENGINE_PROCESS_CORES CPUs or more; on a CPU the model's own threads want the cores."""
     if setting != "auto":
         return setting == "on", f"engine_process = {setting}"
-    from chatd.engine.worker.build import resolve_device  # (torch: importing chatd.engine does not load it)
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    gpu = resolve_device(device).type == "cuda"
+    gpu = device.startswith("cuda") or device == "auto" and _cuda_available()
     wanted = gpu and cores >= ENGINE_PROCESS_CORES
     return wanted, f"auto: {'a GPU' if gpu else 'no GPU'}, {cores} CPUs"
+
+
+def _cuda_available() -> bool:
+    # Only torch.cuda here: importing the worker's modules on the event loop's thread (some make
+    # tensors as they load) left the engine thread's CPU steps a third slower (serve.py, 1 stream).
+    import torch
+
+    return torch.cuda.is_available()
 
 
 # How long a step waits for the child's next message before the engine thread looks at its own

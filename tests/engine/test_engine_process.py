@@ -116,9 +116,8 @@ def test_auto_keeps_the_engine_on_a_thread_without_a_gpu_or_the_cores(monkeypatc
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
     assert engine_process_wanted("auto", "cpu") == (False, "auto: no GPU, 64 CPUs")
     assert engine_process_wanted("on", "cpu")[0] and not engine_process_wanted("off", "cpu")[0]
-    import chatd.engine.worker.build as build
-    monkeypatch.setattr(build, "resolve_device", lambda name: torch.device("cuda"))  # (no CUDA here to ask)
-    assert engine_process_wanted("auto", "cuda") == (True, "auto: a GPU, 64 CPUs")
+    assert engine_process_wanted("auto", "cuda:1") == (True, "auto: a GPU, 64 CPUs")
+    assert engine_process_wanted("auto", "auto")[0] == torch.cuda.is_available()
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(ENGINE_PROCESS_CORES - 1)))
     assert not engine_process_wanted("auto", "cuda")[0]
     assert build_config({"server": {"engine_process": True}}).server.engine_process == "on"
