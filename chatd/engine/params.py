@@ -183,7 +183,7 @@ class Logprob:
     top: dict[int, float] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One choice of a request. In a step's output it holds only what is new since the last step."""
 
@@ -209,7 +209,7 @@ class CompletionOutput:
             self.stop_reason = later.stop_reason
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request: per-choice deltas, or the whole when merged."""
 

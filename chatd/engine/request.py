@@ -53,7 +53,11 @@ def checked_params(prompt_token_ids: list[int], params: SamplingParams, max_mode
         raise LimitError("prompt", lambda prompt, _: f"{prompt} has {num_prompt} tokens; the context window is "
                                                      f"{max_model_len} tokens and must leave room for at least one "
                                                      "generated token", context_exceeded=True)
-    bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
+    # Ints in range, checked in C (a tokenizer's ids, most prompts); else the loop finds the first
+    # bad one (a client's ids: a string, a float, a negative), or finds none (bools count as ints).
+    ids = prompt_token_ids
+    fast = set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size
+    bad = None if fast else next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
     if bad is not None:
         raise LimitError("prompt", lambda prompt, _: f"{prompt} token id {bad!r} is out of range [0, {vocab_size})")
     bad = next((t for t in params.stop_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)

@@ -252,7 +252,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.skip_special_tokens = skip_special_tokens
-        self.text = ""  # everything emitted so far
+        self._texts: list[str] = []  # everything emitted so far (`text`), in pieces: not copied a token
         self.stop_string: str | None = None  # the stop string that ended the text, once one has
         self._max_held = max((len(s) for s in self.stop), default=1) - 1
         self._held = ""  # decoded text kept back because it could begin a stop string
@@ -270,6 +270,11 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._window)
 
     @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._texts)
+
+    @property
     def plain(self) -> bool:
         """Whether the next token's text goes out whole (`step_plain`): Rust's decoder, no stop
         strings, nothing held back, not finished."""
@@ -278,7 +283,7 @@ class IncrementalDetokenizer:
     def step_plain(self, token_id: int) -> str:
         """`step` of one token when `plain`: its new text ("" while a character is incomplete)."""
         new_text = self._stream.one(token_id)
-        self.text += new_text
+        self._texts.append(new_text)
         return new_text
 
     def step(self, new_token_ids: list[int]) -> tuple[str, str | None]:
@@ -322,7 +327,7 @@ class IncrementalDetokenizer:
 
     def _emit_plain(self, new_text: str) -> tuple[str, None]:
         """`_emit` where there are no stop strings and nothing is held: all of it goes out."""
-        self.text += new_text
+        self._texts.append(new_text)
         return new_text, None
 
     def _unread_text(self, drop: int = 0) -> str:
@@ -355,7 +360,7 @@ class IncrementalDetokenizer:
             keep = 0 if final else _longest_stop_prefix_suffix(text, self.stop, self._max_held)
             delta = text[: len(text) - keep]
             self._held = text[len(text) - keep :]
-        self.text += delta
+        self._texts.append(delta)
         return delta, stop_string
 
 

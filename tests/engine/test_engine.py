@@ -187,6 +187,8 @@ def test_logprobs_are_those_of_the_model(scheduling, model_dirs):
         ([1] * 200, SamplingParams(max_tokens=100), "max_tokens"),
         ([1, 2, 10**6], SamplingParams(), "prompt"),
         ([1, -1], SamplingParams(), "prompt"),
+        ([1, "2"], SamplingParams(), "prompt"),  # not ints: the fast check in C passes them to the loop
+        ([1, 2.0], SamplingParams(), "prompt"),
         ([1, 2], SamplingParams(temperature=-0.5), "temperature"),
         ([1, 2], SamplingParams(top_p=0.0), "top_p"),
         ([1, 2], SamplingParams(n=0), "n"),
