@@ -5,7 +5,9 @@ A caller on the event loop hands a write over without waiting. When the file or 
 full, the write stays queued, `healthy` turns False (the HTTP layer then refuses new work with
 503 and `retry_after`), and the queue is retried every `retry_seconds`; with nothing queued, a
 probe checks whether the file takes writes again. At stop, a write that still cannot be made is
-logged in full, so that the operator can bill it by hand. It knows nothing of HTTP.
+logged in full, so that the operator can bill it by hand. Usage events queued together are
+written together, in one transaction (all or none): at hundreds of requests a second one write
+each cost the event loop a round trip to the store's thread per request. It knows nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from chatd.store.db import Store, StoreUnavailableError, check_status
 from chatd.store.messages import Call
 
 log = logging.getLogger(__name__)
+
+# The most usage events one transaction writes (Ledger._usage_batch).
+BATCH = 256
 
 # SQLite's primary result codes that mean "this write cannot be made now; the same write may
 # succeed later": a full disk or file, an I/O error, another process holding the file, a file
@@ -253,7 +258,24 @@ class Ledger:
             else:
                 self._recover()
             return
+        singly = 0  # after a batch failed for one bad write: this many go one at a time, to drop only that one
         while self._pending and not self._stopping:  # stop() has waited long enough: log the rest
+            batch = self._usage_batch() if not singly else []
+            if len(batch) > 1:
+                try:
+                    await self._store.record_usages([dict(vars(write)) for write, _ in batch])
+                except Exception as exc:
+                    if cannot_write_now(exc):
+                        self._fail(exc)
+                        return
+                    singly = len(batch)
+                    continue
+                for _, written in batch:
+                    self._pending.popleft()
+                    _settle(written, True)
+                self._recover()
+                continue
+            singly = max(singly - 1, 0)
             write, written = self._pending[0]
             try:
                 await write.apply(self._store)
@@ -273,6 +295,16 @@ class Ledger:
             self._recover()
         if not self._pending:
             self._drained.set()
+
+    def _usage_batch(self) -> list[tuple[UsageWrite, asyncio.Future[bool]]]:
+        """The usage events at the head of the queue, up to the first other write (or BATCH): one
+        transaction writes them, where one each cost the event loop a round trip per request."""
+        batch = []
+        for item in self._pending:
+            if not isinstance(item[0], UsageWrite) or len(batch) == BATCH:
+                break
+            batch.append(item)
+        return batch
 
     def _fail(self, exc: BaseException) -> None:
         for _, written in self._pending:  # nobody waits for a write that waits for the disk

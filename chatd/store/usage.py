@@ -8,7 +8,9 @@ It knows nothing of prices or tiers: it keeps the tokens and the cost it is give
 
 from __future__ import annotations
 
-from chatd.store.database import Database
+from collections.abc import Sequence
+
+from chatd.store.database import Database, whole
 from chatd.store.records import Usage
 
 INSERT_USAGE = ("INSERT INTO usage_events (tenant_id, endpoint, model, conversation_id, message_id, prompt_tokens, "
@@ -26,6 +28,15 @@ class UsageLog(Database):
         await self._write(INSERT_USAGE, (tenant_id, endpoint, model, conversation_id, message_id, prompt_tokens,
                                          cached_tokens, completion_tokens, cost,
                                          self._clock() if created_at is None else created_at))
+
+    @whole
+    async def record_usages(self, events: Sequence[dict]) -> None:
+        """Record several requests' usage at once, each as record_usage's fields (`created_at`
+        given): one transaction, so all of them are written or none (the ledger's batches)."""
+        rows = [(e["tenant_id"], e["endpoint"], e["model"], e["conversation_id"], e["message_id"], e["prompt_tokens"],
+                 e["cached_tokens"], e["completion_tokens"], e["cost"], e["created_at"]) for e in events]
+        async with self._transaction() as conn:
+            await conn.executemany(INSERT_USAGE, rows)
 
     async def usage(self, tenant_id: str, start: float, end: float) -> Usage:
         """The tenant's totals over events with start <= created_at < end."""

@@ -243,3 +243,43 @@ async def test_a_reply_with_an_unknown_status_is_refused_to_its_caller_at_once(s
 
 async def test_retry_after_is_the_retry_interval_in_whole_seconds(store):
     assert [Ledger(store, retry_seconds=s).retry_after for s in (0.2, 1.0, 2.5)] == [1, 1, 3]
+
+
+async def test_usage_queued_together_is_written_together_all_or_none_and_a_bad_event_alone_is_dropped(
+        store, ledger, sleeps, caplog, monkeypatch):
+    """Events queued at once go out in one transaction (in order, each once); while the file is full
+    none of a batch is written, then all of it; a batch holding one bad event writes the others."""
+    alice = await make_tenant(store)
+    batches = []
+    record_usages = store.record_usages
+
+    async def counted(events):
+        batches.append(len(events))
+        await record_usages(events)
+
+    monkeypatch.setattr(store, "record_usages", counted)
+    written = [usage_of(ledger, alice, tokens) for tokens in range(1, 41)]
+    await ledger.drained()
+    assert all(w.result() for w in written)
+    assert [tokens for _, tokens, _ in events_of(store, alice)] == list(range(1, 41))
+    assert batches == [40]
+
+    await fill_up(store)
+    for tokens in range(41, 46):
+        usage_of(ledger, alice, tokens)
+    await sleeps.started.wait()  # the batch failed whole: nothing of it is in the file
+    assert ledger.num_pending == 5 and len(events_of(store, alice)) == 40
+    await free_up(store)
+    sleeps.end()
+    await ledger.drained()
+    assert [tokens for _, tokens, _ in events_of(store, alice)] == list(range(1, 46))  # each once
+
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="chatd.store.ledger"):
+        for tenant, tokens in ((alice, 46), ("ten_nobody", 47), (alice, 48)):
+            usage_of(ledger, tenant, tokens)
+        await ledger.drained()
+    assert [tokens for _, tokens, _ in events_of(store, alice)][-2:] == [46, 48]
+    [dropped] = [record.getMessage() for record in caplog.records]
+    assert orjson.loads(dropped[dropped.index("{"):])["completion_tokens"] == 47
+    assert ledger.healthy

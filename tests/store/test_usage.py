@@ -3,6 +3,8 @@ events only, the end excluded, and every event keeps the time it was served, not
 
 from __future__ import annotations
 
+import pytest
+
 from chatd.store.records import Usage
 from tests.store.factories import START, finish, make_tenant, on_both_backends, read_rows
 
@@ -18,6 +20,23 @@ async def test_usage_sums_the_tenants_events_in_the_window(store, clock):
     assert await store.usage(alice, START, START + 21) == Usage(3, 30, 6, 15, 0.75)
     assert await store.usage(bob, START + 30, START + 31) == Usage(1, 10, 2, 5, 0.25)
     assert await store.usage(alice, START + 100, START + 200) == Usage(0, 0, 0, 0, 0.0)
+
+
+@on_both_backends  # the ledger's batches: PostgreSQL's executemany as SQLite's
+async def test_usage_written_together_is_all_written_in_order_or_none(store):
+    alice, bob = await make_tenant(store, "alice"), await make_tenant(store, "bob")
+
+    def event(tenant_id: str, tokens: int) -> dict:
+        return dict(tenant_id=tenant_id, endpoint="chat.completions", model="m", conversation_id=None,
+                    message_id=None, prompt_tokens=10, cached_tokens=0, completion_tokens=tokens, cost=0.5,
+                    created_at=START + tokens)
+
+    await store.record_usages([event(alice, 1), event(bob, 2), event(alice, 3)])
+    with pytest.raises(Exception, match="(?i)foreign key"):  # an unknown tenant: the whole batch is refused
+        await store.record_usages([event(alice, 4), event("ten_nobody", 5)])
+    assert await read_rows(store, "SELECT tenant_id, completion_tokens, created_at FROM usage_events ORDER BY id") == [
+        (alice, 1, START + 1), (bob, 2, START + 2), (alice, 3, START + 3)]
+    assert await store.usage(alice, START, START + 10) == Usage(2, 20, 0, 4, 1.0)
 
 
 async def test_usage_and_replies_keep_the_time_they_were_served(store, clock):
