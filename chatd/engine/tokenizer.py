@@ -162,15 +162,14 @@ class Tokenizer:
 
     def is_continuation_byte(self, token_id: int) -> bool:
         """Whether a token is a byte-fallback token holding a UTF-8 continuation byte (0x80-0xBF)."""
-        piece = self.hf.convert_ids_to_tokens(int(token_id))
-        # Byte-fallback tokens are named <0xHH>; continuation bytes are 10xxxxxx.
-        return (
-            isinstance(piece, str)
-            and len(piece) == 6
-            and piece.startswith("<0x")
-            and piece.endswith(">")
-            and piece[3] in "89AB"
-        )
+        return token_id in self._continuation_byte_ids  # (asked at every request's start: a set, not a lookup by name)
+
+    @functools.cached_property
+    def _continuation_byte_ids(self) -> frozenset[int]:
+        # Byte-fallback tokens are named <0xHH>; continuation bytes are 10xxxxxx: <0x80> to <0xBF>.
+        pieces = [f"<0x{byte:02X}>" for byte in range(0x80, 0xC0)]
+        ids = self.hf.convert_tokens_to_ids(pieces)
+        return frozenset(i for i, piece in zip(ids, pieces) if i is not None and self.hf.convert_ids_to_tokens(i) == piece)
 
 
 def _template_source(hf) -> str:

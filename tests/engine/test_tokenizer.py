@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -386,3 +387,11 @@ def test_ids_that_do_not_read_as_the_stored_text_leave_the_text_in_the_prompt(ch
     forged = tok.encode("I will", add_special_tokens=False) + [tok.hf.convert_tokens_to_ids("<|im_end|>")] \
         if "<|im_end|>" in tok.hf.get_vocab() else tok.encode("I will!", add_special_tokens=False)
     assert tok.encode_chat(chat, reply_ids={1: forged}) == tok.encode_chat(chat)
+
+
+def test_continuation_bytes_are_the_byte_fallback_tokens_0x80_to_0xbf(tok):
+    """Where a detokenizer's window may start (not inside a character): every token the vocabulary
+    names <0x80> to <0xBF>, and nothing else."""
+    named = {i for i in range(tok.vocab_size) if re.fullmatch(r"<0x[89AB][0-9A-F]>", tok.hf.convert_ids_to_tokens(i))}
+    assert len(named) == 64
+    assert {i for i in range(tok.vocab_size) if tok.is_continuation_byte(i)} == named
