@@ -7,6 +7,9 @@ answers within the agreement measured here; a quantization the device cannot run
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -76,6 +79,16 @@ def test_a_quantized_linear_computes_what_its_dequantized_weight_would(kind, out
     error = (layer.dequantized() - weight).abs()
     assert (error <= step / 2 + 2**-7 * weight.abs().amax()).all()
     assert error.mean() <= step.mean() / 3
+
+
+def test_importing_the_models_runs_no_torch_work_the_first_int4_layer_probes_the_kernel():
+    """Torch work at import runs on whichever thread imports chatd's modules (the server's event
+    loop, say), and left the engine thread's CPU steps slower for the process's life: the int4
+    kernel's layout is probed when the first layer is built, on the thread loading the model."""
+    code = ("import chatd.engine.models.quant as q; assert q._int4_unpacks is None, 'probed at import'\n"
+            "import torch; layer = q.Int4Linear.from_float(torch.randn(64, 64))\n"
+            "assert layer.unpacks == q.NATIVE_BFLOAT16 == q._int4_unpacks")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
 
 @pytest.mark.skipif(not NATIVE_BFLOAT16, reason="int4 prefill unpacks its weights only where bfloat16 is native")

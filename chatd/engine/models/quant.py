@@ -229,6 +229,7 @@ class Int4Linear(nn.Module):
         # per layer) passed as None in torch 2.13.
         self.register_buffer("group_size", torch.tensor(GROUP_SIZE), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.unpacks = not self.on_cuda and int4_unpacks()  # (a prefill's many rows: see `_unpacks`)
 
     def _pack(self, q: Tensor) -> Tensor:
         """q [rows, in] (0..15) in the kernel's packing: on CUDA, two values a byte (even columns in the
@@ -274,7 +275,7 @@ class Int4Linear(nn.Module):
     def _unpacks(self, x: Tensor) -> bool:
         """Whether these rows are multiplied as a bfloat16 matmul of the unpacked weight rather than the
         kernel: a prefill's many rows, where the CPU multiplies bfloat16 natively."""
-        return INT4_UNPACKS and not self.on_cuda and has_rows(x, INT4_UNPACKED_ROWS)
+        return self.unpacks and has_rows(x, INT4_UNPACKED_ROWS)
 
     def _unpacked(self, rows: slice, dtype: torch.dtype) -> Tensor:
         """`rows` of the padded weight (bounds multiples of 64) in `dtype`, read from the kernel's
@@ -370,15 +371,26 @@ def has_rows(x: Tensor, rows: int) -> bool:
 def kernel_layout_unpacks() -> bool:
     """Whether this torch packs int4 weights for the CPU kernel as `Int4Linear._unpacked` reads them:
     rows in blocks of 64, each block [in, 32] bytes whose low nibbles are its rows 0-31 and high
-    nibbles rows 32-63 (torch 2.13). Checked on a pattern (INT4_UNPACKS); where it fails, prefill stays on the kernel."""
+    nibbles rows 32-63 (torch 2.13). Checked on a pattern (int4_unpacks); where it fails, prefill stays on the kernel."""
     q = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0))  # any misplaced nibble shows
     ones = torch.ones(128, 64 // GROUP_SIZE)
     layer = Int4Linear(q.to(torch.int32), ones, ones * 8, None)  # w = q - 8 + 8 = q
     return torch.equal(layer._unpacked(slice(None), torch.float32), q.float())
 
 
-# Whether an int4 layer of many rows unpacks its weight (Int4Linear._unpacks): known once, at import (~3 ms).
-INT4_UNPACKS = NATIVE_BFLOAT16 and kernel_layout_unpacks()
+_int4_unpacks: bool | None = None
+
+
+def int4_unpacks() -> bool:
+    """Whether an int4 layer of many rows unpacks its weight (Int4Linear._unpacks): probed once
+    (~3 ms), when the first layer is built, on the thread that loads the model. Not at import:
+    torch work on the event loop's thread (where chatd's modules may be imported) left the engine
+    thread's CPU steps slower for the process's life (serve.py, 1 stream: 149 -> 88 tok/s)."""
+    global _int4_unpacks
+    if _int4_unpacks is None:
+        _int4_unpacks = False  # while probing: the probe builds a layer of its own
+        _int4_unpacks = NATIVE_BFLOAT16 and kernel_layout_unpacks()
+    return _int4_unpacks
 
 
 def chunked_linear(x: Tensor, num_rows: int, weight_rows: Callable[[slice], Tensor]) -> Tensor:
