@@ -205,3 +205,12 @@ def test_hostile_bodies_quick_refuses_nested_schemas_and_reports_health(tmp_path
     assert {name: figures["statuses"] for name, figures in summary.items() if name.startswith("nested")} == {
         f"nested-200-{shape}": [400] for shape in ("response_format", "structured_outputs", "tool", "text.format", "as-text")}
     assert summary["enum-10000"]["statuses"] == summary["anyof-16000"]["statuses"] == [200]
+
+
+def test_omp_teams_times_each_op_alone_and_beside_a_thread_holding_a_pool():
+    run = subprocess.run([sys.executable, "benchmarks/omp_teams.py", "--repeats", "100", "--runs", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = re.findall(r"^(.+): alone (\d+) ms, beside a thread holding a pool (\d+) ms: ([\d.]+)x$", run.stdout, re.M)
+    assert [name for name, *_ in rows] == ["multiply 100k floats", "linear [1,576]x[576,1536]"]
+    assert all(int(alone) >= 0 and float(ratio) > 0 for _, alone, _, ratio in rows)
