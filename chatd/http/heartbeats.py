@@ -64,7 +64,8 @@ class Heartbeat:
 
 class Heartbeats:
     """One timer for every stream's `Heartbeat` of a server: every quarter of [server]
-    heartbeat_seconds, a comment to each stream idle for that long (so after 1-1.25 times it)."""
+    heartbeat_seconds, a comment to each stream idle for that long (so after 1-1.25 times it). It
+    runs while a stream is open."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds, self.loop = seconds, asyncio.get_running_loop()
@@ -85,13 +86,13 @@ class Heartbeats:
 
     def remove(self, beat: Heartbeat) -> None:
         self.streams.pop(beat, None)
+        if not self.streams and self._task is not None:  # it ends with the last stream (a stopping server
+            self._task.cancel()                          # waits for no sleeping timer); the next starts it again
+            self._task = None
 
     async def _run(self) -> None:
-        try:
-            while self.streams:  # it ends with the last stream; the next one starts it again
-                await asyncio.sleep(self.seconds / 4)
-                now = self.loop.time()
-                for beat in [b for b in self.streams if b.idle and now - b.since >= self.seconds]:
-                    beat.beat(now)
-        finally:
-            self._task = None
+        while True:
+            await asyncio.sleep(self.seconds / 4)
+            now = self.loop.time()
+            for beat in [b for b in self.streams if b.idle and now - b.since >= self.seconds]:
+                beat.beat(now)
