@@ -51,8 +51,8 @@ def engine_process_wanted(setting: str, device: str) -> tuple[bool, str]:
 
 
 def _cuda_available() -> bool:
-    # Only torch.cuda here: importing the worker's modules on the event loop's thread (some make
-    # tensors as they load) left the engine thread's CPU steps a third slower (serve.py, 1 stream).
+    # Only torch.cuda here: the model's modules are the engine thread's to import (torch work on the
+    # loop's thread once left the engine thread's CPU steps slower: docs/design.md, issue 53).
     import torch
 
     return torch.cuda.is_available()
