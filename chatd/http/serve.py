@@ -45,7 +45,9 @@ from chatd.store.url import open_store, store_location, store_target
 log = logging.getLogger("chatd.http")
 
 SHUTDOWN_WRITE_SECONDS = 2.0
-HAND_OVER_SECONDS = 0.25  # the starting app's last connections get their answers this long
+# The starting app's last connections get this long to send their requests and have their answers
+# (a probe that connected just before the hand-over, from a busy machine, may take a while to send).
+HAND_OVER_SECONDS = 5.0
 GUARD_SEQUENCES = 8  # inputs the guard model judges at once: its KV pool holds this many full contexts
 LEDGER_FLUSH_SECONDS = 10.0  # at stop, billing writes the store refuses are retried this long
 
@@ -66,6 +68,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     await early.setup()
     early_site = web.SockSite(early, sock.dup())
     await early_site.start()
+    listening = Listening(sock, early, early_site, startup)
     startup.mark("listening", f"http://{config.server.host}:{sock.getsockname()[1]}; /ready says when the model serves")
     try:
         where = store_target(config)
@@ -81,13 +84,12 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         ledger = Ledger(store, retry_seconds=config.store.retry_seconds)
         ledger.start()
         try:
-            await _serve(config, store, ledger, Listening(sock, early, early_site, startup), stop, build_engine)
+            await _serve(config, store, ledger, listening, stop, build_engine)
         finally:
             await ledger.stop(timeout=LEDGER_FLUSH_SECONDS)  # what still cannot be written is logged in full
             await store.close()
     finally:
-        await early.cleanup()  # a no-op once the full app took over
-        sock.close()
+        await listening.close()
 
 
 @dataclasses.dataclass
@@ -99,15 +101,33 @@ class Listening:
     early_site: web.SockSite
     startup: Startup
 
+    retiring: asyncio.Task | None = None
+
     async def hand_over(self, runner: web.AppRunner) -> web.SockSite:
         """The full app takes the port: it accepts first, then the starting app stops accepting and,
-        once the connections it took have had their answers (it closes each after one), goes."""
+        once the connections it took have had their answers (it closes each after one), goes. That
+        last part runs beside the server: the full app serves meanwhile."""
         site = web.SockSite(runner, self.sock)
         await site.start()
         await self.early_site.stop()
-        await asyncio.sleep(HAND_OVER_SECONDS)
-        await self.early.cleanup()
+        self.retiring = asyncio.create_task(self._retire_early(), name="starting app")
         return site
+
+    async def _retire_early(self) -> None:
+        # A connection the starting app took whose request has not arrived yet (a probe on a busy
+        # machine) is waited for, up to HAND_OVER_SECONDS, rather than reset: its client did nothing wrong.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HAND_OVER_SECONDS
+        while self.early.server.connections and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        await self.early.cleanup()
+
+    async def close(self) -> None:
+        """The starting app gone (whatever it still held closed) and the socket closed."""
+        if self.retiring is not None:
+            await self.retiring
+        await self.early.cleanup()  # a no-op once it was retired
+        self.sock.close()
 
 
 def warn_if_open(config: Config) -> None:

@@ -86,14 +86,17 @@ def starting_app(startup: Startup) -> web.Application:
 async def _while_starting(request: web.Request) -> web.Response:
     """Each answer closes its connection, so a client's next request reaches whichever app serves then."""
     startup = request.app[STARTUP]
+    # A connection taken just before the hand-over whose request came after it (serve.py waits for
+    # it): answered as the server was when it connected; its next connection reaches the full app.
+    phase = startup.phase if startup.phase in ("loading", "warming up") else "warming up"
     headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
     probe = request.path if request.method in ("GET", "HEAD") else None
     if probe == "/live":
-        answer = web.json_response({"status": "alive", "phase": startup.phase})
+        answer = web.json_response({"status": "alive", "phase": phase})
     elif probe in ("/health", "/ready"):
-        answer = web.json_response({"status": startup.phase, "phase": startup.phase}, status=503, headers=headers)
+        answer = web.json_response({"status": phase, "phase": phase}, status=503, headers=headers)
     else:
-        answer = error_response(503, f"the server is starting ({startup.phase} the model); retry in a few seconds",
+        answer = error_response(503, f"the server is starting ({phase} the model); retry in a few seconds",
                                 None, "server_starting", headers=headers)
     answer.force_close()
     return answer

@@ -6,6 +6,7 @@ warned about. /metrics carries vLLM's names for what a gateway in front of repli
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -17,15 +18,17 @@ import time
 import urllib.error
 import urllib.request
 
+import aiohttp
 import httpx
 import pytest
 
 from chatd.config_loader import build_config
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatd.engine.models.demo import build_demo_model
-from chatd.http.serve import warn_if_open
+from chatd.http.serve import Listening, reserve_port, warn_if_open
 from chatd.http.starting import Startup, starting_app
 from tests.http.serving import start_server
 
@@ -78,6 +81,47 @@ async def test_while_starting_live_is_200_and_health_and_ready_503_with_the_phas
                 assert int(answer.headers["Retry-After"]) > 0
     finally:
         await client.close()
+
+
+async def test_a_connection_taken_before_the_hand_over_is_answered_not_reset():
+    """A probe that connected to the starting app just before the full app took the port, and sent
+    its request after, gets the starting app's 503 (not a reset connection); its next connection
+    reaches the full app, and the port never refuses one in between."""
+    async def full(_request):
+        return web.json_response({"status": "ready"})
+
+    sock = reserve_port("127.0.0.1", 0)
+    startup = Startup(age=lambda: 0.0)
+    startup.phase = "warming up"
+    early = web.AppRunner(starting_app(startup), access_log=None)
+    await early.setup()
+    early_site = web.SockSite(early, sock.dup())
+    await early_site.start()
+    listening = Listening(sock, early, early_site, startup)
+    full_app = web.Application()
+    full_app.router.add_get("/ready", full)
+    runner = web.AppRunner(full_app)
+    await runner.setup()
+    port = sock.getsockname()[1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.sleep(0.05)  # the starting app has taken it
+        await listening.hand_over(runner)
+        startup.phase = "serving"
+        await asyncio.sleep(0.5)  # the client is slow to send
+        writer.write(b"GET /ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 503") and b"Retry-After" in head, head
+        assert b'"warming up"' in await reader.read(), "answered as the server was when it connected"
+        writer.close()
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/ready") as answer:
+                assert answer.status == 200 and (await answer.json())["status"] == "ready"
+        # The starting app goes once its connection was answered, not after the hand-over's bound.
+        await asyncio.wait_for(listening.retiring, 2)
+    finally:
+        await runner.cleanup()
+        await listening.close()
 
 
 def test_the_port_answers_while_the_model_loads_and_the_start_timeline_is_logged(tmp_path):
