@@ -263,7 +263,8 @@ def _add_model_flags(parser: argparse.ArgumentParser,
     parser.add_argument("--device", help="auto | cpu | cuda[:N]")
     parser.add_argument("--quantization", choices=QUANTIZATIONS,
                         help="weights in fewer bits, on CPU: int8, int4, or gguf (a GGUF file's own Q4, Q6_K and Q8_0 blocks); "
-                             "on a CUDA GPU: int4 or fp8 (default none)")
+                             "on a CUDA GPU: int4 or fp8; none: the weights as floats (default auto: gguf for a "
+                             "quantized GGUF file on a CPU, else none)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=positive_int, metavar="N",
                         help="split the model over N ranks: N GPUs from the first (gloo ranks on CPU) (default 1)")
     parser.add_argument("--speculative-config", type=_speculative_config, metavar="JSON",

@@ -33,7 +33,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
-QUANTIZATIONS = ("none", "int8", "int4", "gguf", "fp8")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf", "fp8")
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,11 @@ class ModelConfig:
     special_tokens_in_messages: bool = False
     # How the model's tool calls are read: auto (from its chat template) | hermes | llama3_json | mistral.
     tool_parser: str = "auto"
-    # Weights stored and computed in fewer bits: "none", "int8" (per output channel), "int4" (groups
-    # of 32), "gguf" (a GGUF file's Q4_0/Q4_1/Q4_K blocks kept as int4 and Q8_0/Q6_K blocks as int8,
-    # exactly; its other quantized tensors int8 per row), or "fp8" (e4m3 with a scale per output
-    # channel). On CPU: int8, int4, gguf. On a CUDA GPU: int4 (compute capability 8.0+) and fp8 (8.9+).
-    quantization: str = "none"
+    # Weights in fewer bits: "none", "int8" (per output channel), "int4" (groups of 32), "gguf" (a GGUF
+    # file's own blocks, exactly: config.toml), "fp8" (e4m3, a scale per output channel). On CPU: int8,
+    # int4, gguf; on a CUDA GPU: int4 (compute capability 8.0+) and fp8 (8.9+). "auto": "gguf" for a
+    # GGUF file of blocks on a CPU and one rank, else "none" (models/loader.py resolve_quantization).
+    quantization: str = "auto"
     # Ranks the model is split across (Megatron-style): one per GPU of the node (gloo ranks on CPU).
     tensor_parallel_size: int = 1
     # Seconds a tensor-parallel worker may stop answering before it is declared hung and stopped.

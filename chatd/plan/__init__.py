@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     device.add_argument("--cpu-kv-cache-gb", type=positive_number(float), help="with --gpu cpu: chatd's KV pool (default 1.0)")
     device.add_argument("--gpu-hour-usd", type=non_negative_float, help="price of one GPU an hour (default: h100 2.5, h200 3.5)")
     device.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default auto: bfloat16 on a GPU, float32 on CPU)")
-    device.add_argument("--quantization", choices=QUANTIZATIONS, help="weights in fewer bits (default none)")
+    device.add_argument("--quantization", choices=QUANTIZATIONS, help="weights in fewer bits (default auto: a GGUF file's own blocks on a CPU, else none)")
     device.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="how the KV cache stores values (default auto)")
     device.add_argument("--max-num-seqs", type=positive_number(int), help="chatd's scheduler.max_num_seqs (default 256)")
     curve = p.add_argument_group("step times")

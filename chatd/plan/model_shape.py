@@ -8,7 +8,7 @@ knows nothing of GPUs, traffic or step times.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # Bytes per value of each dtype a config or flag may name (fp8 KV caches store one byte a value).
@@ -40,6 +40,7 @@ class ModelShape:
     other_params: int  # norms and biases
     tied_embeddings: bool
     file_bytes: int = 0  # a GGUF file's size (its blocks as stored); 0 for a folder
+    file_blocks: bool = False  # a GGUF file that stores weights as blocks (Q4_1, Q8_0, ...), not floats
 
     @property
     def num_params(self) -> int:
@@ -77,12 +78,12 @@ def read_model_shape(model: str | None) -> ModelShape:
     names --model when it cannot be read."""
     from chatd.engine.models.loader import check_architecture, max_model_len
 
-    config, source, file_bytes = _read_config(model)
+    config, source, file_bytes, file_blocks = _read_config(model)
     try:
         check_architecture(config)
     except ValueError as exc:
         raise ValueError(f"--model {source}: {exc}") from None
-    return shape_of(config, source, max_model_len(config), file_bytes)
+    return replace(shape_of(config, source, max_model_len(config), file_bytes), file_blocks=file_blocks)
 
 
 def shape_of(config, source: str, context_window: int, file_bytes: int = 0) -> ModelShape:
@@ -114,7 +115,7 @@ def shape_of(config, source: str, context_window: int, file_bytes: int = 0) -> M
 
 
 def _read_config(model: str | None):
-    """(transformers config, where it came from, a GGUF file's size or 0)."""
+    """(transformers config, where it came from, a GGUF file's size or 0, whether it stores blocks)."""
     from transformers import AutoConfig
 
     from chatd.engine.models.demo import ensure_demo_model
@@ -132,14 +133,15 @@ def _read_config(model: str | None):
     try:
         gguf_file = path if is_gguf(path) else find_gguf(path) if path.is_dir() else None
         if gguf_file is not None:
-            return GGUFCheckpoint(gguf_file).config(), str(gguf_file), gguf_file.stat().st_size
+            checkpoint = GGUFCheckpoint(gguf_file)
+            return checkpoint.config(), str(gguf_file), gguf_file.stat().st_size, bool(checkpoint.quantized_types())
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise ValueError("the folder has no config.json")
-            return AutoConfig.from_pretrained(path), str(path), 0
+            return AutoConfig.from_pretrained(path), str(path), 0, False
         if path.exists() or path.suffix.lower() == ".gguf" or model.startswith((".", "/", "~")) or model.count("/") != 1:
             raise ValueError("no such model folder or GGUF file")
-        return AutoConfig.from_pretrained(model), model, 0  # a hub id: its config.json alone
+        return AutoConfig.from_pretrained(model), model, 0, False  # a hub id: its config.json alone
     except ValueError as exc:
         raise ValueError(f"--model {model or str(path)!r} cannot be read: {exc}") from None
     except Exception as exc:  # a config transformers or gguf trips on, a hub id that cannot be fetched

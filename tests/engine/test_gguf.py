@@ -349,7 +349,8 @@ def smollm2(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CHATD_HOME", str(home))
-        llm = LLM(device="cpu", dtype="float32")  # no model named: the default
+        # No model named: the default, dequantized (quantization none) as transformers loads it.
+        llm = LLM(device="cpu", dtype="float32", quantization="none")
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     return llm, reference
 

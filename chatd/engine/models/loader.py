@@ -211,12 +211,33 @@ def warn_rounded_again(gguf, quantization: str, names: list[str]) -> None:
                 "rounded again", quantization, len(names), gguf.path.name, ", ".join(names[:3]))
 
 
+def resolve_quantization(gguf: GGUFCheckpoint | None, device: torch.device, tp_size: int) -> tuple[str, str]:
+    """What model.quantization "auto" means for this checkpoint, and why: a GGUF file that stores
+    its weights in blocks is served as its blocks ("gguf") on a CPU, by one rank, as llama.cpp and
+    Ollama serve it (SmolLM2's Q4_1: ~2x the tokens per second of its float32 weights, the same
+    perplexity); anything else is served as its float weights ("none")."""
+    if gguf is None:
+        return "none", "not a GGUF file"
+    if device.type != "cpu":
+        return "none", f"a GGUF file's blocks are kept on a CPU; on {device.type} its weights are dequantized"
+    if tp_size > 1:
+        return "none", "a GGUF file's blocks are kept by one rank; split over ranks its weights are dequantized"
+    types = gguf.quantized_types()
+    if not types:
+        return "none", "the GGUF file stores float weights"
+    return "gguf", f"the GGUF file's own {', '.join(types)} blocks, not dequantized; --quantization none for float weights"
+
+
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
                tp: TPGroup = TPGroup(), quantization: str = "none") -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """Build the model (this rank's part of it, under tensor parallelism) from the checkpoint's
     config and load its weights onto `device` in `dtype`, then quantize them if asked."""
     hf_config = checkpoint.hf_config
     check_architecture(hf_config)
+    if quantization == "auto":
+        quantization, why = resolve_quantization(checkpoint.gguf, device, tp.size)
+        if tp.rank == 0:
+            log.info("quantization auto: %s (%s)", quantization, why)
     if quantization == "gguf" and checkpoint.gguf is None:
         raise ValueError("model.quantization \"gguf\" keeps a GGUF file's blocks; this model is not a GGUF file "
                          "(use \"int8\" or \"int4\")")
