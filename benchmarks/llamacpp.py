@@ -6,7 +6,8 @@ the default model (the Q4_1 file's metadata as is, every tensor dequantized by t
 library, llama.cpp's names and row order kept), and caches both in `--llama-cpp-dir`. Then, one
 server at a time (never two at once: the CPU machine has two cores), it starts chatd on the F32
 file (with its decode steps compiled, its default, and once more with --no-compile), chatd on the
-Q4_1 file keeping its blocks (--quantization gguf), llama-server on the same F32 file, and
+Q4_1 file keeping its blocks (--quantization gguf), chatd on the Q4_1 file with no --quantization
+flag (its default: `auto`, which keeps the blocks on a CPU), llama-server on the same F32 file, and
 llama-server on the original Q4_1 file (as llama.cpp users run it), each on a free 127.0.0.1 port, drives it with chatd's load generator
 (`chatd.bench.load.run_bench`: streamed chat completions, temperature 0 unless --temperature and
 --top-p ask for sampling, EOS ignored so every
@@ -237,9 +238,12 @@ def bench_server(name: str, command: list[str], port: int, ready, args, work: Pa
         server.stop()
 
 
-def chatd_command(model: Path, config_path: Path, port: int, quantization: str = "none", compile: bool = True) -> list[str]:
+def chatd_command(model: Path, config_path: Path, port: int, quantization: str | None = "none",
+                  compile: bool = True) -> list[str]:
+    """chatd serving `model`; quantization None passes no flag, so chatd picks its default."""
     return [sys.executable, "-m", "chatd", "serve", "--model", str(model), "--config", str(config_path),
-            "--host", HOST, "--port", str(port), "--device", "cpu", "--quantization", quantization,
+            "--host", HOST, "--port", str(port), "--device", "cpu",
+            *([] if quantization is None else ["--quantization", quantization]),
             *([] if compile else ["--no-compile"])]
 
 
@@ -334,8 +338,10 @@ def print_tables(report: dict) -> None:
 # --- main ------------------------------------------------------------------------------------
 
 # chatd on the F32 file; chatd on the file as given (the default model's Q4_1; --model names another,
-# and the rows are named by its type) keeping its blocks (model.quantization "gguf"); llama-server on each.
-DEFAULT_RUNS = ("chatd", "chatd-eager", "chatd-q4_1", "llama-f32", "llama-q4_1")
+# and the rows are named by its type) keeping its blocks (model.quantization "gguf"); chatd on the
+# file as given with no --quantization flag (what `chatd serve` does by default, whatever that is at
+# the commit measured: run it at two commits for a before and after); llama-server on each file.
+DEFAULT_RUNS = ("chatd", "chatd-eager", "chatd-q4_1", "chatd-default", "llama-f32", "llama-q4_1")
 # ... and, when asked for, chatd on the F32 file quantized at load to int8 with a scale per row
 # (next to llama.cpp's Q8_0: --model a Q8_0 file).
 RUNS = (*DEFAULT_RUNS, "chatd-int8")
@@ -449,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                 name, command, ready = "chatd F32 int8", chatd_command(f32, config_path, port, "int8"), chatd_ready
             elif run == "chatd-q4_1":
                 name, command, ready = f"chatd {quant}", chatd_command(source, config_path, port, "gguf"), chatd_ready
+            elif run == "chatd-default":
+                name, command, ready = "chatd default", chatd_command(source, config_path, port, None), chatd_ready
             else:
                 model = f32 if run == "llama-f32" else source
                 name = "llama.cpp F32" if run == "llama-f32" else f"llama.cpp {quant}"
@@ -460,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     report["ratios"] = {}
     for mine, theirs in (("chatd F32", "llama.cpp F32"), ("chatd F32 eager", "llama.cpp F32"),
                          ("chatd F32", f"llama.cpp {quant}"), (f"chatd {quant}", f"llama.cpp {quant}"),
+                         ("chatd default", f"llama.cpp {quant}"),
                          ("chatd F32 int8", f"llama.cpp {quant}")):
         ours, peer = report["runs"].get(mine), report["runs"].get(theirs)
         if ours is not None and peer is not None and peer["levels"]:

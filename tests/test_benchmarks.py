@@ -130,7 +130,12 @@ def test_llamacpp_reports_a_crash_by_signal_name_and_ratios_per_shared_level():
     peer = {"levels": [level(1, 40.0, 0.4, 0.02)]}  # died before level 16
     assert module.ratios(chatd, peer) == [{"concurrency": 1, "output_tokens_per_s": 0.75, "ttft_p50": 0.5, "itl_p50": 1.5}]
     args = module.parse_args(["--concurrency", "1,16", "--num-requests", "8"])
-    assert args.num_requests == (8, 8) and args.runs == ("chatd", "chatd-eager", "chatd-q4_1", "llama-f32", "llama-q4_1")
+    assert args.num_requests == (8, 8)
+    assert args.runs == ("chatd", "chatd-eager", "chatd-q4_1", "chatd-default", "llama-f32", "llama-q4_1")
+    # The default run measures what `chatd serve --model FILE` picks by itself: no --quantization flag.
+    default = module.chatd_command(Path("m.gguf"), Path("c.toml"), 8000, None)
+    assert "--quantization" not in default and "--no-compile" not in default
+    assert module.chatd_command(Path("m.gguf"), Path("c.toml"), 8000, "gguf")[-2:] == ["--quantization", "gguf"]
     assert module.quant_name(Path("SmolLM2-135M-Instruct.Q8_0.gguf")) == "Q8_0" and module.quant_name(Path("m.gguf")) == "GGUF"
 
 
