@@ -219,3 +219,15 @@ def test_omp_teams_times_each_op_alone_and_beside_a_thread_holding_a_pool():
     rows = re.findall(r"^(.+): alone (\d+) ms, beside a thread holding a pool (\d+) ms: ([\d.]+)x$", run.stdout, re.M)
     assert [name for name, *_ in rows] == ["multiply 100k floats", "linear [1,576]x[576,1536]"]
     assert all(int(alone) >= 0 and float(ratio) > 0 for _, alone, _, ratio in rows)
+
+
+def test_cpu_matmul_times_every_product_each_way_at_each_row_count(tmp_path):
+    pytest.importorskip("torch").backends.mkldnn.is_available() or pytest.skip("no oneDNN")
+    path = tmp_path / "matmul.json"
+    run = subprocess.run([sys.executable, "benchmarks/cpu_matmul.py", "--rows", "1,3", "--layers", "2", "--vocab", "256",
+                          "--repeats", "1", "--json", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "9 float32 products" in run.stdout  # 4 a layer and the head
+    results = json.loads(path.read_text())["results"]
+    assert [r["rows"] for r in results] == [1, 3]
+    assert all(set(r["ms"]) == {"mkl", "onednn", "onednn packed"} and min(r["ms"].values()) > 0 for r in results)
