@@ -34,6 +34,7 @@ from transformers import PretrainedConfig
 from chatd.engine.attention import AttentionBackend, AttentionMetadata, KVCache
 from chatd.engine.models.layers import FusedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from chatd.engine.models.matvec import dense
+from chatd.engine.models.packed import PackedLinear, can_pack
 from chatd.engine.models.quant import ConcatLinear, Int4Linear, Int8Linear, quantize_linear
 from chatd.engine.models.rope import apply_rope, build_rope_cache
 from chatd.engine.models.tensor_parallel import HeadLayout, Shard, TPGroup
@@ -276,6 +277,20 @@ class LlamaForCausalLM(nn.Module):
         if self.quantized_head is not None and self.lm_head is not None:
             self.lm_head.register_parameter("weight", None)
         return rounded_again
+
+    def pack_float_weights(self) -> int:
+        """Give every float32 projection left unquantized, and the LM head, a copy of its weight
+        packed for oneDNN (packed.py), kept beside the weight; returns how many were packed."""
+        linears = [m for m in self.modules() if isinstance(m, (FusedLinear, RowParallelLinear))]
+        packed = 0
+        for module in linears:
+            if module.quantized is None and can_pack(module.weight):
+                module.quantize(PackedLinear(module.weight, module.bias if isinstance(module, FusedLinear) else None))
+                packed += 1
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.quantized_head is None and can_pack(head):
+            self.quantized_head, packed = PackedLinear(head), packed + 1
+        return packed
 
     def int8_blocks_per_row(self) -> int:
         """Make every int8 layer with a scale per block (a GGUF file's types) one with a scale per row; returns

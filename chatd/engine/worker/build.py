@@ -8,6 +8,8 @@ needs the loader. It knows nothing of the tokenizer or the scheduler.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from chatd.config import Config, ModelConfig
@@ -16,6 +18,8 @@ from chatd.engine.models.loader import Checkpoint, load_model, max_model_len, re
 from chatd.engine.models.tensor_parallel import TPGroup
 from chatd.engine.worker.heap import keep_freed_memory
 from chatd.engine.worker.runner import ModelRunner
+
+log = logging.getLogger("chatd.engine")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -38,6 +42,7 @@ def build_runner(config: Config, checkpoint: Checkpoint, tp: TPGroup, device: to
     model, hf_config = load_model(checkpoint, dtype, device, tp, config.model.quantization)
     if device.type == "cpu":  # from now on a step's freed buffers are kept for the next step
         keep_freed_memory()
+        pack_where_it_fits(model, tp)
     context = context_length(hf_config, config.model)
     quantized_on_cpu = device.type == "cpu" and set(model.quantized_layers()) != {"float"}
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, quantized_on_cpu)
@@ -46,6 +51,34 @@ def build_runner(config: Config, checkpoint: Checkpoint, tp: TPGroup, device: to
     backend = select_backend(config.model.attention_backend, device, shape)
     return ModelRunner(model, backend, num_blocks=0, block_size=config.cache.block_size, device=device, dtype=dtype,
                        eos_token_ids=eos_token_ids, seed=config.model.seed, max_model_len=context, kv_dtype=kv_dtype)
+
+
+def pack_where_it_fits(model, tp: TPGroup) -> None:
+    """Pack the float32 weights for oneDNN (models/packed.py) when their copy fits in a quarter of
+    the memory the system has available now; a float32 model too large for that keeps one copy."""
+    weights = sum(p.numel() * 4 for p in model.parameters() if p.dtype == torch.float32 and p.dim() == 2)
+    available = available_memory()
+    if weights == 0 or available is None or weights > available // 4:
+        if weights and tp.rank == 0:
+            log.info("float32 weights not packed for oneDNN: a %.2f GiB copy, %s GiB available", weights / 2**30,
+                     "?" if available is None else f"{available / 2**30:.1f}")
+        return
+    packed = model.pack_float_weights()
+    if packed and tp.rank == 0:
+        log.info("float32 weights packed for oneDNN: %d of %d projections and the LM head (%.2f GiB more)",
+                 packed, 4 * model.num_layers + 1, weights / 2**30)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system has available (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def context_length(hf_config, config: ModelConfig) -> int:
