@@ -4,9 +4,9 @@ A decode or prefill step multiplies every projection of every layer, and the LM 
 step's rows. This times exactly that set of float32 products (SmolLM2-135M's shapes by default:
 30 layers of q/k/v 576->960, o 576->576, gate/up 576->3072, down 1536->576, and a 49152-row head),
 weights random and read from memory as a step reads them, at several row counts, each way in turn
-(`--repeats` times, medians), and prints the times and MKL / oneDNN. Weights as stored and, for
-comparison, packed into oneDNN's blocked layout once (`_reorder_linear_weight`, which chatd does
-not do: models/onednn.py says why).
+(`--repeats` times, medians), and prints the times and MKL / oneDNN. oneDNN with the weights as
+stored (models/onednn.py) and packed once into its layout for `--pack-rows` rows (16, as
+models/packed.py packs them where memory allows).
 
     python benchmarks/cpu_matmul.py
     python benchmarks/cpu_matmul.py --rows 1,16 --repeats 3 --json m.json
@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--pack-rows", type=int, default=16, help="the rows the packed weights are laid out for")
     parser.add_argument("--json", help="also write the results here")
     return parser.parse_args(argv)
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("this torch has no oneDNN")
     torch.manual_seed(0)
     weights = [torch.randn(out, inp) for out, inp in shapes(args)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, args.pack_rows) for w in weights]
     ways = {
         "mkl": [(lambda x, w=w: F.linear(x, w), w.shape[1]) for w in weights],
         "onednn": [(lambda x, w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), w.shape[1])

