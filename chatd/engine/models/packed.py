@@ -19,6 +19,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from chatd.engine.models import onednn
 from chatd.engine.models.matvec import as_reductions, dense
 
 _PACKED: dict[int, weakref.ref] = {}  # handle -> the packed weight, held by its PackedLinear
@@ -27,9 +28,8 @@ PACK_ROWS = 16  # the row count oneDNN lays a packed weight out for
 
 
 def can_pack(weight: Tensor | None) -> bool:
-    """Whether a weight can be packed: float32, 2-D, on a CPU, with oneDNN in this torch."""
-    return (weight is not None and weight.dim() == 2 and weight.dtype == torch.float32
-            and weight.device.type == "cpu" and torch.backends.mkldnn.is_available())
+    """Whether a weight can be packed: one onednn.py multiplies (float32, 2-D, on a CPU, oneDNN present)."""
+    return weight is not None and onednn.takes(weight, weight)
 
 
 def _packed_product(x: Tensor, handle: Tensor) -> Tensor:
