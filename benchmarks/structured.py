@@ -26,7 +26,9 @@ default, the demo model's 1000 with `--model demo`):
    the step spent in grammar work, and of that the masks alone (timed by wrapping the sampler's
    `apply_grammars`, the engine's wait for masks computed off its thread (`MaskWorkers.wait`) and
    the matchers' `accept`: the only place this script reaches inside chatd). Masks are computed
-   while the previous step's tokens are detokenized, so the step waits only for what is left.
+   while the previous step's tokens are detokenized, so the step waits only for what is left. A
+   step in which a mask was still late after the engine's wait (its row sits that step out, by
+   design) is not timed but taken again, and counted.
 
 Otherwise this script uses chatd's offline API, and llguidance/xgrammar directly for part 1.
 
@@ -113,6 +115,9 @@ ITEM = strict_object({"name": {"type": "string", "maxLength": 12},
 STEP_SCHEMA = strict_object({"items": {"type": "array", "items": ITEM, "minItems": 30, "maxItems": 30}})
 PROMPT = "List thirty products of a clothing shop ({}) as JSON with a name, a color and a size each."
 
+# A timed step a late mask held a row back from is taken again, up to this many times the
+# timed steps in all.
+LATE_STEP_ALLOWANCE = 3
 DEFAULTS = dict(repeats=5, walk_steps=200, batch=8, warmup_steps=2, timed_steps=8, rounds=6)
 QUICK = dict(repeats=2, walk_steps=30, batch=3, warmup_steps=2, timed_steps=4, rounds=1)
 
@@ -288,7 +293,8 @@ def time_steps(engine, num_constrained: int, args, round_index: int) -> dict:
     seconds, and the first row's text."""
     from chatd.engine import SamplingParams, StructuredOutput
 
-    max_tokens = args.warmup_steps + args.timed_steps + 8  # room for a prefill split over steps
+    # Room for a prefill split over steps, and for steps left untimed because a mask was late.
+    max_tokens = args.warmup_steps + LATE_STEP_ALLOWANCE * args.timed_steps + 8
     free = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                  structured=StructuredOutput(json_schema=json.dumps(STEP_SCHEMA)))
@@ -306,28 +312,37 @@ def time_steps(engine, num_constrained: int, args, round_index: int) -> dict:
             texts[out.request_id] += out.outputs[0].text
         return outs
 
-    step_seconds, grammar_seconds, mask_seconds = [], [], []
+    step_seconds, grammar_seconds, mask_seconds, late_steps = [], [], [], 0
     try:
         while min(num_tokens.values()) == 0:  # until every row has its first token
             step()
         for _ in range(args.warmup_steps):
             step()
-        for _ in range(args.timed_steps):
+        while len(step_seconds) < args.timed_steps:
             with GrammarStopwatch() as grammar:
                 start = time.perf_counter()
                 outs = step()
-                step_seconds.append(time.perf_counter() - start)
-            grammar_seconds.append(grammar.seconds["masking"] + grammar.seconds["masks"] + grammar.seconds["accept"])
-            mask_seconds.append(grammar.seconds["masks"])
+                seconds = time.perf_counter() - start
             shapes = sorted((len(o.outputs[0].token_ids), o.finished) for o in outs)
             if shapes != [(1, False)] * args.batch:
+                # A constrained row whose mask was not ready in MASK_WAIT_SECONDS sits the step out
+                # (by design: a slow grammar delays its own reply, not the batch). On a busy machine
+                # that happens now and then; such a step is not the case being measured.
+                missing = args.batch - len(outs)
+                if 0 < missing <= num_constrained and set(shapes) <= {(1, False)} \
+                        and late_steps < (LATE_STEP_ALLOWANCE - 1) * args.timed_steps:
+                    late_steps += 1
+                    continue
                 raise RuntimeError(f"{num_constrained} constrained: a timed step was not {args.batch} one-token "
                                    f"decodes (tokens, finished): {shapes}")
+            step_seconds.append(seconds)
+            grammar_seconds.append(grammar.seconds["masking"] + grammar.seconds["masks"] + grammar.seconds["accept"])
+            mask_seconds.append(grammar.seconds["masks"])
     finally:
         for request_id in ids:
             engine.abort(request_id)
     return dict(step_seconds=step_seconds, grammar_seconds=grammar_seconds, mask_seconds=mask_seconds,
-                text=texts[ids[0]])
+                late_steps=late_steps, text=texts[ids[0]])
 
 
 def measure_steps(engine, args) -> dict:
@@ -336,13 +351,14 @@ def measure_steps(engine, args) -> dict:
     counts = sorted({0, 1, args.batch})
     keys = ("step_seconds", "grammar_seconds", "mask_seconds")
     runs = {count: {key: [] for key in keys} for count in counts}
-    texts = {}
+    texts, late_steps = {}, dict.fromkeys(counts, 0)
     for round_index in range(args.rounds):
         for count in counts:
             timed = time_steps(engine, count, args, round_index)
             for key in keys:
                 runs[count][key] += timed[key]
             texts[count] = timed["text"]
+            late_steps[count] += timed["late_steps"]
     base = statistics.median(runs[0]["step_seconds"])
     cases = []
     for count in counts:
@@ -352,7 +368,7 @@ def measure_steps(engine, args) -> dict:
                           grammar_seconds=statistics.median(runs[count]["grammar_seconds"]),
                           mask_seconds=statistics.median(runs[count]["mask_seconds"]),
                           runs=runs[count]["step_seconds"], grammar_runs=runs[count]["grammar_seconds"],
-                          first_row_text=texts[count]))
+                          late_steps=late_steps[count], first_row_text=texts[count]))
     return dict(batch=args.batch, timed_steps_per_case=args.rounds * args.timed_steps, cases=cases)
 
 
@@ -437,6 +453,10 @@ def report(result: dict) -> None:
     print("added = step - the unconstrained step (medians, so noise shows too); grammar = time in the sampler's "
           "apply_grammars, its wait for masks and the matchers' accept in the same steps; masks = of that, the wait "
           "for masks computed off the engine thread")
+    late = {case["constrained_rows"]: case["late_steps"] for case in steps["cases"] if case["late_steps"]}
+    if late:
+        print("steps taken again because a mask was late and its row sat the step out (constrained rows: steps): "
+              + ", ".join(f"{rows}: {count}" for rows, count in late.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
