@@ -3,7 +3,7 @@
 config_loader.py builds it from config.toml, command-line overrides or keyword options. Each
 component receives only its own section. Values discovered at run time (the number of KV blocks,
 EOS ids) are constructor arguments elsewhere, never written back here. This module imports nothing
-of chatd.
+of chatd but config_tiers.py (the tiers and prices, its part of the tree).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from chatd.config_tiers import DEFAULT_TIERS, LIMIT_PER, TIER_NAME, Price, TierConfig  # noqa: F401 (part of the tree)
 
 
 def one_of(section: str, settings, name: str, choices: tuple[str, ...]) -> None:
@@ -162,7 +164,24 @@ class SpeculativeConfig:
 ORIGIN = re.compile(r"\*|[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
 # The least severe log lines `chatd serve` writes, as Python's logging names them (lower case).
 LOG_LEVELS = ("debug", "info", "warning", "error")
-ENGINE_PROCESS = ("auto", "on", "off")  # config.toml's true and false are "on" and "off"
+ENGINE_PROCESS = ("auto", "on", "off")
+DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)?")
+DURATION_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: str | int | float, where: str) -> float:
+    """Ollama's keep_alive as seconds: a number of seconds or a duration ("30s", "5m", "1h");
+    any negative value is -1 (never unload), 0 unloads after each reply. ValueError naming `where`."""
+    if isinstance(value, bool):
+        raise ValueError(f"{where} must be a duration like \"5m\", seconds, 0 or -1, got {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = DURATION.fullmatch(value.strip())
+        if match is None:
+            raise ValueError(f"{where} must be a duration like \"5m\", \"1h\", \"30s\", seconds, 0 or -1, got {value!r}")
+        seconds = float(match.group(1)) * DURATION_UNITS[match.group(2)]
+    return -1.0 if seconds < 0 else seconds  # config.toml's true and false are "on" and "off"
 
 
 @dataclass(frozen=True)
@@ -189,9 +208,13 @@ class ServerConfig:
     stream_interval: int = 1
     # Web pages on these origins may call the API from a browser (CORS); "*" is any origin. Empty: none.
     allowed_origins: tuple[str, ...] = ()
+    # How long a [[models]] model stays loaded with nothing to do (Ollama's keep_alive: "5m", "1h",
+    # seconds; "0" unloads after each reply, "-1" keeps it); a [[models]] entry or a request may say otherwise.
+    keep_alive: str = "-1"
 
     def __post_init__(self) -> None:
         at_least_one("server", self, "stream_interval")
+        keep_alive_seconds(self.keep_alive, "server.keep_alive")
         if any(not name.strip() for name in self.model_name):
             raise ValueError(f"setting server.model_name takes non-empty names, got {list(self.model_name)!r}")
         if len(set(self.model_name)) != len(self.model_name):
@@ -349,69 +372,37 @@ DEFAULT_POLICIES: dict[str, CategoryPolicy] = {
 }
 
 
-@dataclass(frozen=True)
-class Price:
-    """USD per million tokens; cached prompt tokens may have their own price."""
-
-    input: float = 0.0
-    cached_input: float = -1.0  # negative = the input price
-    output: float = 0.0
-
-    def cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
-        cached_price = self.input if self.cached_input < 0 else self.cached_input
-        fresh = prompt_tokens - cached_tokens
-        return (fresh * self.input + cached_tokens * cached_price + completion_tokens * self.output) / 1e6
-
-
-LIMIT_PER = ("tenant", "key")
+# A model's or an alias's name as clients send it in `model`.
+SERVED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
+# What a request may send as `model` to mean its tier's default.
+DEFAULT_ALIAS = "default"
 
 
 @dataclass(frozen=True)
-class TierConfig:
-    """What a tier's tenants may use, and where their requests go in the queue. 0 means no limit.
-    Limits apply while the key database is on ([auth] enabled), never to the one local user."""
+class FleetModel:
+    """One chat model of several served by one process ([[models]] in config.toml). The first
+    of `names` is the one replies and usage name; `model` (and `cache`, `speculative`) are the
+    server's sections with this model's own settings over them."""
 
-    requests_per_minute: int = 0  # generation requests (a request bucket refilled continuously)
-    tokens_per_minute: int = 0  # prompt + max_tokens reserved at admission; the unused part is refunded
-    max_concurrent_requests: int = 0  # generating at once, replies that outlive their client included
-    max_queued_requests: int = 0  # this tier's requests waiting for their first token, server-wide
-    max_tokens: int = 0  # ceiling on a request's max_tokens (and its default); 0: the context window
-    max_embedding_tokens: int = 0  # input tokens of one embeddings request, all its inputs together; 0: no limit
-    models: tuple[str, ...] = ()  # served model names it may use; empty: all
-    priority: int = 0  # lower is scheduled first; a client's `priority` can only add to it
-    weight: float = 1.0  # a tenant's share of the batch among tenants of equal priority
-    ttft_p95_seconds: float = 0.0  # latency objective: a request expected to wait longer is shed (503)
-    limit_per: str = "tenant"  # whose buckets count: "tenant" (all its keys together) or "key"
+    names: tuple[str, ...]
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=lambda: CacheConfig())
+    speculative: SpeculativeConfig = field(default_factory=lambda: SpeculativeConfig())
+    # Seconds idle before it is unloaded (Ollama's keep_alive): -1 never, 0 after each reply.
+    keep_alive: float = -1.0
+    preload: bool = False  # loaded at start (the first model always is); otherwise on its first request
 
-    def __post_init__(self) -> None:
-        for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests", "max_queued_requests",
-                     "max_tokens", "max_embedding_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be 0 (no limit) or more, got {getattr(self, name)}")
-        if self.priority < 0:
-            raise ValueError(f"priority must be 0 or more (lower is scheduled first), got {self.priority}")
-        if not self.weight > 0:
-            raise ValueError(f"weight must be more than 0, got {self.weight}")
-        if self.ttft_p95_seconds < 0:
-            raise ValueError(f"ttft_p95_seconds must be 0 (no objective) or more, got {self.ttft_p95_seconds}")
-        if self.limit_per not in LIMIT_PER:
-            raise ValueError(f"limit_per must be one of {', '.join(LIMIT_PER)}, got {self.limit_per!r}")
+    @property
+    def name(self) -> str:
+        return self.names[0]
 
 
-# A tier's name as keys and [tiers.NAME] spell it.
-TIER_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+@dataclass(frozen=True)
+class AliasConfig:
+    """A name split across models by weight ([aliases.NAME] targets = { stable = 95, canary = 5 }):
+    each new thread (conversation, Responses chain, stateless request) picks one by weight and keeps it."""
 
-# The tiers every server knows; [tiers.NAME] in config.toml changes their fields or adds tiers.
-# Sized for a small public service on one GPU: free keeps a bounded share and is shed first,
-# paid is never held back by free traffic, premium is scheduled before both.
-DEFAULT_TIERS: dict[str, TierConfig] = {
-    "free": TierConfig(requests_per_minute=20, tokens_per_minute=40_000, max_concurrent_requests=4, max_queued_requests=256,
-                       max_tokens=2048, max_embedding_tokens=16_384, priority=20, weight=1.0, ttft_p95_seconds=10.0),
-    "paid": TierConfig(requests_per_minute=500, tokens_per_minute=1_000_000, max_concurrent_requests=64, max_queued_requests=1024,
-                       max_embedding_tokens=300_000, priority=10, weight=1.0, ttft_p95_seconds=2.0),  # OpenAI's 300k
-    "premium": TierConfig(requests_per_minute=5_000, tokens_per_minute=10_000_000, max_concurrent_requests=256,
-                          priority=0, weight=1.0, ttft_p95_seconds=1.0),
-}
+    targets: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -433,6 +424,15 @@ class Config:
     tiers_storage: str = ""  # [tiers] storage: the buckets' store, "" (each replica's own) or "redis://host:6379/0"
     tiers_on_storage_error: str = "open"  # [tiers] on_storage_error: store unreachable: "open" or "closed" (503)
     policies: dict[str, CategoryPolicy] = field(default_factory=lambda: dict(DEFAULT_POLICIES))  # category -> policy
+    # [[models]]: several chat models in one process; empty: the one of [model] (and [server] model_name).
+    models: tuple[FleetModel, ...] = ()
+    aliases: dict[str, AliasConfig] = field(default_factory=dict)  # [aliases.NAME]: a name split across models
+
+    def fleet(self) -> tuple[FleetModel, ...]:
+        """The chat models this server serves, the default one first: [[models]], or [model] alone."""
+        if self.models:
+            return self.models
+        return (FleetModel(self.server.model_name, self.model, self.cache, self.speculative, -1.0, True),)
 
     def price(self, model_name: str) -> Price:
         return self.prices.get(model_name, Price())

@@ -14,8 +14,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from chatd.config import (DEFAULT_POLICIES, DEFAULT_TIERS, FAILURE_MODES, SECTIONS, TIER_NAME, CategoryPolicy, Config,
-                          Price, SpeculativeConfig, TierConfig)
+from chatd.config import (DEFAULT_ALIAS, DEFAULT_POLICIES, DEFAULT_TIERS, FAILURE_MODES, SECTIONS, SERVED_NAME, TIER_NAME,
+                          AliasConfig, CacheConfig, CategoryPolicy, Config, FleetModel, ModelConfig, Price,
+                          SpeculativeConfig, TierConfig, keep_alive_seconds)
 
 # Settings that take one string or a list of strings; a lone "" means none.
 ONE_OR_MORE = {("server", "model_name")}
@@ -32,6 +33,7 @@ def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:
     prices = _build_prices(values.pop("prices", {}))
     tiers, tiers_settings = _build_tiers(values.pop("tiers", {}))
     policies = _build_policies(values.pop("policies", {}))
+    models, aliases = values.pop("models", []), values.pop("aliases", {})
     sections: dict[str, Any] = {}
     for name, section_values in values.items():
         if name not in SECTIONS:
@@ -42,7 +44,109 @@ def build_config(values: dict[str, dict[str, Any]] | None = None) -> Config:
     if config.auth.local_tier not in tiers:
         raise ValueError(f"setting auth.local_tier names tier {config.auth.local_tier!r}, which is not defined; "
                          f"defined: {', '.join(tiers)}")
+    if models or aliases:
+        config = dataclasses.replace(config, models=_build_models(models, config), aliases=_build_aliases(aliases))
+    check_names(config)
     return config
+
+
+# A [[models]] entry's own settings; every other key is a [model] setting.
+MODEL_ENTRY_KEYS = ("name", "keep_alive", "preload", "cache", "speculative")
+
+
+def _build_models(entries: Any, config: Config) -> tuple[FleetModel, ...]:
+    """[[models]]: each entry's [model] settings (and `cache`, `speculative` tables) over the
+    server's sections, its names and keep_alive (the server's when it gives none)."""
+    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
+        raise ValueError("models must be a list of tables: [[models]] with name = \"small\" and path = \"demo\"")
+    if config.server.model_name:
+        raise ValueError("server.model_name names the one model of [model]; with [[models]], each entry has its names")
+    fleet = []
+    for index, entry in enumerate(entries):
+        where = f"models[{index}]"
+        names = entry.get("name")
+        names = (names,) if isinstance(names, str) else names
+        if not names or not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{where}.name must be a name clients send as `model` (or a list of them), got {names!r}")
+        where = f"models.{names[0]}"
+        model_values = {key: value for key, value in entry.items() if key not in MODEL_ENTRY_KEYS}
+        tables = {}
+        for key, section, cls in (("cache", config.cache, CacheConfig), ("speculative", config.speculative,
+                                                                          SpeculativeConfig)):
+            table = entry.get(key, {})
+            if not isinstance(table, dict):
+                raise ValueError(f"{where}.{key} must be a table of [{key}] settings, got {table!r}")
+            tables[key] = _replaced(f"{where}.{key}", section, cls, table)
+        preload = entry.get("preload", False)
+        if not isinstance(preload, bool):
+            raise ValueError(f"setting {where}.preload must be true or false, got {preload!r}")
+        fleet.append(FleetModel(
+            names=tuple(names), model=_replaced(where, config.model, ModelConfig, model_values), **tables,
+            keep_alive=keep_alive_seconds(entry.get("keep_alive", config.server.keep_alive), f"{where}.keep_alive"),
+            preload=preload))
+    return tuple(fleet)
+
+
+def _replaced(where: str, section: Any, cls: type, values: dict[str, Any]) -> Any:
+    fields = _checked(where, cls, values)
+    try:
+        return dataclasses.replace(section, **fields)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _build_aliases(values: Any) -> dict[str, AliasConfig]:
+    """[aliases.NAME] targets = { model = weight, ... }: weights are positive numbers."""
+    if not isinstance(values, dict):
+        raise ValueError("aliases must be tables: [aliases.chat] with targets = { small = 80, large = 20 }")
+    aliases = {}
+    for name, table in values.items():
+        if not isinstance(table, dict) or set(table) != {"targets"} or not isinstance(table["targets"], dict) \
+                or not table["targets"]:
+            raise ValueError(f"aliases.{name} must be a table with only targets = {{ model = weight, ... }}, got {table!r}")
+        targets = {}
+        for model, weight in table["targets"].items():
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
+                raise ValueError(f"aliases.{name}.targets.{model} must be a weight of 0 or more, got {weight!r}")
+            targets[model] = float(weight)
+        if not sum(targets.values()) > 0:
+            raise ValueError(f"aliases.{name}.targets: at least one weight must be more than 0")
+        aliases[name] = AliasConfig(targets)
+    return aliases
+
+
+def check_names(config: Config) -> None:
+    """Every served name is well formed and unique among models and aliases; aliases split over
+    models; tiers name models and aliases that exist. ValueError naming the setting."""
+    fleet = config.fleet()
+    seen: dict[str, str] = {}
+    for entry in fleet:
+        for name in entry.names:
+            where = f"models.{entry.names[0]}.name" if config.models else "server.model_name"
+            if not SERVED_NAME.fullmatch(name) or name == DEFAULT_ALIAS:
+                raise ValueError(f"setting {where}: {name!r} cannot be a model's name (1-128 letters, digits and "
+                                 f"._:/@+-, not {DEFAULT_ALIAS!r})")
+            if name in seen:
+                raise ValueError(f"setting {where}: {name!r} names two models")
+            seen[name] = entry.names[0]
+    for alias, settings in config.aliases.items():
+        if not SERVED_NAME.fullmatch(alias) or alias == DEFAULT_ALIAS or alias in seen:
+            raise ValueError(f"aliases.{alias}: an alias needs a name of its own (not a model's, not {DEFAULT_ALIAS!r})")
+        for target in settings.targets:
+            if target not in seen:
+                raise ValueError(f"aliases.{alias}.targets names {target!r}, which is no model's name; models: "
+                                 f"{', '.join(seen)}")
+    if not all(entry.names for entry in fleet):  # the one model's name is its folder's, known when it loads
+        return
+    known = set(seen) | set(config.aliases)
+    for tier_name, tier in config.tiers.items():
+        for name in (*tier.models, *((tier.default_model,) if tier.default_model else ())):
+            if name not in known:
+                raise ValueError(f"setting tiers.{tier_name} names model {name!r}, which is not served; served: "
+                                 f"{', '.join(sorted(known))}")
+        if tier.default_model and tier.models and tier.default_model not in tier.models:
+            raise ValueError(f"setting tiers.{tier_name}.default_model {tier.default_model!r} is not one of the "
+                             f"tier's models ({', '.join(tier.models)})")
 
 
 def _checked(where: str, cls: type, values: dict[str, Any]) -> dict[str, Any]:
@@ -58,6 +162,8 @@ def _checked(where: str, cls: type, values: dict[str, Any]) -> dict[str, Any]:
             value = (value,) if value else ()
         if (where, key) == ("server", "engine_process") and isinstance(value, bool):
             value = "on" if value else "off"  # (it was a boolean before "auto")
+        if (where, key) == ("server", "keep_alive") and isinstance(value, int | float) and not isinstance(value, bool):
+            value = str(value)  # seconds, as Ollama takes them
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         elif expected is tuple:
@@ -193,4 +299,5 @@ def config_from_options(base: Config | None = None, **options: Any) -> Config:
         if key not in owners:
             raise ValueError(f"unknown engine option {key!r}; known: {', '.join(sorted(owners))}")
         values[owners[key]][key] = value
-    return build_config(values)
+    config = build_config(values)
+    return dataclasses.replace(config, models=base.models, aliases=base.aliases) if base.models else config

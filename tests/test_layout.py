@@ -192,7 +192,10 @@ def test_no_file_passes_450_lines():
 
 
 def test_config_imports_nothing_of_chatd():
-    assert [f"{module}:{line}" for module, _, line in imports(PACKAGE / "config.py") if within(module, "chatd")] == []
+    # config_tiers.py is part of the tree (the tiers and prices), kept apart for its size.
+    assert [f"{module}:{line}" for module, _, line in imports(PACKAGE / "config.py")
+            if within(module, "chatd") and module != "chatd.config_tiers"] == []
+    assert [f"{module}:{line}" for module, _, line in imports(PACKAGE / "config_tiers.py") if within(module, "chatd")] == []
 
 
 @pytest.mark.parametrize("module", ["chatd", "chatd.engine", "chatd.engine.core.scheduler", "chatd.cli"])

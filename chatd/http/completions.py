@@ -29,7 +29,8 @@ from chatd.http.errors import REQUEST_ID, APIError, loggable
 from chatd.http.heartbeats import Heartbeat
 from chatd.http.limits import Lease
 from chatd.http.openai_format import ChunkFormat, merged_with, output_usage, whole_response
-from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion
+from chatd.http.fleet import ServedModel
+from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion, requested_model
 from chatd.http.request_log import REQUEST_LOG, GenerationRecord
 from chatd.http.safety import input_strings
 from chatd.http.state import STATE, ServerState
@@ -42,32 +43,35 @@ from chatd.store.db import Tenant
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's chat completions: the messages rendered with the chat template."""
     state = request.app[STATE]
-    gen = await checked(request, parse_chat, await read_json(request), state.config.server.max_messages,
-                        state.model.sampling_defaults)
-    return await _complete(request, state, gen, chat=True)
+    body = await read_json(request)
+    async with state.pick_model(requested_model(body), request[TENANT]).in_use() as served:
+        gen = await checked(request, parse_chat, body, state.config.server.max_messages, served.info.sampling_defaults)
+        return await _complete(request, state, served, gen, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's (legacy) text completions: a prompt of text or token ids, continued as is."""
     state = request.app[STATE]
-    gen = await checked(request, parse_completion, await read_json(request), state.max_model_len,
-                        state.model.sampling_defaults)
-    return await _complete(request, state, gen, chat=False)
+    body = await read_json(request)
+    async with state.pick_model(requested_model(body), request[TENANT]).in_use() as served:
+        gen = await checked(request, parse_completion, body, served.max_model_len, served.info.sampling_defaults)
+        return await _complete(request, state, served, gen, chat=False)
 
 
-async def _complete(request: web.Request, state: ServerState, gen: GenerationRequest, chat: bool) -> web.StreamResponse:
+async def _complete(request: web.Request, state: ServerState, served: ServedModel, gen: GenerationRequest,
+                    chat: bool) -> web.StreamResponse:
     tenant = request[TENANT]
-    record = GenerationRecord("chat" if chat else "completions", request.get(REQUEST_LOG))
-    route = _Chat(state, gen, tenant) if chat else _TextCompletion(state, gen)
-    started = await pipeline.start(state, tenant, route, request[REQUEST_ID], record.start)
+    record = GenerationRecord("chat" if chat else "completions", request.get(REQUEST_LOG), served.name)
+    route = _Chat(served, gen, tenant) if chat else _TextCompletion(served, gen)
+    started = await pipeline.start(state, served, tenant, route, request[REQUEST_ID], record.start)
     admitted, prompts = started.admitted, started.prompts
     parser = route.tools.parser if chat else None
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     try:
         # The engine names each request itself; the client's X-Request-Id is only logged and echoed.
-        handles = [state.safety.watch(handle, tenant, route.endpoint, admitted.params.n, request[REQUEST_ID])
-                   for handle in started.handles]
+        handles = [state.safety.watch(handle, tenant, route.endpoint, admitted.params.n, request[REQUEST_ID],
+                                      token_text=served.token_text) for handle in started.handles]
         replies = _Replies(handles, admitted.params.n, admitted.lease)
     except BaseException:
         for handle in started.handles:
@@ -78,7 +82,8 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
     echoed = {"service_tier": "default"} if chat and gen.service_tier is not None else None
     try:
         if gen.stream:
-            chunks = ChunkFormat(state, response_id, created, chat, gen.include_usage, echoed, parser)
+            chunks = ChunkFormat(served.name, served.token_text, response_id, created, chat, gen.include_usage, echoed,
+                                 parser)
             writer = _ChunkWriter(state, chunks, admitted.params.n, gen.include_usage)
             await writer.stream(request, replies, record)
             return writer.response
@@ -87,14 +92,14 @@ async def _complete(request: web.Request, state: ServerState, gen: GenerationReq
         failed = next((out for out in replies.outputs if out.error), None)
         if failed is not None:
             raise _failure(failed)
-        return json_response(whole_response(state, replies.outputs, response_id, created, chat, echoed, parser))
+        return json_response(whole_response(served.name, served.token_text, replies.outputs, response_id, created, chat, echoed, parser))
     finally:
         replies.abort()  # a no-op for those finished; otherwise (disconnect, error, timeout) frees them now
         record.finished(state.metrics, replies.merged, response_id=response_id, **_logged_fields(gen, len(prompts)))
         used = output_usage(*replies.outputs) if replies.outputs else None
         admitted.lease.release(used["total_tokens"] if used else sum(map(len, prompts.values())))
         if replies.outputs:  # what was generated, even if the client left before it was sent
-            _record_usage(state, tenant, route.endpoint, replies.outputs)
+            _record_usage(state, served, tenant, route.endpoint, replies.outputs)
 
 
 class _Chat:
@@ -103,34 +108,34 @@ class _Chat:
 
     endpoint = "chat.completions"
 
-    def __init__(self, state: ServerState, gen: GenerationRequest, tenant: Tenant) -> None:
-        self.state, self.gen, self.tenant = state, gen, tenant
+    def __init__(self, served: ServedModel, gen: GenerationRequest, tenant: Tenant) -> None:
+        self.served, self.gen, self.tenant = served, gen, tenant
         self.tools: ToolUse | None = None
         self._write_back: Callable[[list[str]], None] | None = None
 
     async def input_texts(self) -> list[str]:
         """Contents, names, tool calls and the tools themselves; what cannot fit the context window
         is refused before it is read (the rules cost ~4 ms a kB)."""
-        gen, state = self.gen, self.state
-        state.check_text_size(sum(len(m["content"]) for m in gen.messages), "messages")
+        gen, served = self.gen, self.served
+        served.check_text_size(sum(len(m["content"]) for m in gen.messages), "messages")
         if gen.tools is not None:
-            state.check_text_size(gen.tools.offered_chars, "tools")
-        texts, self._write_back = await state.off_loop(input_strings, gen.messages,
-                                                       gen.tools.offered if gen.tools else None)
+            served.check_text_size(gen.tools.offered_chars, "tools")
+        texts, self._write_back = await served.off_loop(input_strings, gen.messages,
+                                                        gen.tools.offered if gen.tools else None)
         return texts
 
     def use_input_texts(self, texts: list[str]) -> None:
         self._write_back(texts)
 
     async def prompts(self) -> dict[str, list[int]]:
-        gen, state = self.gen, self.state
+        gen, served = self.gen, self.served
         # Tools are walked in Python (schemas checked and closed, the grammar written): off the event loop.
-        self.tools = tools = (await state.off_loop(state.tool_use, gen.tools, gen.messages, gen.params.structured)
-                              if gen.tools is not None else state.tool_use(None, gen.messages))
-        prompt = await state.encode_chat(tools.messages, tools=tools.shown)
+        self.tools = tools = (await served.off_loop(served.tool_use, gen.tools, gen.messages, gen.params.structured)
+                              if gen.tools is not None else served.tool_use(None, gen.messages))
+        prompt = await served.encode_chat(tools.messages, tools=tools.shown)
         if tools.grammar is not None:  # every reply that may call follows it, auto too
             if gen.params.structured is not None:  # the request's own format, checked alone: its errors name its field
-                await pipeline.check_structured(state, gen.params.structured, self.tenant)
+                await pipeline.check_structured(served, gen.params.structured, self.tenant)
             gen.params = replace(gen.params, structured=tools.grammar)
         if tools.parser is not None and tools.parser.needs_special_tokens:  # its markers must reach the parser
             gen.params = replace(gen.params, skip_special_tokens=False)
@@ -143,15 +148,16 @@ class _TextCompletion:
 
     endpoint = "completions"
 
-    def __init__(self, state: ServerState, gen: GenerationRequest) -> None:
-        self.state, self.gen = state, gen
+    def __init__(self, served: ServedModel, gen: GenerationRequest) -> None:
+        self.served, self.gen = served, gen
         self._given: list[str] = []
 
     async def input_texts(self) -> list[str]:
+        served = self.served
         for name, prompt in self.gen.prompts.items():
             if isinstance(prompt, str):
-                self.state.check_text_size(len(prompt), name)
-        self._given = [prompt if isinstance(prompt, str) else await self.state.off_loop(self.state.tokenizer.decode, prompt)
+                served.check_text_size(len(prompt), name)
+        self._given = [prompt if isinstance(prompt, str) else await served.off_loop(served.tokenizer.decode, prompt)
                        for prompt in self.gen.prompts.values()]
         return self._given
 
@@ -162,7 +168,7 @@ class _TextCompletion:
                 self.gen.prompts[name] = after
 
     async def prompts(self) -> dict[str, list[int]]:
-        return {name: await self.state.encode_prompt(prompt, name) for name, prompt in self.gen.prompts.items()}
+        return {name: await self.served.encode_prompt(prompt, name) for name, prompt in self.gen.prompts.items()}
 
 
 def _failure(out: RequestOutput) -> APIError:
@@ -370,11 +376,11 @@ def _logged_fields(gen: GenerationRequest, num_prompts: int) -> dict:
     return fields
 
 
-def _record_usage(state: ServerState, tenant, endpoint: str, outputs: list[RequestOutput]) -> None:
-    """Hand one usage event for the whole API request (every prompt's) to the ledger, which writes
-    it even if the client went away or the store must wait."""
+def _record_usage(state: ServerState, served: ServedModel, tenant, endpoint: str, outputs: list[RequestOutput]) -> None:
+    """Hand one usage event for the whole API request (every prompt's) to the ledger, billed to the
+    model that served it, which writes it even if the client went away or the store must wait."""
     usage = output_usage(*outputs)
     prompt, cached, completion = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]
-    state.ledger.record_usage(tenant.id, endpoint=endpoint, model=state.model_name, prompt_tokens=prompt,
+    state.ledger.record_usage(tenant.id, endpoint=endpoint, model=served.name, prompt_tokens=prompt,
                               cached_tokens=cached, completion_tokens=completion,
-                              cost=state.cost(prompt, cached, completion))
+                              cost=served.cost(prompt, cached, completion))

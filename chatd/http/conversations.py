@@ -12,6 +12,8 @@ reconnect with `Last-Event-ID`, and stop one (`.../cancel`) before it ends.
 
 from __future__ import annotations
 
+import dataclasses
+
 from aiohttp import web
 
 from chatd.http import idempotency
@@ -20,7 +22,8 @@ from chatd.http.conversation_request import parse_conversation_update, parse_new
 from chatd.http.errors import REQUEST_ID, APIError, error_body
 from chatd.http.items import Item, item_json, item_page, page_params, parse_items
 from chatd.http.openai_format import ChunkFormat, token_usage
-from chatd.http.protocol import json_body, parse_turn, shown
+from chatd.http.fleet import ServedModel
+from chatd.http.protocol import json_body, parse_turn, requested_model, shown
 from chatd.http.request_log import REQUEST_LOG
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import ROUTING_KEY_HEADER, TURNS, MessageTurn, ReplyStream, conversation_not_found
@@ -38,12 +41,12 @@ async def create_conversation(request: web.Request) -> web.Response:
     state, tenant = request.app[STATE], request[TENANT]
     state.check_store_writable()
     items, fields = parse_conversation(await read_json(request) if request.can_read_body else None, state)
-    state.check_model(fields.pop("model"), tenant)
+    served = state.pick_model(fields.pop("model"), tenant)  # an alias is drawn here, once: the thread keeps it
     items = await _checked_items(state, request, tenant, items)
     if fields.get("system_prompt"):
         [fields["system_prompt"]] = await state.safety.check_input(tenant, "conversations", [fields["system_prompt"]],
                                                                   request[REQUEST_ID])
-    conversation = await state.store.create_conversation(tenant.id, model=state.model_name, items=items, **fields)
+    conversation = await state.store.create_conversation(tenant.id, model=served.name, items=items, **fields)
     return json_response(_conversation_json(conversation))
 
 
@@ -129,23 +132,26 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     state, tenant = request.app[STATE], request[TENANT]
     conversation = await _own_conversation(state, tenant, request.match_info["conversation_id"])
     body = await read_json(request)
-    turn = await checked(request, parse_turn, body, state.config.conversations.max_message_chars,
-                         state.model.sampling_defaults)
-    state.check_model(turn.gen.model, tenant)
-    headers = {ROUTING_KEY_HEADER: conversation.id}
-    claimed = await idempotency.claim(state, tenant, request, conversation.id, body)
-    if claimed is not None and claimed.outcome == "replay":
-        return await _replay(request, state, conversation, claimed.message_id, turn.gen.stream, headers)
-    async with idempotency.released_if_refused(state, tenant, claimed):  # a refusal gives the key back
-        state.check_store_writable()
-        job = MessageTurn(state, tenant, conversation, turn, claimed and claimed.key)
-        reply, omitted = await request.app[TURNS].start(tenant, job, request[REQUEST_ID], request.get(REQUEST_LOG))
+    # The conversation's model, unless the message names another (an alias keeps it when it can).
+    served = state.pick_model(requested_model(body), tenant, thread_model=conversation.model)
+    async with served.in_use():
+        turn = await checked(request, parse_turn, body, state.config.conversations.max_message_chars,
+                             served.info.sampling_defaults)
+        headers = {ROUTING_KEY_HEADER: conversation.id}
+        claimed = await idempotency.claim(state, tenant, request, conversation.id, body)
+        if claimed is not None and claimed.outcome == "replay":
+            return await _replay(request, state, conversation, claimed.message_id, turn.gen.stream, headers)
+        async with idempotency.released_if_refused(state, tenant, claimed):  # a refusal gives the key back
+            state.check_store_writable()
+            conversation = await move_if_needed(state, tenant, conversation, served)
+            job = MessageTurn(state, served, tenant, conversation, turn, claimed and claimed.key)
+            reply, omitted = await request.app[TURNS].start(tenant, job, request[REQUEST_ID], request.get(REQUEST_LOG))
     headers["X-Chatd-Messages-Omitted"] = str(omitted)
     if turn.gen.stream:
         return await _stream(request, state, reply, 0, headers)
     async for _ in reply.follow(len(reply.events), 3600.0):  # returns when the reply has ended
         pass
-    return _whole_reply(state, reply, omitted, headers)
+    return _whole_reply(served.name, reply, omitted, headers)
 
 
 async def stream_message(request: web.Request) -> web.StreamResponse:
@@ -160,7 +166,7 @@ async def stream_message(request: web.Request) -> web.StreamResponse:
         raise APIError(400, f"Last-Event-ID must be an event id (an integer), got {shown(raw)}", "Last-Event-ID") from None
     reply = request.app[TURNS].reply(message.id)
     if reply is None:  # no longer in memory: the stored message, in one piece
-        reply = stored_reply(state, message)
+        reply = stored_reply(conversation.model, message)
         after = 0
     if after < 0 or after > len(reply.events) and not reply.done:
         raise APIError(400, f"Last-Event-ID {after} is beyond this reply's events", "Last-Event-ID")
@@ -179,6 +185,17 @@ async def cancel_message(request: web.Request) -> web.Response:
             pass
         message = reply.message
     return json_response(_message_json(message))
+
+
+async def move_if_needed(state: ServerState, tenant: Tenant, conversation: Conversation,
+                         served: ServedModel) -> Conversation:
+    """A conversation continued on another model than its own goes on with that one: its history
+    is rendered from text for it (the old model's token ids are forgotten), and it stays there."""
+    if conversation.model == served.name:
+        return conversation
+    if not await state.store.move_conversation(tenant.id, conversation.id, served.name):
+        raise conversation_not_found(conversation.id)
+    return dataclasses.replace(conversation, model=served.name)
 
 
 # -- items: OpenAI's Conversations API --------------------------------------------------------------
@@ -274,14 +291,14 @@ async def _replay(request: web.Request, state: ServerState, conversation: Conver
     if message is None:  # its reply was deleted since
         raise APIError(404, f"conversation {conversation.id} no longer has the reply to this Idempotency-Key",
                        "Idempotency-Key", "not_found")
-    reply = request.app[TURNS].reply(message.id) or stored_reply(state, message)
+    reply = request.app[TURNS].reply(message.id) or stored_reply(conversation.model, message)
     headers["Idempotent-Replayed"] = "true"
     if stream:
         return await _stream(request, state, reply, 0, headers)
-    return _whole_reply(state, reply, 0, headers)
+    return _whole_reply(conversation.model, reply, 0, headers)
 
 
-def _whole_reply(state: ServerState, reply: ReplyStream, omitted: int, headers: dict) -> web.Response:
+def _whole_reply(model: str, reply: ReplyStream, omitted: int, headers: dict) -> web.Response:
     message = reply.message
     if message.status == "error":
         raise reply.failure()
@@ -291,7 +308,7 @@ def _whole_reply(state: ServerState, reply: ReplyStream, omitted: int, headers: 
         "id": message.id,
         "object": "chat.completion",
         "created": int(message.created_at),
-        "model": state.model_name,
+        "model": model,
         "conversation_id": message.conversation_id,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": message.content}, "logprobs": None,
                      "finish_reason": message.finish_reason}],
@@ -343,10 +360,10 @@ def _message_usage(m: Message) -> dict:
     return token_usage(m.prompt_tokens, m.completion_tokens, m.cached_tokens)
 
 
-def stored_reply(state: ServerState, message: Message) -> ReplyStream:
+def stored_reply(model: str, message: Message) -> ReplyStream:
     """A finished reply rebuilt from its row: role, the whole text, the end (or why it is incomplete)."""
     reply = ReplyStream(message.conversation_id, message.id)
-    fmt = ChunkFormat(state, message.id, int(message.created_at), True, False, {"conversation_id": message.conversation_id})
+    fmt = ChunkFormat(model, str, message.id, int(message.created_at), True, False, {"conversation_id": message.conversation_id})
     reply.publish(fmt.role_chunks(1)[0])
     finish = message.finish_reason if message.status == "complete" else None
     if message.content or finish:

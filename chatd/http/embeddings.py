@@ -192,5 +192,6 @@ def model_card(embedder: Embedder) -> dict:
 
 
 def _drain_rate(state: ServerState) -> Callable[[], float | None]:
-    """How fast the chat engine drains its queue (the tiers' wait estimate reads it)."""
-    return lambda: state.engine.stats().queued_prefill_rate
+    """How fast the first chat model's engine drains its queue (the tiers' wait estimate reads it)."""
+    first = state.fleet.primary
+    return lambda: first.engine.stats().queued_prefill_rate if first.engine is not None else None

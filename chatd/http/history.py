@@ -13,15 +13,17 @@ from dataclasses import dataclass
 import orjson
 
 from chatd.http.errors import APIError
+from chatd.http.fleet import ServedModel
 from chatd.http.protocol import GenerationRequest, TurnRequest
 from chatd.http.tools import described_in_messages
-from chatd.http.state import ServerState
 from chatd.store.records import Conversation, Message
 
 
-def render_turn(state: ServerState, conversation: Conversation, history: list[Message], turn: TurnRequest) -> tuple[list[int], int]:
-    """The prompt for a conversation turn and how many of the oldest messages were left out to fit."""
-    return render_history(state, conversation.system_prompt, history, [{"role": "user", "content": turn.content}],
+def render_turn(served: ServedModel, conversation: Conversation, history: list[Message],
+                turn: TurnRequest) -> tuple[list[int], int]:
+    """The prompt for a conversation turn on the model `served`, and how many of the oldest
+    messages were left out to fit its window."""
+    return render_history(served, conversation.system_prompt, history, [{"role": "user", "content": turn.content}],
                           turn.gen, trim=True, param="content")
 
 
@@ -79,10 +81,12 @@ class Tools:
         return messages, None, 0
 
 
-def render_history(state: ServerState, system_prompt: str | None, history: list[Message], new: list[dict],
+def render_history(served: ServedModel, system_prompt: str | None, history: list[Message], new: list[dict],
                    gen: GenerationRequest, *, trim: bool, param: str, tools: Tools | None = None) -> tuple[list[int], int]:
-    """The prompt for `new` messages after a stored history, and how many of the oldest messages
-    had to be left out to fit the window (always 0 when `trim` is off: then too long is a 400).
+    """The prompt for `new` messages after a stored history, for the model `served`, and how many
+    of the oldest messages had to be left out to fit its window (always 0 when `trim` is off: then
+    too long is a 400). The history's token ids must be this model's (the store forgets them when
+    a thread moves to another model).
 
     Trimming drops whole turns from the front (the first message kept is a user one) until the
     prompt and the reply's room fit the window and at most max_messages remain; the system
@@ -90,13 +94,13 @@ def render_history(state: ServerState, system_prompt: str | None, history: list[
     O(log turns) renderings, none longer than what fits, so a long history costs no more than a
     short one.
     """
-    window = state.max_model_len
+    window = served.max_model_len
     room = gen.params.max_tokens or min(1024, window // 4)  # what the reply needs
-    state.check_text_size(sum(len(m["content"]) for m in new) + len(system_prompt or ""), param)
+    served.check_text_size(sum(len(m["content"]) for m in new) + len(system_prompt or ""), param)
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     kept = past_messages(history)
     past, starts = template_messages([(m.role, m.content, m.call) for m in kept])
-    tools = tools or Tools([], state.tokenizer.template_takes_tools)
+    tools = tools or Tools([], served.tokenizer.template_takes_tools)
 
     def encode(dropped: int) -> list[int]:
         messages, shown, shift = tools.render(system + past[dropped:] + new)
@@ -105,7 +109,7 @@ def render_history(state: ServerState, system_prompt: str | None, history: list[
         replies = {shift + len(system) + i: kept[starts[dropped + i]].token_ids
                    for i, m in enumerate(past[dropped:]) if kept[starts[dropped + i]].token_ids and "tool_calls" not in m}
         try:
-            return state.tokenizer.encode_chat(messages, tools=shown, reply_ids=replies)
+            return served.tokenizer.encode_chat(messages, tools=shown, reply_ids=replies)
         except ValueError as exc:
             raise APIError(400, f"cannot render this conversation with the model's chat template: {exc}", param) from exc
 
@@ -118,19 +122,20 @@ def render_history(state: ServerState, system_prompt: str | None, history: list[
                              f"context window of {window} tokens", field, "context_length_exceeded")
 
     # Where trimming may cut (how many of `past` to drop): before a user message, or all of it.
-    max_past = state.config.server.max_messages - len(system) - len(new)
+    max_messages = served.config.server.max_messages
+    max_past = max_messages - len(system) - len(new)
     if not trim:
         if len(past) > max_past:
             raise APIError(400, f"the history and input have {len(past) + len(new) + len(system)} messages; the limit "
-                                f"is {state.config.server.max_messages}", param)
-        state.check_text_size(sum(len(m["content"]) for m in system + past + new), param)
+                                f"is {max_messages}", param)
+        served.check_text_size(sum(len(m["content"]) for m in system + past + new), param)
         prompt = encode(0)
         if not fits(prompt):
             raise too_long(prompt, "the history and input")
         return prompt, 0
     cuts = [d for d in range(len(past) + 1) if (d == len(past) or past[d]["role"] == "user") and len(past) - d <= max_past]
     bad = -1  # the highest index into cuts known not to fit (-1: none known)
-    if cuts[0] == 0 and sum(len(m["content"]) for m in past) <= state.max_prompt_chars:
+    if cuts[0] == 0 and sum(len(m["content"]) for m in past) <= served.max_prompt_chars:
         prompt = encode(0)  # the usual case: everything fits
         if fits(prompt):
             return prompt, 0

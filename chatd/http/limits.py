@@ -155,13 +155,13 @@ class Limits:
         return Placement(tier.priority + max(0, client_priority), tenant.id, tier.weight)
 
     def check_model(self, tenant: Tenant, model: str | None) -> None:
-        """404 for a served model name the tenant's tier may not use (as OpenAI says of a model one has no access to)."""
+        """403 for a served model name the tenant's tier may not use, naming the model and the tier."""
         if not self.enabled or model is None:
             return
         allowed = self.tier(tenant).models
         if allowed and model not in allowed:
-            raise APIError(404, f"the model {model!r} does not exist or your tier ({tenant.tier}) does not have access "
-                                f"to it; it may use {', '.join(repr(m) for m in allowed)}", "model", "model_not_found")
+            raise APIError(403, f"your tier ({tenant.tier}) may not use the model {model!r}; it may use "
+                                f"{', '.join(repr(m) for m in allowed)}", "model", "model_not_allowed")
 
     def may_use(self, tenant: Tenant, model: str) -> bool:
         allowed = self.tier(tenant).models if self.enabled else ()

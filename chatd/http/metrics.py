@@ -54,16 +54,13 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, kv_bytes_per_token: int = 0, block_size: int = 0) -> None:
         """kv_bytes_per_token, block_size: the KV pool's layout, so blocks moved read as bytes."""
-        self.model_name = model_name
+        self.model_name = model_name  # the first model's: the tier and safety series carry it
         self.registry = CollectorRegistry()
-        self._engine = _EngineCollector(model_name, kv_bytes_per_token, block_size)
+        self._engine = _EngineCollector()
         self.registry.register(self._engine)
 
         def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
-            metric = Histogram(name, documentation, ["model_name", "route"], buckets=buckets, registry=self.registry)
-            for route in ROUTES:  # every route's series at 0, so rate() works before its first request
-                metric.labels(model_name=model_name, route=route)
-            return metric
+            return Histogram(name, documentation, ["model_name", "route"], buckets=buckets, registry=self.registry)
 
         self._request_success = Counter(
             "chatd:request_success_total",
@@ -71,18 +68,15 @@ class ServerMetrics:
             ["model_name", "route", "finished_reason"],
             registry=self.registry,
         )
-        for route in ROUTES:
-            for reason in FinishReason:
-                self._request_success.labels(model_name=model_name, route=route, finished_reason=reason.value)
         self._ttft = histogram("chatd:time_to_first_token_seconds", "Seconds from arrival to the first token.", LATENCY_BUCKETS)
         self._inter_token = _BulkHistogram("chatd:inter_token_latency_seconds",
-                                           "Seconds between consecutive tokens of one choice.", LATENCY_BUCKETS, model_name)
+                                           "Seconds between consecutive tokens of one choice.", LATENCY_BUCKETS)
         self.registry.register(self._inter_token)
         self._e2e = histogram("chatd:e2e_request_latency_seconds", "Seconds from arrival to the last token.", LATENCY_BUCKETS)
         self._queue_time = histogram("chatd:request_queue_time_seconds", "Seconds a request waited before its first schedule.", LATENCY_BUCKETS)
         self._prompt_tokens = histogram("chatd:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
         self._generation_tokens = histogram("chatd:request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS)
-        self._route_series: dict[str, tuple] = {}  # route -> its labelled children of the histograms above
+        self._route_series: dict[tuple[str, str], tuple] = {}  # (model, route) -> its children of the histograms above
 
         # Per tier ([tiers.NAME]): who got in, who was refused and why, and how long they waited.
         self._tier_admitted = Counter("chatd:tier_requests_admitted_total", "Generation requests admitted, by tier.",
@@ -101,6 +95,19 @@ class ServerMetrics:
         self._tier_queue_time = Histogram("chatd:tier_request_queue_time_seconds", "Seconds a request waited in the "
                                           "engine's queue before its first schedule, by tier.", ["model_name", "tier"],
                                           buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.declare_model(model_name, kv_bytes_per_token, block_size)
+
+    def declare_model(self, model_name: str, kv_bytes_per_token: int = 0, block_size: int = 0) -> None:
+        """A chat model's series, at 0 from the start so rate() works before its first request (each
+        model of the fleet is one `model_name`; kv_bytes_per_token, block_size: its KV pool's layout,
+        so blocks moved read as bytes, once known)."""
+        self._engine.declare(model_name, kv_bytes_per_token, block_size)
+        self._inter_token.declare(model_name)
+        for route in ROUTES:
+            for metric in (self._ttft, self._e2e, self._queue_time, self._prompt_tokens, self._generation_tokens):
+                metric.labels(model_name=model_name, route=route)
+            for reason in FinishReason:
+                self._request_success.labels(model_name=model_name, route=route, finished_reason=reason.value)
 
     def declare_safety(self, categories: Iterable[str]) -> None:
         """The safety pipeline's series ([safety]): what it blocked, flagged and masked, per
@@ -149,12 +156,12 @@ class ServerMetrics:
         if queue_time is not None:
             self._tier_queue_time.labels(model_name=self.model_name, tier=tier).observe(queue_time)
 
-    def update_engine(self, stats: EngineStats, stage_times: dict[str, float] | None = None) -> None:
-        """Remember the engine's latest counters (and where its host time went, core/stage_times.py);
-        they are read at the next scrape."""
-        self._engine.stats = stats
-        if stage_times is not None:
-            self._engine.stage_times = stage_times
+    def update_engine(self, stats: EngineStats | None, stage_times: dict[str, float] | None = None,
+                      model_name: str | None = None, kv_bytes_per_token: int = 0, block_size: int = 0) -> None:
+        """Remember a model's engine's latest counters (and where its host time went,
+        core/stage_times.py; None: it is unloaded, and its gauges read 0); they are read at the next
+        scrape. `model_name`: which model (default: the first)."""
+        self._engine.update(model_name or self.model_name, stats, stage_times, kv_bytes_per_token, block_size)
 
     def observe_request(
         self,
@@ -168,22 +175,24 @@ class ServerMetrics:
         e2e: float,
         queue_time: float | None,
         inter_token_latencies: list[float],
+        model_name: str | None = None,
     ) -> None:
-        """Record one finished request of `route` (one of ROUTES). `ttft` and `queue_time` are None
-        when it never got that far."""
+        """Record one finished request of `route` (one of ROUTES) served by `model_name` (default:
+        the first model). `ttft` and `queue_time` are None when it never got that far."""
         if route not in ROUTES:  # a label value nobody declared would be a series no dashboard expects
             raise ValueError(f"unknown route {route!r}; one of {', '.join(ROUTES)}")
         # FinishReason(...) refuses unknown reasons and turns the enum into its plain value;
         # str() of a str-enum on Python 3.11 would give "FinishReason.STOP".
         reason = FinishReason(finish_reason).value
-        series = self._route_series.get(route)
+        model_name = model_name or self.model_name
+        series = self._route_series.get((model_name, route))
         if series is None:  # labels() costs ~2 us a call: each route's children are looked up once
-            labels = {"model_name": self.model_name, "route": route}
-            series = self._route_series[route] = tuple(
+            labels = {"model_name": model_name, "route": route}
+            series = self._route_series[model_name, route] = tuple(
                 metric.labels(**labels) for metric in (self._prompt_tokens, self._generation_tokens, self._ttft,
                                                        self._queue_time, self._e2e))
         prompt_series, generation_series, ttft_series, queue_series, e2e_series = series
-        self._request_success.labels(model_name=self.model_name, route=route, finished_reason=reason).inc()
+        self._request_success.labels(model_name=model_name, route=route, finished_reason=reason).inc()
         prompt_series.observe(prompt_tokens)
         generation_series.observe(generation_tokens)
         # cached_tokens needs no series of its own: the engine already counts prefix-cache
@@ -193,7 +202,7 @@ class ServerMetrics:
         if queue_time is not None:
             queue_series.observe(queue_time)
         e2e_series.observe(e2e)
-        self._inter_token.observe_many(route, inter_token_latencies)
+        self._inter_token.observe_many(model_name, route, inter_token_latencies)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, for GET /metrics."""
@@ -220,21 +229,30 @@ class _WithoutCreated(Collector):
 
 
 class _BulkHistogram(Collector):
-    """A histogram by route whose values come many at once: a request's inter-token latencies, one
-    a token, counted in one numpy call when it ends (an observe() a value cost ~1.5 us a token).
-    Exposed as prometheus-client's Histogram exposes one (`_bucket` with `le`, `_count`, `_sum`)."""
+    """A histogram by model and route whose values come many at once: a request's inter-token
+    latencies, one a token, counted in one numpy call when it ends (an observe() a value cost
+    ~1.5 us a token). Exposed as prometheus-client's Histogram exposes one (`_bucket` with `le`,
+    `_count`, `_sum`)."""
 
-    def __init__(self, name: str, documentation: str, buckets: Sequence[float], model_name: str) -> None:
-        self.name, self.documentation, self.model_name = name, documentation, model_name
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
+        self.name, self.documentation = name, documentation
         self.bounds = np.array(buckets, dtype=np.float64)
-        self.counts = {route: np.zeros(len(buckets) + 1, dtype=np.int64) for route in ROUTES}  # the last: +Inf
-        self.sums = dict.fromkeys(ROUTES, 0.0)
+        self.counts: dict[tuple[str, str], np.ndarray] = {}  # (model, route) -> counts a bucket; the last: +Inf
+        self.sums: dict[tuple[str, str], float] = {}
 
-    def observe_many(self, route: str, values: Sequence[float]) -> None:
+    def declare(self, model_name: str) -> None:
+        for route in ROUTES:
+            self.counts.setdefault((model_name, route), np.zeros(len(self.bounds) + 1, dtype=np.int64))
+            self.sums.setdefault((model_name, route), 0.0)
+
+    def observe_many(self, model_name: str, route: str, values: Sequence[float]) -> None:
         if values:
+            if (model_name, route) not in self.counts:
+                self.declare(model_name)
             # A value equal to a bound is in that bound's bucket (`le`): the first bound >= it.
-            self.counts[route] += np.bincount(np.searchsorted(self.bounds, values), minlength=len(self.bounds) + 1)
-            self.sums[route] += float(np.sum(values))
+            self.counts[model_name, route] += np.bincount(np.searchsorted(self.bounds, values),
+                                                          minlength=len(self.bounds) + 1)
+            self.sums[model_name, route] += float(np.sum(values))
 
     def describe(self) -> Iterable[Metric]:
         return self.collect()
@@ -242,108 +260,132 @@ class _BulkHistogram(Collector):
     def collect(self) -> Iterable[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name", "route"])
         les = [floatToGoString(bound) for bound in self.bounds] + ["+Inf"]
-        for route in ROUTES:
-            cumulative = np.cumsum(self.counts[route]).tolist()
-            family.add_metric([self.model_name, route], list(zip(les, cumulative)), self.sums[route])
+        for (model_name, route), counts in list(self.counts.items()):
+            cumulative = np.cumsum(counts).tolist()
+            family.add_metric([model_name, route], list(zip(les, cumulative)), self.sums[model_name, route])
         yield family
 
 
 class _EngineCollector:
-    """Engine gauges and counters, read from the latest EngineStats at scrape time.
+    """Each chat model's engine gauges and counters, read from its latest EngineStats at scrape time.
 
     The engine already keeps cumulative totals. Exposing them as they are at scrape time is
     exact and needs no bookkeeping, where mirroring them into prometheus Counters would mean
-    keeping the last values and adding deltas. If the engine restarts its totals fall to
-    zero, which Prometheus reads as a counter reset, as it should.
+    keeping the last values and adding deltas. If an engine restarts (a model unloaded and loaded
+    again) its totals fall to zero, which Prometheus reads as a counter reset, as it should.
     """
 
-    def __init__(self, model_name: str, kv_bytes_per_token: int, block_size: int) -> None:
-        self.model_name = model_name
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.kv_block_bytes = kv_bytes_per_token * block_size
-        self.stats: EngineStats | None = None  # None until the first update: everything reads 0
-        self.stage_times: dict[str, float] = {}  # AsyncEngine.stage_times(): seconds per stage, steps, thread CPU
+    def __init__(self) -> None:
+        self.models: dict[str, _EngineSeries] = {}
+
+    def declare(self, model_name: str, kv_bytes_per_token: int, block_size: int) -> None:
+        self.models.setdefault(model_name, _EngineSeries(kv_bytes_per_token, block_size))
+
+    def update(self, model_name: str, stats: EngineStats | None, stage_times: dict[str, float] | None,
+               kv_bytes_per_token: int, block_size: int) -> None:
+        series = self.models.setdefault(model_name, _EngineSeries(kv_bytes_per_token, block_size))
+        if kv_bytes_per_token:
+            series.kv_bytes_per_token, series.kv_block_bytes = kv_bytes_per_token, kv_bytes_per_token * block_size
+        series.stats = stats
+        if stage_times is not None:
+            series.stage_times = stage_times
 
     def describe(self) -> Iterable[Metric]:
         """The families `collect` yields, so the registry can refuse clashing names."""
         return self.collect()
 
     def collect(self) -> Iterable[Metric]:
-        """Yield the engine's gauges and counters, labelled with the model name."""
-        stats = self.stats  # one read: a concurrent update cannot mix two snapshots
-        gauges = [
-            ("chatd:num_requests_running", "Requests in the running batch.", stats.num_running if stats else 0),
-            ("chatd:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting if stats else 0),
-            ("chatd:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", stats.kv_cache_usage if stats else 0.0),
-            ("chatd:num_request_streams", "Requests with an open output stream (running, waiting, or not yet collected).",
-             stats.num_request_streams if stats else 0),
-            ("chatd:kv_blocks", "KV blocks in the device pool.", stats.num_blocks if stats else 0),
-            ("chatd:kv_blocks_free", "Device KV blocks no request holds (some still cache a prefix).",
-             stats.num_free_blocks if stats else 0),
-            ("chatd:host_kv_blocks", "KV blocks in the host tier (0: off).", stats.num_host_blocks if stats else 0),
-            ("chatd:host_kv_blocks_used", "Host-tier blocks holding a block evicted from the device.",
-             stats.num_host_blocks_used if stats else 0),
-            ("chatd:kv_bytes_per_token", "Bytes of keys and values one token takes, all layers.", self.kv_bytes_per_token),
-        ]
-        # CounterMetricFamily adds the `_total` suffix to these names when it exposes them.
-        counters = [
-            ("chatd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries if stats else 0),
-            ("chatd:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits if stats else 0),
-            ("chatd:num_preemptions", "Sequences preempted to free KV cache.", stats.num_preemptions if stats else 0),
-            ("chatd:prompt_tokens", "Prompt tokens computed in prefill, recomputation included.", stats.num_prompt_tokens if stats else 0),
-            ("chatd:generation_tokens", "Tokens generated.", stats.num_generation_tokens if stats else 0),
-            # Speculative decoding ([speculative]; 0 while it is off): acceptance rate is accepted / draft tokens.
-            ("chatd:spec_decode_num_drafts", "Speculative verify steps of a sequence (each checks one or more guessed tokens).",
-             stats.num_drafts if stats else 0),
-            ("chatd:spec_decode_num_draft_tokens", "Guessed tokens verified by speculative decoding.",
-             stats.num_draft_tokens if stats else 0),
-            ("chatd:spec_decode_num_accepted_tokens", "Guessed tokens accepted (the model sampled the same token).",
-             stats.num_accepted_tokens if stats else 0),
-            ("chatd:host_cache_hits", "Prompt tokens copied back from the host tier instead of recomputed.",
-             stats.host_cache_hits if stats else 0),
-            ("chatd:kv_blocks_to_host", "KV blocks copied from the device pool to the host tier.",
-             stats.num_blocks_to_host if stats else 0),
-            ("chatd:kv_blocks_from_host", "KV blocks copied back from the host tier (restored, not recomputed).",
-             stats.num_blocks_from_host if stats else 0),
-            ("chatd:kv_bytes_to_host", "Bytes of KV copied to the host tier.",
-             stats.num_blocks_to_host * self.kv_block_bytes if stats else 0),
-            ("chatd:kv_bytes_from_host", "Bytes of KV copied back from the host tier.",
-             stats.num_blocks_from_host * self.kv_block_bytes if stats else 0),
-        ]
-        for name, documentation, value in gauges:
-            yield from self._series(GaugeMetricFamily, name, documentation, value)
-        times = self.stage_times
-        counters += [
-            ("chatd:engine_steps", "Engine steps run.", times.get("steps", 0)),
-            ("chatd:engine_thread_cpu_seconds", "CPU seconds the engine thread used (it holds the GIL for most of them).",
-             times.get("engine_thread_cpu", 0.0)),
-        ]
-        for name, documentation, value in counters:
-            yield from self._series(CounterMetricFamily, name, documentation, value)
+        """Yield the engines' gauges and counters, a series per model."""
+        families: dict[str, Metric] = {}
+        models = list(self.models.items())
+        for model_name, series in models:
+            for kind, name, documentation, value in series.values():
+                family = families.get(name)
+                if family is None:
+                    family = families[name] = kind(name, documentation, labels=["model_name"])
+                family.add_metric([model_name], value)
+                short = name.removeprefix("chatd:")
+                if short in VLLM_NAMED:  # its twin under vLLM's name and labels, from the same value
+                    twin_name = f"vllm:{short}"
+                    twin = families.get(twin_name)
+                    if twin is None:
+                        twin = families[twin_name] = kind(twin_name, f"{documentation} (vLLM's name for {name})",
+                                                          labels=["model_name", "engine"])
+                    twin.add_metric([model_name, "0"], value)
+        yield from families.values()
         stages = CounterMetricFamily("chatd:engine_stage_seconds", "Seconds of the host's work per step stage "
                                      "(schedule, inputs, forward, sample, wait, postprocess, detokenize, dispatch).",
                                      labels=["model_name", "stage"])
-        for stage in STAGES:
-            stages.add_metric([self.model_name, stage], times.get(stage, 0.0))
-        yield stages
         # vLLM v0's gauge, which smg still reads as a worker's cache hit rate (v1 dropped it for the
         # two counters): the share of prompt tokens found in the prefix cache, all time.
-        queries, hits = (stats.prefix_cache_queries, stats.prefix_cache_hits) if stats else (0, 0)
         hit_rate = GaugeMetricFamily("vllm:gpu_prefix_cache_hit_rate", "Fraction of prompt tokens found in the prefix "
                                      "cache since the start (vLLM v0's name; vllm:prefix_cache_hits / _queries).",
                                      labels=["model_name", "engine"])
-        hit_rate.add_metric([self.model_name, "0"], hits / queries if queries else 0.0)
+        for model_name, series in models:
+            for stage in STAGES:
+                stages.add_metric([model_name, stage], series.stage_times.get(stage, 0.0))
+            stats = series.stats
+            queries, hits = (stats.prefix_cache_queries, stats.prefix_cache_hits) if stats else (0, 0)
+            hit_rate.add_metric([model_name, "0"], hits / queries if queries else 0.0)
+        yield stages
         yield hit_rate
 
-    def _series(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, documentation: str,
-                value: float) -> Iterable[Metric]:
-        """One series labelled with the model name, and where vLLM has it too (VLLM_NAMED) its twin
-        under vLLM's name and labels, from the same value."""
-        family = kind(name, documentation, labels=["model_name"])
-        family.add_metric([self.model_name], value)
-        yield family
-        short = name.removeprefix("chatd:")
-        if short in VLLM_NAMED:
-            twin = kind(f"vllm:{short}", f"{documentation} (vLLM's name for {name})", labels=["model_name", "engine"])
-            twin.add_metric([self.model_name, "0"], value)
-            yield twin
+
+class _EngineSeries:
+    """One model's engine values as of its latest update."""
+
+    def __init__(self, kv_bytes_per_token: int, block_size: int) -> None:
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.kv_block_bytes = kv_bytes_per_token * block_size
+        self.stats: EngineStats | None = None  # None until the first update (or while unloaded): everything reads 0
+        self.stage_times: dict[str, float] = {}  # AsyncEngine.stage_times(): seconds per stage, steps, thread CPU
+
+    def values(self) -> list[tuple[type, str, str, float]]:
+        """(family kind, name, documentation, value) of each plain series."""
+        stats, times = self.stats, self.stage_times  # one read: a concurrent update cannot mix two snapshots
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        return [
+            (gauge, "chatd:num_requests_running", "Requests in the running batch.", stats.num_running if stats else 0),
+            (gauge, "chatd:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting if stats else 0),
+            (gauge, "chatd:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
+             stats.kv_cache_usage if stats else 0.0),
+            (gauge, "chatd:num_request_streams", "Requests with an open output stream (running, waiting, or not yet "
+             "collected).", stats.num_request_streams if stats else 0),
+            (gauge, "chatd:kv_blocks", "KV blocks in the device pool.", stats.num_blocks if stats else 0),
+            (gauge, "chatd:kv_blocks_free", "Device KV blocks no request holds (some still cache a prefix).",
+             stats.num_free_blocks if stats else 0),
+            (gauge, "chatd:host_kv_blocks", "KV blocks in the host tier (0: off).", stats.num_host_blocks if stats else 0),
+            (gauge, "chatd:host_kv_blocks_used", "Host-tier blocks holding a block evicted from the device.",
+             stats.num_host_blocks_used if stats else 0),
+            (gauge, "chatd:kv_bytes_per_token", "Bytes of keys and values one token takes, all layers.",
+             self.kv_bytes_per_token),
+            # CounterMetricFamily adds the `_total` suffix to these names when it exposes them.
+            (counter, "chatd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             stats.prefix_cache_queries if stats else 0),
+            (counter, "chatd:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             stats.prefix_cache_hits if stats else 0),
+            (counter, "chatd:num_preemptions", "Sequences preempted to free KV cache.", stats.num_preemptions if stats else 0),
+            (counter, "chatd:prompt_tokens", "Prompt tokens computed in prefill, recomputation included.",
+             stats.num_prompt_tokens if stats else 0),
+            (counter, "chatd:generation_tokens", "Tokens generated.", stats.num_generation_tokens if stats else 0),
+            # Speculative decoding ([speculative]; 0 while it is off): acceptance rate is accepted / draft tokens.
+            (counter, "chatd:spec_decode_num_drafts", "Speculative verify steps of a sequence (each checks one or more "
+             "guessed tokens).", stats.num_drafts if stats else 0),
+            (counter, "chatd:spec_decode_num_draft_tokens", "Guessed tokens verified by speculative decoding.",
+             stats.num_draft_tokens if stats else 0),
+            (counter, "chatd:spec_decode_num_accepted_tokens", "Guessed tokens accepted (the model sampled the same "
+             "token).", stats.num_accepted_tokens if stats else 0),
+            (counter, "chatd:host_cache_hits", "Prompt tokens copied back from the host tier instead of recomputed.",
+             stats.host_cache_hits if stats else 0),
+            (counter, "chatd:kv_blocks_to_host", "KV blocks copied from the device pool to the host tier.",
+             stats.num_blocks_to_host if stats else 0),
+            (counter, "chatd:kv_blocks_from_host", "KV blocks copied back from the host tier (restored, not recomputed).",
+             stats.num_blocks_from_host if stats else 0),
+            (counter, "chatd:kv_bytes_to_host", "Bytes of KV copied to the host tier.",
+             stats.num_blocks_to_host * self.kv_block_bytes if stats else 0),
+            (counter, "chatd:kv_bytes_from_host", "Bytes of KV copied back from the host tier.",
+             stats.num_blocks_from_host * self.kv_block_bytes if stats else 0),
+            (counter, "chatd:engine_steps", "Engine steps run.", times.get("steps", 0)),
+            (counter, "chatd:engine_thread_cpu_seconds", "CPU seconds the engine thread used (it holds the GIL for most "
+             "of them).", times.get("engine_thread_cpu", 0.0)),
+        ]

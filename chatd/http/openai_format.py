@@ -2,16 +2,17 @@
 usage, logprobs and finish reasons.
 
 Pure shaping of dicts (and, for a stream's every token, of their JSON from prepared parts): it
-knows nothing of HTTP, SSE framing (wire.py) or the store. The served model's name and token
-texts come from ServerState.
+knows nothing of HTTP, SSE framing (wire.py) or the store. The serving model's name and its
+token texts (for logprobs) are given.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import orjson
 
 from chatd.engine import FinishReason, RequestOutput
-from chatd.http.state import ServerState
 from chatd.http.tool_calls import ToolCall, ToolCallDelta, ToolCallStream, ToolParser
 
 
@@ -26,9 +27,11 @@ def merged_with(merged: RequestOutput | None, out: RequestOutput) -> RequestOutp
 class ChunkFormat:
     """Builds one response's OpenAI chunks (`chat.completion.chunk` or `text_completion`) from deltas."""
 
-    def __init__(self, state: ServerState, response_id: str, created: int, chat: bool, include_usage: bool,
-                 extra: dict | None = None, tool_parser: ToolParser | None = None) -> None:
-        self.state, self.response_id, self.created, self.chat = state, response_id, created, chat
+    def __init__(self, model: str, token_text: Callable[[int], str], response_id: str, created: int, chat: bool,
+                 include_usage: bool, extra: dict | None = None, tool_parser: ToolParser | None = None) -> None:
+        """model: the name of the model that serves it; token_text: that model's token texts."""
+        self.model, self.token_text = model, token_text
+        self.response_id, self.created, self.chat = response_id, created, chat
         self.include_usage, self.extra = include_usage, extra or {}
         self.tool_parser = tool_parser  # set when the model may call tools: its text is read for calls
         self._tool_streams: dict[int, ToolCallStream] = {}  # per choice
@@ -81,7 +84,7 @@ class ChunkFormat:
 
     def _choice(self, c) -> dict:
         finish = finish_reason(c.finish_reason)
-        logprobs = _logprobs(self.state, c.logprobs, self.chat) if c.logprobs else None
+        logprobs = _logprobs(self.token_text, c.logprobs, self.chat) if c.logprobs else None
         if self.chat and self.tool_parser is not None:
             stream = self._tool_streams.setdefault(c.index, self.tool_parser.stream())
             content, calls = stream.feed(c.text) if c.text else ("", [])
@@ -104,20 +107,20 @@ class ChunkFormat:
             "id": self.response_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
-            "model": self.state.model_name,
+            "model": self.model,
             **self.extra,
             "choices": choices,
         }
 
 
-def whole_response(state: ServerState, outputs: list[RequestOutput], response_id: str, created: int, chat: bool,
-                   extra: dict | None = None, tool_parser: ToolParser | None = None) -> dict:
+def whole_response(model: str, token_text: Callable[[int], str], outputs: list[RequestOutput], response_id: str,
+                   created: int, chat: bool, extra: dict | None = None, tool_parser: ToolParser | None = None) -> dict:
     """A finished request as one `chat.completion` or `text_completion`: the choices of each of its
     engine requests (a completion has one per prompt, its choices already numbered), usage summed.
     With a `tool_parser`, a chat reply's tool calls become the message's `tool_calls`."""
     choices = []
     for c in (c for out in outputs for c in out.outputs):
-        logprobs = _logprobs(state, c.logprobs, chat) if c.logprobs else None
+        logprobs = _logprobs(token_text, c.logprobs, chat) if c.logprobs else None
         finish = finish_reason(c.finish_reason)
         if chat:
             message = {"role": "assistant", "content": c.text}
@@ -134,7 +137,7 @@ def whole_response(state: ServerState, outputs: list[RequestOutput], response_id
         "id": response_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
-        "model": state.model_name,
+        "model": model,
         **(extra or {}),
         "choices": choices,
         "usage": output_usage(*outputs),
@@ -187,8 +190,7 @@ def output_usage(*outputs: RequestOutput) -> dict:
                        sum(out.num_cached_tokens for out in outputs))
 
 
-def _logprobs(state: ServerState, logprobs, chat: bool) -> dict:
-    token = state.token_text
+def _logprobs(token: Callable[[int], str], logprobs, chat: bool) -> dict:
     if chat:
         return {"content": [
             {

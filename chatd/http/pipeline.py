@@ -1,8 +1,9 @@
 """The stages every generating route runs, in one order: chat and text completions
 (completions.py), conversation messages and Responses (turns.py).
 
-  check    the model it names, a store that can bill it, and what its tier refuses whatever
-           the prompt (a refused flood costs no tokenizing)
+  check    a store that can bill it, and what its tier refuses whatever the prompt (a refused
+           flood costs no tokenizing); the model was picked by the route (fleet.py) before it
+           parsed the body against that model's limits
   screen   the safety pipeline's input check on the texts the model will read (http/safety.py)
   render   the route's own prompts, tokenized: a chat template, a text prompt, a history
   grammar  a structured output compiled for its tenant (errors name the field)
@@ -24,6 +25,7 @@ from typing import Protocol
 
 from chatd.engine import CacheScope, LimitError, ParamError, Placement, RequestHandle, SamplingParams, StructuredOutput
 from chatd.http.errors import APIError
+from chatd.http.fleet import ServedModel
 from chatd.http.limits import Lease
 from chatd.http.protocol import GenerationRequest
 from chatd.http.state import ServerState
@@ -66,67 +68,70 @@ class Started:
     handles: list[RequestHandle]
 
 
-async def start(state: ServerState, tenant: Tenant, route: Generation, request_id: str | None,
+async def start(state: ServerState, served: ServedModel, tenant: Tenant, route: Generation, request_id: str | None,
                 arrived_at: float | None = None, conversation_id: str | None = None) -> Started:
-    """Run every stage for one request; an error (APIError, ParamError) leaves nothing held."""
-    check(state, tenant, route.gen)
+    """Run every stage for one request on the model `served`; an error (APIError, ParamError)
+    leaves nothing held."""
+    check(state, served, tenant, route.gen)
     if state.safety.config.check_input:
         texts = await route.input_texts()
         route.use_input_texts(await state.safety.check_input(tenant, route.endpoint, texts, request_id,
                                                              conversation_id))
     prompts = await route.prompts()
-    await check_structured(state, route.gen.params.structured, tenant)
-    admitted = await admit(state, tenant, route.gen, list(prompts.values()), arrived_at)
+    await check_structured(served, route.gen.params.structured, tenant)
+    admitted = await admit(state, served, tenant, route.gen, list(prompts.values()), arrived_at)
     try:
-        handles = launch(state, admitted, prompts)
+        handles = launch(state, served, admitted, prompts)
     except BaseException:
         admitted.lease.release(0)
         raise
     return Started(admitted, prompts, handles)
 
 
-def check(state: ServerState, tenant: Tenant, gen: GenerationRequest) -> None:
-    """Refuse now what would be refused whatever the prompt: a model the server does not serve or
-    the tier may not use (404), a store that cannot bill (503), the tier's own limits (429, 503)."""
-    state.check_model(gen.model, tenant)
+def check(state: ServerState, served: ServedModel, tenant: Tenant, gen: GenerationRequest) -> None:
+    """Refuse now what would be refused whatever the prompt: a store that cannot bill (503), the
+    tier's own limits (429, 503)."""
     state.check_store_writable()
     priority = state.limits.placement(tenant, gen.priority).priority
-    state.limits.precheck(tenant, priority, _drain_rate(state))
+    state.limits.precheck(tenant, priority, _drain_rate(served))
 
 
-async def check_structured(state: ServerState, spec: StructuredOutput | None, tenant: Tenant) -> None:
-    """Compile a tenant's structured output before its request is queued, off the event loop (a
-    big schema takes a while); ParamError naming the field if it cannot be compiled."""
+async def check_structured(served: ServedModel, spec: StructuredOutput | None, tenant: Tenant) -> None:
+    """Compile a tenant's structured output for the model's vocabulary before its request is
+    queued, off the event loop (a big schema takes a while); ParamError naming the field if it
+    cannot be compiled."""
     if spec is not None:
-        await state.off_loop(state.engine.check_structured, spec, tenant.id)
+        await served.off_loop(served.engine.check_structured, spec, tenant.id)
 
 
-async def admit(state: ServerState, tenant: Tenant, gen: GenerationRequest, prompts: list[list[int]],
-                arrived_at: float | None = None) -> Admitted:
+async def admit(state: ServerState, served: ServedModel, tenant: Tenant, gen: GenerationRequest,
+                prompts: list[list[int]], arrived_at: float | None = None) -> Admitted:
     """Admit tokenized prompts under the tenant's tier, or refuse them (429, 503, 400: limits.py).
     The reply's length is decided here and only here: the client's, within the tier's ceiling (the
     ceiling, within the context window, when the client names none)."""
     max_tokens = state.limits.max_tokens(tenant, gen.params.max_tokens, gen.max_tokens_field)
     longest = max(map(len, prompts))
     if gen.params.max_tokens is None and max_tokens is not None:
-        max_tokens = max(1, min(max_tokens, state.max_model_len - longest))
+        max_tokens = max(1, min(max_tokens, served.max_model_len - longest))
     params = gen.params if max_tokens == gen.params.max_tokens else dataclasses.replace(gen.params, max_tokens=max_tokens)
     n = params.n
-    reserved = sum(len(p) + n * (max_tokens if max_tokens is not None else state.max_model_len - len(p)) for p in prompts)
+    window = served.max_model_len
+    reserved = sum(len(p) + n * (max_tokens if max_tokens is not None else window - len(p)) for p in prompts)
     placement = state.limits.placement(tenant, gen.priority)
     lease = await state.limits.admit_async(tenant, sum(map(len, prompts)), reserved, placement.priority,
-                                           _drain_rate(state), gen.max_tokens_field, arrived_at)
+                                           _drain_rate(served), gen.max_tokens_field, arrived_at)
     return Admitted(tenant, params, placement, lease, gen.max_tokens_field)
 
 
-def launch(state: ServerState, admitted: Admitted, prompts: dict[str, list[int]]) -> list[RequestHandle]:
+def launch(state: ServerState, served: ServedModel, admitted: Admitted,
+           prompts: dict[str, list[int]]) -> list[RequestHandle]:
     """Queue one engine request per prompt. One the engine refuses ends those queued before it,
     and the error names the prompt's field and the reply length's as the client sent them."""
     handles: list[RequestHandle] = []
     for name, prompt in prompts.items():
         try:
-            handles.append(state.engine.generate(prompt, admitted.params, admitted.placement,
-                                                 cache_scope(state, admitted.tenant, prompt)))
+            handles.append(served.engine.generate(prompt, admitted.params, admitted.placement,
+                                                  cache_scope(state, served, admitted.tenant, prompt)))
         except ParamError as exc:
             for handle in handles:
                 handle.abort()
@@ -144,8 +149,9 @@ def refusal(exc: ParamError, prompt_name: str, max_tokens_field: str) -> APIErro
                      "context_length_exceeded" if exc.context_exceeded else None)
 
 
-def cache_scope(state: ServerState, tenant: Tenant, prompt: list[int]) -> CacheScope:
-    """The prefix-cache scope of a tenant's prompt.
+def cache_scope(state: ServerState, served: ServedModel, tenant: Tenant, prompt: list[int]) -> CacheScope:
+    """The prefix-cache scope of a tenant's prompt (within the model's own cache: each model's
+    engine has its own).
 
     With auth on and scope "tenant", blocks are salted by tenant: nobody can learn from
     cached_tokens or timing what another tenant sent. A prompt that begins with a shared
@@ -154,16 +160,16 @@ def cache_scope(state: ServerState, tenant: Tenant, prompt: list[int]) -> CacheS
     if not state.config.auth.enabled or state.config.cache.prefix_cache_scope == "global":
         return CacheScope()
     shared = 0
-    for prefix in state.shared_prefixes:
+    for prefix in served.shared_prefixes:
         common = _common_prefix_length(prefix, prompt)
         if common >= len(prefix) - 1:  # the last token may merge with what follows it
             shared = max(shared, common)
     return CacheScope(tenant.id, shared)
 
 
-def _drain_rate(state: ServerState) -> Callable[[], float | None]:
-    """How fast the engine drains its queue of prompt tokens (the tiers' expected-wait estimate)."""
-    return lambda: state.engine.stats().queued_prefill_rate
+def _drain_rate(served: ServedModel) -> Callable[[], float | None]:
+    """How fast the model's engine drains its queue of prompt tokens (the tiers' expected-wait estimate)."""
+    return lambda: served.engine.stats().queued_prefill_rate if served.engine is not None else None
 
 
 def _common_prefix_length(a: list[int], b: list[int]) -> int:

@@ -333,6 +333,12 @@ def _top_k(value: int) -> int:
     return 0 if value == -1 else value
 
 
+def requested_model(body: Any) -> str | None:
+    """The `model` a body names, read before the rest (it decides which model's limits the rest
+    is parsed against); None when it names none, or is not an object (its parser says so)."""
+    return _get(body, "model", str, None) if isinstance(body, dict) else None
+
+
 def _get(body: dict, name: str, types, default):
     value = body.get(name)
     if value is None:

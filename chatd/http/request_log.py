@@ -103,6 +103,7 @@ class GenerationRecord:
 
     route: str
     request_log: RequestLog | None = None  # None: a request nobody logs (an app without the middleware)
+    model_name: str | None = None  # the model that served it (None: the server's first)
     clock: Callable[[], float] = time.perf_counter
     start: float = field(init=False)
     first_token: float | None = None
@@ -146,9 +147,11 @@ class GenerationRecord:
             route=self.route, finish_reason=reason, prompt_tokens=prompt, generation_tokens=completion,
             cached_tokens=cached, ttft=ttft, e2e=e2e,
             queue_time=min(queue_times, default=None),  # when the first of its requests started, as ttft
-            inter_token_latencies=self.inter_token,
+            inter_token_latencies=self.inter_token, model_name=self.model_name,
         )
         if self.request_log is not None:
+            if self.model_name is not None:
+                self.request_log.fields["model"] = self.model_name
             # Speculative decoding's guesses for it, verified and accepted (0 while it is off, as
             # cached_tokens is 0 without a prefix hit): the reply's own acceptance rate.
             self.request_log.fields.update(

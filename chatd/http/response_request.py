@@ -6,7 +6,9 @@ stored: responses.py does both.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from chatd.http import structured
@@ -44,7 +46,7 @@ class ResponseRequest:
     echo: dict = field(default_factory=dict)  # what the response object repeats of the request
 
 
-def parse_response(body, state: ServerState) -> ResponseRequest:
+def parse_response(body, state: ServerState, defaults: Mapping[str, float] = MappingProxyType({})) -> ResponseRequest:
     """Validate a `POST /v1/responses` body; 400s name the field."""
     body = _object(body)
     for name in body:
@@ -96,7 +98,7 @@ def parse_response(body, state: ServerState) -> ResponseRequest:
         raise APIError(400, "a response with store=false adds nothing to a conversation: leave out conversation, "
                             "or store it", "store")
     instructions = _get(body, "instructions", str, None)
-    gen = _request({k: body[k] for k in SAMPLING if k in body}, [], max_output_tokens, None, state.model.sampling_defaults,
+    gen = _request({k: body[k] for k in SAMPLING if k in body}, [], max_output_tokens, None, defaults,
                    output_format=output_format)
     gen.max_tokens_field = "max_output_tokens"
     gen.tools = tools

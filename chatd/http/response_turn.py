@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from chatd.engine import CompletionOutput, RequestOutput
 from chatd.http import pipeline
 from chatd.http.errors import APIError
+from chatd.http.fleet import ServedModel
 from chatd.http.history import Tools, render_history, template_messages
 from chatd.http.items import item_json
 from chatd.http.openai_format import CUT_SHORT
@@ -37,9 +38,9 @@ class ResponseTurn:
 
     named_events, endpoint, route = True, "responses", "responses"
 
-    def __init__(self, state: ServerState, tenant: Tenant, req: ResponseRequest, conversation: Conversation | None,
-                 previous: Response | None, idempotency_key: str | None = None) -> None:
-        self.state, self.tenant, self.req = state, tenant, req
+    def __init__(self, state: ServerState, served: ServedModel, tenant: Tenant, req: ResponseRequest,
+                 conversation: Conversation | None, previous: Response | None, idempotency_key: str | None = None) -> None:
+        self.state, self.served, self.tenant, self.req = state, served, tenant, req
         self.idempotency_key = idempotency_key  # claimed by the route; a stored response's rows are bound to it
         self.conversation, self.previous = conversation, previous
         self.gen, self.stored = req.gen, req.store
@@ -68,37 +69,37 @@ class ResponseTurn:
         self.req = dataclasses.replace(self.req, inputs=inputs, instructions=instructions)
 
     async def prompts(self) -> dict[str, list[int]]:
-        state, gen, store, system = self.state, self.gen, self.state.store, None
+        served, gen, store, system = self.served, self.gen, self.state.store, None
         if self.conversation is not None:
             history, system = await store.list_messages(self.conversation.id), self.conversation.system_prompt
         elif self.previous is not None:
-            history = await store.chain_messages(self.previous.id)
+            history = await store.chain_messages(self.previous.id, model=served.name)
         else:
             history = []
         _check_call_ids(history, self.req.inputs)
         system = "\n\n".join(s for s in (system, self.req.instructions) if s) or None
         new, _ = template_messages(self.req.inputs)
-        tools = Tools([], state.tokenizer.template_takes_tools)
+        tools = Tools([], served.tokenizer.template_takes_tools)
         if gen.tools is not None:
             # Tools are walked in Python (schemas checked and closed, the grammar written): off the event loop.
-            use = await state.off_loop(state.tool_use, gen.tools, [], gen.params.structured)
-            tools = Tools(gen.tools.offered, state.tokenizer.template_takes_tools)
+            use = await served.off_loop(served.tool_use, gen.tools, [], gen.params.structured)
+            tools = Tools(gen.tools.offered, served.tokenizer.template_takes_tools)
             if use.grammar is not None:  # every reply that may call follows it, auto too
                 if gen.params.structured is not None:  # the request's own format, checked alone: its errors name it
-                    await pipeline.check_structured(state, gen.params.structured, self.tenant)
+                    await pipeline.check_structured(served, gen.params.structured, self.tenant)
                 gen.params = replace(gen.params, structured=use.grammar)
             if use.parser is not None and use.parser.needs_special_tokens:  # its markers must reach the parser
                 gen.params = replace(gen.params, skip_special_tokens=False)
             self.parser = use.parser
         # Rendering a long history and tokenizing it is CPU work: off the event loop.
         render = functools.partial(render_history, trim=self.req.truncation == "auto", param="input", tools=tools)
-        prompt, self.omitted = await state.off_loop(render, state, system, history, new, gen)
+        prompt, self.omitted = await served.off_loop(render, served, system, history, new, gen)
         return {"input": prompt}
 
     async def begin(self) -> Message:
         req = self.req
         self.record, output = await self.state.store.create_response(
-            self.tenant.id, model=self.state.model_name, stored=req.store, inputs=req.inputs,
+            self.tenant.id, model=self.served.name, stored=req.store, inputs=req.inputs,
             conversation_id=req.conversation_id, previous_response_id=req.previous_response_id,
             instructions=req.instructions, request={**req.echo, "items_omitted": self.omitted},
             idempotency_key=self.idempotency_key)
@@ -108,7 +109,7 @@ class ResponseTurn:
         return output
 
     def events(self, assistant: Message, omitted: int) -> ReplyEvents:
-        return ResponseEvents(self.state, self.record, assistant, self.parser)
+        return ResponseEvents(self.record, assistant, self.parser)
 
     def not_found(self) -> APIError:
         return conversation_not_found(self.req.conversation_id)
@@ -149,9 +150,9 @@ class ResponseEvents:
     then stream as `response.function_call_arguments.delta`). An item's id is the reply's own for
     the first item, a fresh one for each later call: the ids the rows are saved under."""
 
-    def __init__(self, state: ServerState, record: Response, assistant: Message, parser: ToolParser | None = None,
+    def __init__(self, record: Response, assistant: Message, parser: ToolParser | None = None,
                  ids: list[str] = ()) -> None:
-        self.state, self.record, self.assistant = state, record, assistant
+        self.record, self.assistant = record, assistant
         self._ids = list(ids)  # the ids of the items after the first, in order (a replay's rows)
         self.sequence = 0
         self.stream = parser.stream() if parser is not None else None
@@ -168,7 +169,7 @@ class ResponseEvents:
         return {"item_id": item.id, "output_index": item.index, "content_index": 0}
 
     def opening(self) -> list[dict]:
-        response = response_object(self.state, self.record, None)
+        response = response_object(self.record, None)
         events = [self._event("response.created", response=response),
                   self._event("response.in_progress", response=response)]
         return events + (self._open_message() if self.stream is None else [])
@@ -241,7 +242,7 @@ class ResponseEvents:
         return "".join(item.text for item in self.items if item.kind == "message"), calls
 
     def closing(self, message: Message, merged: RequestOutput | None, reply: ReplyStream) -> list[dict]:
-        response = response_object(self.state, self.record, [message, *reply.calls], stopped_by=reply.stopped_by,
+        response = response_object(self.record, [message, *reply.calls], stopped_by=reply.stopped_by,
                                    error=reply.error)
         if response["status"] == "failed":
             return [self._event("response.failed", response=response)]
@@ -275,7 +276,7 @@ def _dropped(item: _Open) -> dict:
             "arguments": item.text, "status": "incomplete"}
 
 
-def response_object(state: ServerState, record: Response, outputs: list[Message] | None, *, live: bool = False,
+def response_object(record: Response, outputs: list[Message] | None, *, live: bool = False,
                     stopped_by: str | None = None, error: str | None = None, output_deleted: bool = False) -> dict:
     """A response as OpenAI's `response` object. `outputs`: its output rows (the reply's, then the
     calls it made after it); None or `live`: still being generated, unless `output_deleted` (its
@@ -332,15 +333,16 @@ def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def replayed(state: ServerState, record: Response, outputs: list[Message]) -> tuple[ReplyStream, int]:
+def replayed(tool_parser: ToolParser, record: Response, outputs: list[Message]) -> tuple[ReplyStream, int]:
     """A finished response's events rebuilt from its rows (after a restart, or once its stream left
-    memory), and how many of them come before the first delta (numbered as the original stream's)."""
+    memory), and how many of them come before the first delta (numbered as the original stream's).
+    tool_parser: how the model that made it reads calls."""
     reply = ReplyStream(record.conversation_id, record.output_message_id, named=True)
     if not outputs:  # its conversation's items were deleted
         raise APIError(404, f"response {record.id} has no output to stream", "response_id", "not_found")
     first, calls = outputs[0], outputs[1:]
-    parser = None if first.kind == "message" and not calls else state.tool_parser  # (its calls are rows: nothing to read)
-    events = ResponseEvents(state, record, first, parser, [m.id for m in calls])
+    parser = None if first.kind == "message" and not calls else tool_parser  # (its calls are rows: nothing to read)
+    events = ResponseEvents(record, first, parser, [m.id for m in calls])
     payloads = events.opening()
     for row in outputs:
         if row.kind == "message":

@@ -36,13 +36,15 @@ from chatd.http import idempotency
 from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, APIError
 from chatd.http.items import item_json, item_page, page_params
-from chatd.http.protocol import shown
+from chatd.http.conversations import move_if_needed
+from chatd.http.protocol import requested_model, shown
 from chatd.http.request_log import REQUEST_LOG
 # The body's parsing. openapi.py (and test_openapi.py) read its fields and limits as responses.X: kept here.
 from chatd.http.response_request import (MAX_INPUT_ITEMS, RESPONSE_FIELDS, SERVICE_TIERS, UNSUPPORTED,  # noqa: F401
                                          ResponseRequest, parse_response)
 from chatd.http.response_turn import ResponseTurn, replayed, response_object
 from chatd.http.state import STATE, ServerState
+from chatd.http.tool_calls import ToolParser
 from chatd.http.turns import ROUTING_KEY_HEADER, TURNS, ReplyStream, Turns
 from chatd.http.wire import checked, json_response, read_json, stream_events
 from chatd.store.db import Conversation, Message, Tenant
@@ -55,25 +57,29 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     """Generate a response to `input`, after a chain of responses or a conversation's items; whole or streamed."""
     state, tenant = request.app[STATE], request[TENANT]
     body = await read_json(request)
-    req = await checked(request, parse_response, body, state)
-    state.check_model(req.gen.model, tenant)
-    # A store=false response keeps no rows to give back: its key, if any, is not claimed.
-    claimed = await idempotency.claim(state, tenant, request, "responses", body) if req.store else None
-    if claimed is not None and claimed.outcome == "replay":
-        return await _replay(request, state, tenant, claimed.response_id, req.gen.stream)
-    turns = request.app[TURNS]
-    # Every refusal from here until the turn's rows are written gives the key back: a retry of
-    # the same body is refused the same way, a corrected one is served.
-    async with idempotency.released_if_refused(state, tenant, claimed):
-        state.check_store_writable()
-        conversation, previous = await _continued(state, turns, tenant, req)
-        job = ResponseTurn(state, tenant, req, conversation, previous, claimed and claimed.key)
-        try:
-            reply, _ = await turns.start(tenant, job, request[REQUEST_ID], request.get(REQUEST_LOG))
-        except ParamError as exc:  # named as the client named it
-            if exc.param == "max_tokens":
-                raise APIError(400, str(exc).replace("max_tokens", "max_output_tokens"), "max_output_tokens") from None
-            raise APIError(400, str(exc), "input" if exc.param == "prompt" else exc.param) from None
+    # The model of the chain or conversation it continues, unless it names another (an alias keeps it when it can).
+    served = state.pick_model(requested_model(body), tenant, await _thread_model(state, tenant, body))
+    async with served.in_use():
+        req = await checked(request, parse_response, body, state, served.info.sampling_defaults)
+        # A store=false response keeps no rows to give back: its key, if any, is not claimed.
+        claimed = await idempotency.claim(state, tenant, request, "responses", body) if req.store else None
+        if claimed is not None and claimed.outcome == "replay":
+            return await _replay(request, state, tenant, claimed.response_id, req.gen.stream)
+        turns = request.app[TURNS]
+        # Every refusal from here until the turn's rows are written gives the key back: a retry of
+        # the same body is refused the same way, a corrected one is served.
+        async with idempotency.released_if_refused(state, tenant, claimed):
+            state.check_store_writable()
+            conversation, previous = await _continued(state, turns, tenant, req)
+            if conversation is not None:
+                conversation = await move_if_needed(state, tenant, conversation, served)
+            job = ResponseTurn(state, served, tenant, req, conversation, previous, claimed and claimed.key)
+            try:
+                reply, _ = await turns.start(tenant, job, request[REQUEST_ID], request.get(REQUEST_LOG))
+            except ParamError as exc:  # named as the client named it
+                if exc.param == "max_tokens":
+                    raise APIError(400, str(exc).replace("max_tokens", "max_output_tokens"), "max_output_tokens") from None
+                raise APIError(400, str(exc), "input" if exc.param == "prompt" else exc.param) from None
     routing = {ROUTING_KEY_HEADER: conversation.id if conversation is not None
                else await state.store.chain_root(previous.id) if previous is not None else job.record.id}
     if req.gen.stream:
@@ -89,7 +95,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         raise reply.failure()
     if message.status == "partial" and reply.stopped_by is None:
         raise reply.interruption()  # the server is stopping
-    return json_response(response_object(state, job.record, [message, *reply.calls], stopped_by=reply.stopped_by),
+    return json_response(response_object(job.record, [message, *reply.calls], stopped_by=reply.stopped_by),
                          headers=routing)
 
 
@@ -104,9 +110,9 @@ async def _replay(request: web.Request, state: ServerState, tenant, response_id:
     outputs = await _outputs(state, record)
     headers = {"Idempotent-Replayed": "true"}
     if stream:
-        reply = turns.reply(record.output_message_id) or replayed(state, record, outputs)[0]
+        reply = turns.reply(record.output_message_id) or replayed(_replay_parser(state, record), record, outputs)[0]
         return await _stream(request, state, turns, reply, 0, cancel_on_leave=False, headers=headers)
-    return json_response(response_object(state, record, outputs), headers=headers)
+    return json_response(response_object(record, outputs), headers=headers)
 
 
 async def get_response(request: web.Request) -> web.StreamResponse:
@@ -122,7 +128,7 @@ async def get_response(request: web.Request) -> web.StreamResponse:
         except ValueError:
             raise APIError(400, f"starting_after must be an integer, got {shown(raw)}", "starting_after") from None
         if reply is None:
-            reply, exact = replayed(state, record, outputs)
+            reply, exact = replayed(_replay_parser(state, record), record, outputs)
             # Rebuilt, each item's text is one delta: past the events before the first delta its numbers
             # are not the ones the client saw, and the events after its `starting_after` would miss or
             # repeat text.
@@ -136,7 +142,7 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     if reply is not None and reply.done:
         outputs = [reply.message, *reply.calls]
     live = reply is not None and not reply.done
-    return json_response(response_object(state, record, outputs, live=live,
+    return json_response(response_object(record, outputs, live=live,
                                          stopped_by=reply.stopped_by if reply else None,
                                          error=reply.error if reply else None,
                                          output_deleted=not outputs and reply is None))
@@ -170,10 +176,10 @@ async def cancel_response(request: web.Request) -> web.Response:
     if reply is not None:
         async for _ in reply.follow(len(reply.events), state.heartbeat_seconds):  # returns once the reply is saved
             pass
-        return json_response(response_object(state, record, [reply.message, *reply.calls], stopped_by=reply.stopped_by,
+        return json_response(response_object(record, [reply.message, *reply.calls], stopped_by=reply.stopped_by,
                                              error=reply.error))
     outputs = await _outputs(state, record)
-    return json_response(response_object(state, record, outputs, output_deleted=not outputs))
+    return json_response(response_object(record, outputs, output_deleted=not outputs))
 
 
 async def delete_response(request: web.Request) -> web.Response:
@@ -214,6 +220,25 @@ async def _continued(state: ServerState, turns: Turns, tenant: Tenant,
     return conversation, previous
 
 
+async def _thread_model(state: ServerState, tenant: Tenant, body) -> str | None:
+    """The model of the conversation or previous response a body names, read before the body is
+    parsed (parsing needs the model's defaults); None when it names neither, or one that is not
+    the caller's (parsing and `_continued` refuse those by name)."""
+    if not isinstance(body, dict):
+        return None
+    conversation = body.get("conversation")
+    if isinstance(conversation, dict):
+        conversation = conversation.get("id")
+    if isinstance(conversation, str):
+        found = await state.store.get_conversation(tenant.id, conversation)
+        return found.model if found is not None else None
+    previous = body.get("previous_response_id")
+    if isinstance(previous, str):
+        record = await state.store.get_response(tenant.id, previous)
+        return record.model if record is not None else None
+    return None
+
+
 async def _previous(state: ServerState, turns: Turns, tenant: Tenant, response_id: str) -> Response:
     """The response a new one continues: the tenant's, stored, and finished."""
     record = await state.store.get_response(tenant.id, response_id)
@@ -227,6 +252,12 @@ async def _previous(state: ServerState, turns: Turns, tenant: Tenant, response_i
         raise APIError(409, f"response {response_id!r} is still being generated; continue it once it has finished",
                        "previous_response_id", "response_in_progress")
     return record
+
+
+def _replay_parser(state: ServerState, record: Response) -> ToolParser:
+    """How the model that made a response reads tool calls (the first model's while it is unloaded)."""
+    served = state.fleet.by_name(record.model)
+    return (served if served is not None and served.tokenizer is not None else state.fleet.primary).tool_parser
 
 
 async def _outputs(state: ServerState, record: Response) -> list[Message]:

@@ -88,8 +88,10 @@ class Safety:
     # -- outputs ----------------------------------------------------------------------------------
 
     def watch(self, handle: RequestHandle, tenant: Tenant, endpoint: str, num_choices: int, request_id: str | None,
-              conversation_id: str | None = None, message_id: str | None = None) -> RequestHandle:
-        """The engine request with its text checked as it streams (as it was, when outputs are not checked)."""
+              conversation_id: str | None = None, message_id: str | None = None,
+              token_text: Callable[[int], str] | None = None) -> RequestHandle:
+        """The engine request with its text checked as it streams (as it was, when outputs are not checked).
+        token_text: the serving model's token texts (else the one given at construction)."""
         if not self.config.check_output:
             return handle
 
@@ -107,7 +109,7 @@ class Safety:
                     await record(ACTION_EVENTS[action], found)
 
         return WatchedReply(handle, lambda: self.pipeline.output_window(tenant.tier), num_choices,
-                            self.config.output_notice, on_end, self.token_text)
+                            self.config.output_notice, on_end, token_text or self.token_text)
 
 
 class WatchedReply:

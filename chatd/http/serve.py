@@ -29,10 +29,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from chatd.config import Config, StoreConfig
-from chatd.engine import (AsyncEngine, Embedder, EngineProcess, LLMEngine, SamplingParams, Tokenizer,
-                          engine_process_wanted)
+from chatd.engine import AsyncEngine, Embedder, EngineProcess, LLMEngine, SamplingParams, engine_process_wanted
 from chatd.http.app import create_app
 from chatd.http.buckets import check_storage
+from chatd.http.fleet import fleet_config
 from chatd.http.starting import Startup, starting_app
 from chatd.http.state import ServerState
 from chatd.safety.guard import GuardModel
@@ -238,12 +238,19 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
     # Loaded on the engine thread, where all of the server's torch work runs (see async_engine.py),
     # or in a process of its own (engine_process.py) that the engine thread drives.
     startup = listening.startup
-    build = functools.partial(build_engine, config)
-    own_process, why = engine_process_wanted(config.server.engine_process, config.model.device)
+    entries = config.fleet()
+    own_process, why = engine_process_wanted(config.server.engine_process, entries[0].model.device)
     log.info("engine: %s (%s)", "in a process of its own" if own_process else "on a thread of the server", why)
-    if own_process:
-        build = functools.partial(EngineProcess, build, config.scheduler, config.cache)
-    async_engine = AsyncEngine(build)
+
+    def make_engine(model_config: Config) -> AsyncEngine:
+        """An engine (not started) for one chat model of the fleet."""
+        build = functools.partial(build_engine, model_config)
+        if engine_process_wanted(config.server.engine_process, model_config.model.device)[0]:
+            build = functools.partial(EngineProcess, build, model_config.scheduler, model_config.cache)
+        return AsyncEngine(build)
+
+    # The first model loads now (its engine sizes its KV pool before any other's); the others on demand.
+    async_engine = make_engine(fleet_config(config, entries[0]))
     model = await async_engine.start()
     tokenizer = async_engine.tokenizer
     if tokenizer is None:
@@ -251,8 +258,8 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
         raise ValueError("chatd serve needs a model with a tokenizer")
     startup.mark("loaded", f"steps {async_engine.compile_state()}")
     startup.phase = "warming up"
-    names = config.server.model_name or (model.name,)
-    if embedder is not None and embedder.name in names:
+    names = entries[0].names or (model.name,)
+    if embedder is not None and embedder.name in [*names, *(n for entry in entries[1:] for n in entry.names)]:
         await async_engine.stop()
         raise ValueError(f"the embedding model and the chat model are both served as {embedder.name!r}; give one "
                          "another name ([embeddings] served_name or [server] model_name)")
@@ -268,8 +275,9 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
         config=config,
         guard=guard,
         embedder=embedder,
+        make_engine=make_engine,
     )
-    state.shared_prefixes = await state.off_loop(_shared_prefixes, tokenizer, config.cache.shared_system_prompts)
+    await state.fleet.primary.render_shared_prefixes()
     app = create_app(state, config.server.max_body_bytes)
     # handler_cancellation: a client that goes away cancels its handler, which aborts its request.
     # shutdown_timeout: after the grace period and the engine's stop, handlers only write their
@@ -296,6 +304,7 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
     try:
         await _warm_up(async_engine, state)
         site = await listening.hand_over(runner)
+        state.fleet.start()  # [[models]] preloaded, idle ones unloaded past their keep_alive
         state.ready = True
         startup.phase = "serving"
         startup.mark("ready")
@@ -303,6 +312,9 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
         log.info("auth: %s", _auth_mode(config))
         if state.model_aliases:
             log.info("model %s is also served as %s", state.model_name, ", ".join(state.model_aliases))
+        for other in state.fleet.models[1:]:
+            log.info("model %s (%s): loads on %s, keep_alive %g s", other.name, other.entry.model.path or "the default "
+                     "model", "start" if other.entry.preload else "its first request", other.keep_alive)
         log.info(
             "ready: model %s, dtype %s, device %s, attention %s, %d KV blocks, steps %s, http://%s:%d",
             state.model_name, model.dtype, model.device, model.attention_backend, model.num_kv_blocks,
@@ -314,7 +326,7 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
         state.ready = False
         startup.phase = "draining"
         state.draining_until = loop.time() + grace
-        await _drain(async_engine, state, grace)
+        await _drain(state, grace)
         await site.stop()
     finally:
         purge.cancel()
@@ -322,6 +334,7 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
         if watch is not None:
             watch.cancel()
         state.stopping = True
+        await state.fleet.stop()  # the other models, and unloading
         await async_engine.stop()  # aborts what is left: streams end with an error event, replies save as partial
         await runner.cleanup()  # handlers finish their last writes, or are cancelled after SHUTDOWN_WRITE_SECONDS
         await state.wait_background(timeout=10.0)
@@ -378,13 +391,13 @@ async def _beat_forever(store: Store, replica: str, interval: float) -> None:
         await asyncio.sleep(interval)
 
 
-async def _drain(engine: AsyncEngine, state: ServerState, grace: float) -> None:
+async def _drain(state: ServerState, grace: float) -> None:
     """Wait up to `grace` seconds for the requests in flight (and their last writes) to finish."""
     deadline = asyncio.get_running_loop().time() + grace
     while asyncio.get_running_loop().time() < deadline:
-        stats = engine.stats()
+        engines = [model.engine.stats() for model in state.fleet.loaded()]
         # Probes and /metrics are counted too; a drain waits for them for a moment, which is fine.
-        if stats.num_running == 0 and stats.num_waiting == 0 and state.num_in_flight == 0:
+        if all(s.num_running == 0 and s.num_waiting == 0 for s in engines) and state.num_in_flight == 0:
             return
         await asyncio.sleep(0.05)
 
@@ -407,14 +420,3 @@ def _malformed_requests_at_debug(record: logging.LogRecord) -> bool:
     record.levelno, record.levelname, record.exc_info = logging.DEBUG, "DEBUG", None
     record.msg, record.args = "malformed request refused: %s", (str(exc).replace("\n", " "),)
     return logging.getLogger("aiohttp.server").isEnabledFor(logging.DEBUG)
-
-
-def _shared_prefixes(tokenizer: Tokenizer, prompts: tuple[str, ...]) -> list[list[int]]:
-    """Each shared system prompt as the chat template renders it alone, in tokens."""
-    prefixes = []
-    for prompt in prompts:
-        try:
-            prefixes.append(tokenizer.encode_chat([{"role": "system", "content": prompt}], add_generation_prompt=False))
-        except ValueError as exc:
-            log.warning("shared system prompt %r cannot be rendered on its own (%s); it is not shared", prompt[:40], exc)
-    return prefixes

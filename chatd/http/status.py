@@ -1,4 +1,4 @@
-"""The small routes that report and change nothing: the model served (`/v1/models`,
+"""The small routes that report and change nothing: the models served (`/v1/models`,
 `/v1/models/{model}`), a caller's usage (`/v1/usage`), liveness, health, readiness and metrics.
 
 They read the engine's health and stats and the store's totals; they never generate. The
@@ -24,15 +24,17 @@ from chatd.http.wire import json_response
 
 
 async def models(request: web.Request) -> web.Response:
-    """The one model this server serves, as OpenAI lists models: a card per name it answers to.
+    """The models this server serves, as OpenAI lists models: a card per name it answers to.
 
-    One card per alias (as vLLM lists --served-model-name), not one card with an alias field:
+    One card per name (as vLLM lists --served-model-name), not one card with an alias field:
     OpenAI's model object has none, and SDK users and UIs pick a model from the listed ids, so
-    every name a request may use must be an id. `root` on each card says they are one model.
+    every name a request may use must be an id. `root` on each card names the model it is; an
+    alias split across models ([aliases]) has its targets' weights instead. `status` says whether
+    a model is loaded, loading or unloaded (it loads on its first request).
     """
     state, tenant = request.app[STATE], request[TENANT]
     names = [name for name in state.model_names if state.limits.may_use(tenant, name)]  # what the tier may use
-    cards = [state.model_card(name) for name in names]
+    cards = [_card(state, name) for name in names]
     if state.embedder is not None and state.limits.may_use(tenant, state.embedder.name):
         cards.append(embedding_card(state.embedder))  # OpenAI lists every model, embedding models too
     return json_response({"object": "list", "data": cards})
@@ -45,8 +47,19 @@ async def model(request: web.Request) -> web.Response:
     if state.embedder is not None and name == state.embedder.name:
         state.limits.check_model(request[TENANT], name)
         return json_response(embedding_card(state.embedder))
-    state.check_model(name, request[TENANT])
-    return json_response(state.model_card(name))
+    if name in state.fleet.aliases:
+        state.limits.check_model(request[TENANT], name)
+        return json_response(_card(state, name))
+    state.pick_model(name, request[TENANT])  # 404 for a name not served, 403 for one the tier may not use
+    return json_response(_card(state, name))
+
+
+def _card(state: ServerState, name: str) -> dict:
+    alias = state.fleet.aliases.get(name)
+    if alias is None:
+        return state.fleet.by_name(name).card(name)
+    return {"id": name, "object": "model", "created": 0, "owned_by": "chatd", "root": None,
+            "targets": dict(alias.targets)}
 
 
 async def usage(request: web.Request) -> web.Response:
@@ -127,7 +140,7 @@ async def health(request: web.Request) -> web.Response:
     if refused is not None:
         return refused
     return web.json_response({"status": "ok", "phase": "serving", "compiled_steps": state.engine.compile_state(),
-                              "store": _store_status(state)})
+                              "store": _store_status(state), "models": _model_states(state)})
 
 
 async def version(request: web.Request) -> web.Response:
@@ -143,7 +156,13 @@ async def ready(request: web.Request) -> web.Response:
     if refused is not None:
         return refused
     # Steps still compiling (CPU, worker/compile_job.py) serve, eagerly: ready, and it says so.
-    return web.json_response({"status": "ready", "compiled_steps": state.engine.compile_state()})
+    return web.json_response({"status": "ready", "compiled_steps": state.engine.compile_state(),
+                              "models": _model_states(state)})
+
+
+def _model_states(state: ServerState) -> dict[str, str]:
+    """Each chat model's state: loaded, loading or unloaded (one that is unloaded loads on its next request)."""
+    return {model.name: model.status for model in state.fleet.models}
 
 
 def _unavailable(state: ServerState) -> web.Response | None:
@@ -157,7 +176,7 @@ def _unavailable(state: ServerState) -> web.Response | None:
         return _refusal("draining", "draining", left)
     if not state.ready:
         return _refusal("warming up", "warming up", RETRY_AFTER_SECONDS)
-    problem = state.engine.health()
+    problem = state.engine.health() if state.fleet.primary.status != "unloaded" else None
     if problem is not None:
         return _refusal("engine stopped", "stopped", None, error=problem)
     if not state.ledger.healthy:
@@ -181,6 +200,12 @@ def _store_status(state: ServerState) -> dict:
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text: the server's request metrics and the engine's latest stats."""
     state = request.app[STATE]
-    state.metrics.update_engine(state.engine.stats(), state.engine.stage_times())
+    for served in state.fleet.models:
+        engine, info = served.engine, served.info
+        if engine is not None:
+            state.metrics.update_engine(engine.stats(), engine.stage_times(), served.name, info.kv_bytes_per_token,
+                                        info.block_size)
+        else:
+            state.metrics.update_engine(None, {}, served.name)
     body, content_type = state.metrics.render()
     return web.Response(body=body, headers={"Content-Type": content_type})

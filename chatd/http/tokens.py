@@ -16,7 +16,9 @@ from typing import Any
 
 from aiohttp import web
 
+from chatd.http.auth import TENANT
 from chatd.http.errors import APIError
+from chatd.http.fleet import ServedModel
 from chatd.http.protocol import parse_chat, shown
 from chatd.http.state import STATE, ServerState
 from chatd.http.wire import checked, json_response, read_json
@@ -29,7 +31,11 @@ async def tokenize(request: web.Request) -> web.Response:
     """`{"prompt": str}` or `{"messages": [...], "add_generation_prompt": bool}` -> `{"tokens", "count", "max_model_len"}`."""
     state = request.app[STATE]
     body = _body(await read_json(request), TOKENIZE_FIELDS)
-    state.check_model(_optional(body, "model", str))
+    async with state.pick_model(_optional(body, "model", str), request[TENANT]).in_use() as served:
+        return await _tokenize(request, state, served, body)
+
+
+async def _tokenize(request: web.Request, state: ServerState, served: ServedModel, body: dict) -> web.Response:
     add_generation_prompt = _optional(body, "add_generation_prompt", bool)
     if ("prompt" in body) == ("messages" in body):
         raise APIError(400, "give either prompt (text) or messages (a chat to render with the chat template)",
@@ -40,34 +46,34 @@ async def tokenize(request: web.Request) -> web.Response:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise APIError(400, f"prompt must be a string, got {shown(prompt)}", "prompt")
-        tokens = await state.encode_prompt(prompt)
+        tokens = await served.encode_prompt(prompt)
     else:
         chat = {name: body[name] for name in ("messages", "tools") if name in body}
         gen = await checked(request, parse_chat, chat, state.config.server.max_messages)
-        tools = await state.off_loop(state.tool_use, gen.tools, gen.messages)
-        tokens = await state.encode_chat(tools.messages, add_generation_prompt=add_generation_prompt is not False,
-                                         tools=tools.shown)
-    return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len})
+        tools = await served.off_loop(served.tool_use, gen.tools, gen.messages)
+        tokens = await served.encode_chat(tools.messages, add_generation_prompt=add_generation_prompt is not False,
+                                          tools=tools.shown)
+    return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": served.max_model_len})
 
 
 async def detokenize(request: web.Request) -> web.Response:
     """`{"tokens": [ids]}` -> `{"prompt": str}`, special tokens included (what the model reads)."""
     state = request.app[STATE]
     body = _body(await read_json(request), DETOKENIZE_FIELDS)
-    state.check_model(_optional(body, "model", str))
-    tokens = await checked(request, _token_ids, state, body.get("tokens"))
-    text = await state.off_loop(state.tokenizer.decode, tokens, False) if tokens else ""
+    async with state.pick_model(_optional(body, "model", str), request[TENANT]).in_use() as served:
+        tokens = await checked(request, _token_ids, served, body.get("tokens"))
+        text = await served.off_loop(served.tokenizer.decode, tokens, False) if tokens else ""
     return json_response({"prompt": text})
 
 
-def _token_ids(state: ServerState, tokens: Any) -> list[int]:
+def _token_ids(served: ServedModel, tokens: Any) -> list[int]:
     """Token ids the model knows, no more than its context window holds; 400 naming the first that is not."""
     if not isinstance(tokens, list):
         raise APIError(400, f"tokens must be a list of token ids, got {shown(tokens)}", "tokens")
-    if len(tokens) > state.max_model_len:  # before a pass over a list of maybe a million
-        raise APIError(400, f"tokens has {len(tokens)} entries; the limit is max_model_len, {state.max_model_len}",
+    if len(tokens) > served.max_model_len:  # before a pass over a list of maybe a million
+        raise APIError(400, f"tokens has {len(tokens)} entries; the limit is max_model_len, {served.max_model_len}",
                        "tokens", "context_length_exceeded")
-    vocab_size = state.model.vocab_size
+    vocab_size = served.info.vocab_size
     for i, token in enumerate(tokens):
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
             raise APIError(400, f"tokens[{i}] is {shown(token)}; token ids are integers in [0, {vocab_size})", "tokens")

@@ -36,9 +36,10 @@ from typing import Protocol
 
 from aiohttp import web
 
-from chatd.engine import CompletionOutput, FinishReason, RequestOutput
+from chatd.engine import CompletionOutput, EngineClient, FinishReason, RequestOutput
 from chatd.http import pipeline
 from chatd.http.errors import APIError, error_body
+from chatd.http.fleet import ServedModel
 from chatd.http.history import render_turn
 from chatd.http.limits import Lease
 from chatd.http.openai_format import ChunkFormat, finish_reason, merged_with
@@ -61,9 +62,10 @@ class ReplyStream:
     """One assistant reply's SSE events; event i (from 1) carries `id: i`. Followers wait for more."""
 
     def __init__(self, conversation_id: str | None, message_id: str, engine_request_id: str | None = None,
-                 named: bool = False) -> None:
+                 named: bool = False, engine: EngineClient | None = None) -> None:
         self.conversation_id, self.message_id = conversation_id, message_id
         self.engine_request_id = engine_request_id  # None for a reply rebuilt from its row
+        self.engine = engine  # the engine generating it (None for a reply rebuilt from its row)
         self.named = named  # each event carries `event: <its type>` (Responses' streams)
         self.stopped_by: str | None = None  # "delete" (of its conversation) or "cancel": a client stopped it
         self.error: str | None = None  # why generation failed, when it did
@@ -147,6 +149,7 @@ class TurnJob(Generation, Protocol):
     """One kind of turn: what it renders (as the pipeline's Generation: its texts, its one prompt
     from its history), what rows it writes, how its reply is told and saved."""
 
+    served: ServedModel  # the model that generates it (fleet.py)
     busy_key: str | None  # a conversation id: at most one turn under way in it (None: no such limit)
     stored: bool  # whether its reply has a row (saved as it grows, and finished through the ledger)
     named_events: bool  # whether its stream names each event (`event:` lines)
@@ -191,7 +194,7 @@ class Turns:
                                     "finished", None, "conversation_busy")
             self._busy.add(job.busy_key)  # released by the turn task; no await between the check and this
         started: asyncio.Future = asyncio.get_running_loop().create_future()
-        record = GenerationRecord(job.route, request_log)
+        record = GenerationRecord(job.route, request_log, job.served.name)
         record.hold_log()  # released by the turn task, however it ends
         self.state.spawn(self._run(tenant, job, started, request_id, record),
                          name=f"turn {job.busy_key or job.endpoint}")
@@ -215,7 +218,7 @@ class Turns:
     def _stop(self, reply: ReplyStream, why: str) -> None:
         if not reply.done and reply.engine_request_id and reply.stopped_by is None:
             reply.stopped_by = why
-            self.state.engine.abort(reply.engine_request_id)  # its turn task wakes with the abort and saves it as partial
+            reply.engine.abort(reply.engine_request_id)  # its turn task wakes with the abort and saves it as partial
 
     # -- the turn task ----------------------------------------------------------------------------
 
@@ -227,7 +230,7 @@ class Turns:
         try:
             try:
                 # Before any row is written: a refused message is kept only in the audit trail.
-                launched = await pipeline.start(state, tenant, job, request_id, conversation_id=job.busy_key)
+                launched = await pipeline.start(state, job.served, tenant, job, request_id, conversation_id=job.busy_key)
             except BaseException as exc:
                 _fail(started, exc)
                 raise
@@ -240,8 +243,9 @@ class Turns:
                 _fail(started, job.not_found() if isinstance(exc, LookupError) else exc)
                 raise
             results = state.safety.watch(results, tenant, job.endpoint, 1, request_id, assistant.conversation_id,
-                                         assistant.id)
-            reply = ReplyStream(assistant.conversation_id, assistant.id, results.request_id, job.named_events)
+                                         assistant.id, job.served.token_text)
+            reply = ReplyStream(assistant.conversation_id, assistant.id, results.request_id, job.named_events,
+                                job.served.engine)
             self._replies[assistant.id] = reply
             events = job.events(assistant, job.omitted)
             started.set_result((reply, job.omitted))
@@ -318,7 +322,7 @@ class Turns:
         fields = dict(
             content=content, status=status, finish_reason=finish if status == "complete" else None,
             prompt_tokens=len(prompt), cached_tokens=cached, completion_tokens=completion,
-            cost=state.cost(len(prompt), cached, completion),
+            cost=job.served.cost(len(prompt), cached, completion),
         )
         message, reply.calls = call_rows(dataclasses.replace(assistant, **fields, updated_at=time.time()), calls)
         # The reply and its usage are written together before its stream ends, so a client that reads
@@ -326,11 +330,11 @@ class Turns:
         # it and writes it later; the stream ends at once, with the message as it will be saved.
         if job.stored:
             # A reply that called tools is rendered from its calls next turn: its ids would not be exact.
-            reply_ids = _reply_token_ids(state, job.gen, output) if status != "error" and not calls else None
-            await state.ledger.finish_turn(tenant.id, assistant.id, model=state.model_name, endpoint=job.endpoint,
+            reply_ids = _reply_token_ids(job.served, job.gen, output) if status != "error" and not calls else None
+            await state.ledger.finish_turn(tenant.id, assistant.id, model=job.served.name, endpoint=job.endpoint,
                                            token_ids=reply_ids, calls=calls, **fields)
         else:
-            state.ledger.record_usage(tenant.id, endpoint=job.endpoint, model=state.model_name, cost=fields["cost"],
+            state.ledger.record_usage(tenant.id, endpoint=job.endpoint, model=job.served.name, cost=fields["cost"],
                                       prompt_tokens=len(prompt), cached_tokens=cached, completion_tokens=completion)
         reply.error = error
         for payload in events.closing(message, merged, reply):
@@ -345,9 +349,9 @@ class MessageTurn:
 
     stored, named_events, endpoint, route = True, False, "conversations", "conversation"
 
-    def __init__(self, state: ServerState, tenant: Tenant, conversation: Conversation, turn: TurnRequest,
-                 idempotency_key: str | None = None) -> None:
-        self.state, self.tenant, self.conversation, self.turn = state, tenant, conversation, turn
+    def __init__(self, state: ServerState, served: ServedModel, tenant: Tenant, conversation: Conversation,
+                 turn: TurnRequest, idempotency_key: str | None = None) -> None:
+        self.state, self.served, self.tenant, self.conversation, self.turn = state, served, tenant, conversation, turn
         self.idempotency_key = idempotency_key  # claimed by the route; the turn's rows are bound to it
         self.gen = turn.gen
         self.busy_key = conversation.id
@@ -362,7 +366,7 @@ class MessageTurn:
     async def prompts(self) -> dict[str, list[int]]:
         history = await self.state.store.list_messages(self.conversation.id)
         # Rendering a long history and tokenizing it is CPU work: off the event loop.
-        prompt, self.omitted = await self.state.off_loop(render_turn, self.state, self.conversation, history, self.turn)
+        prompt, self.omitted = await self.state.off_loop(render_turn, self.served, self.conversation, history, self.turn)
         return {"content": prompt}
 
     async def begin(self) -> Message:
@@ -371,7 +375,7 @@ class MessageTurn:
         return assistant
 
     def events(self, assistant: Message, omitted: int) -> ReplyEvents:
-        return ChatEvents(self.state, assistant, self.gen, omitted)
+        return ChatEvents(self.served, assistant, self.gen, omitted)
 
     def not_found(self) -> APIError:
         return conversation_not_found(self.conversation.id)
@@ -380,10 +384,10 @@ class MessageTurn:
 class ChatEvents:
     """A conversation reply as chat-completion chunks, ended by `[DONE]` or an error event."""
 
-    def __init__(self, state: ServerState, assistant: Message, gen: GenerationRequest, omitted: int) -> None:
+    def __init__(self, served: ServedModel, assistant: Message, gen: GenerationRequest, omitted: int) -> None:
         self.gen, self.omitted = gen, omitted
-        self.format = ChunkFormat(state, assistant.id, int(assistant.created_at), True, gen.include_usage,
-                                  {"conversation_id": assistant.conversation_id})
+        self.format = ChunkFormat(served.name, served.token_text, assistant.id, int(assistant.created_at), True,
+                                  gen.include_usage, {"conversation_id": assistant.conversation_id})
 
     def opening(self) -> list[dict]:
         first = self.format.role_chunks(1)[0]
@@ -418,13 +422,13 @@ def _fail(started: asyncio.Future, exc: BaseException) -> None:
         started.set_exception(exc)
 
 
-def _reply_token_ids(state: ServerState, gen: GenerationRequest, output: CompletionOutput | None) -> list[int] | None:
+def _reply_token_ids(served: ServedModel, gen: GenerationRequest, output: CompletionOutput | None) -> list[int] | None:
     """A reply's tokens as the next turn's prompt holds them: what was generated, less the stop
     token that ended it (the template writes its own end of turn)."""
     if output is None or not output.token_ids or output.finish_reason == FinishReason.CONTENT_FILTER:
         return None  # (a reply the output check cut is stored as the text that was sent)
     ids = list(output.token_ids)
-    stop_ids = set(gen.params.stop_token_ids) | (state.tokenizer.eos_token_ids if state.tokenizer else set())
+    stop_ids = set(gen.params.stop_token_ids) | (served.tokenizer.eos_token_ids if served.tokenizer else set())
     if output.finish_reason == FinishReason.STOP and not isinstance(output.stop_reason, str) and ids[-1] in stop_ids:
         ids.pop()
     return ids

@@ -85,6 +85,20 @@ class Conversations(Database):
                                     (*fields.values(), self._clock(), conversation_id, tenant_id))
         return await self.get_conversation(tenant_id, conversation_id) if changed == 1 else None
 
+    @whole
+    async def move_conversation(self, tenant_id: str, conversation_id: str, model: str) -> bool:
+        """The conversation goes on with another model: it names that model now, and its replies'
+        token ids (the old model's tokens) are forgotten, so its history is rendered again from text
+        for the new one. False if it is missing, deleted or someone else's."""
+        async with self._transaction() as conn:
+            moved = await conn.execute("UPDATE conversations SET model = ? WHERE id = ? AND tenant_id = ? "
+                                       "AND deleted_at IS NULL", (model, conversation_id, tenant_id))
+            if moved.rowcount != 1:
+                return False
+            await conn.execute("UPDATE messages SET token_ids = NULL WHERE conversation_id = ? AND token_ids IS NOT NULL",
+                               (conversation_id,))
+        return True
+
     async def delete_conversation(self, tenant_id: str, conversation_id: str) -> bool:
         """Soft delete: hidden at once, purged later. False if missing, deleted or someone else's."""
         deleted = await self._write("UPDATE conversations SET deleted_at = ? "

@@ -82,18 +82,25 @@ class Responses(Database):
                                  (response_id,))
         return [message_from_row(row) for row in rows]
 
-    async def chain_messages(self, response_id: str) -> list[Message]:
+    async def chain_messages(self, response_id: str, model: str | None = None) -> list[Message]:
         """The messages of a response and of every response before it by previous_response_id,
         oldest first: the history a response that continues it starts from. (Check the response
-        is the caller's first; a purged response ends the chain.)"""
+        is the caller's first; a purged response ends the chain.) With `model`, the messages of
+        responses another model served come without their token ids (another tokenizer's)."""
         columns = ", ".join("m." + c for c in MESSAGE_COLUMNS.split(", "))
         rows = await self._fetch(
             "WITH RECURSIVE chain (id, depth) AS (SELECT ?, 0 UNION ALL "
             "SELECT r.previous_response_id, chain.depth + 1 FROM responses r JOIN chain ON r.id = chain.id "
             "WHERE r.previous_response_id IS NOT NULL) "
-            f"SELECT {columns} FROM chain JOIN messages m ON m.response_id = chain.id "
-            "ORDER BY chain.depth DESC, m.position", (response_id,))
-        return [message_from_row(row) for row in rows]
+            f"SELECT {columns}, r.model FROM chain JOIN messages m ON m.response_id = chain.id "
+            "JOIN responses r ON r.id = chain.id ORDER BY chain.depth DESC, m.position", (response_id,))
+        messages = []
+        for row in rows:
+            message = message_from_row(tuple(row)[:-1])
+            if model is not None and row[-1] != model and message.token_ids is not None:
+                message = dataclasses.replace(message, token_ids=None)
+            messages.append(message)
+        return messages
 
     async def chain_root(self, response_id: str) -> str:
         """The first response of the chain `response_id` ends (itself if it continues none): what

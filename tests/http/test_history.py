@@ -13,6 +13,7 @@ from chatd.engine import Tokenizer
 from chatd.http.history import render_turn
 from chatd.http.errors import APIError
 from chatd.http.protocol import parse_turn
+from chatd.http.fleet import ServedModel
 from chatd.http.state import ServerState
 from chatd.store.records import Conversation, Message
 from tests.factories import make_model_info
@@ -35,10 +36,11 @@ def tokenizer(tmp_path_factory) -> CountingTokenizer:
     return CountingTokenizer(Tokenizer.from_pretrained(path).hf)
 
 
-def make_state(tokenizer: Tokenizer, window: int, max_messages: int = 2048) -> ServerState:
-    """Only what `_render` reads: the tokenizer, the window and the limits (no engine, no store)."""
-    return ServerState(engine=None, tokenizer=tokenizer, model=make_model_info(window), model_name="m", store=None,
-                       local_tenant=None, ledger=None, config=build_config({"server": {"max_messages": max_messages}}))
+def make_state(tokenizer: Tokenizer, window: int, max_messages: int = 2048) -> ServedModel:
+    """Only what rendering reads: the model's tokenizer and window, and the limits (no engine, no store)."""
+    state = ServerState(engine=None, tokenizer=tokenizer, model=make_model_info(window), model_name="m", store=None,
+                        local_tenant=None, ledger=None, config=build_config({"server": {"max_messages": max_messages}}))
+    return state.fleet.primary
 
 
 def history(turns: int) -> list[Message]:

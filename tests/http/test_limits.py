@@ -177,12 +177,13 @@ def test_the_max_tokens_ceiling_caps_the_default_and_refuses_more():
     assert limits(Clock(), enabled=False, free=TierConfig(max_tokens=256)).max_tokens(ALICE, 1000, "max_tokens") == 1000
 
 
-def test_a_tier_limited_to_some_models_gets_404_for_the_others():
+def test_a_tier_limited_to_some_models_gets_403_naming_the_model_and_the_tier():
     lim = limits(Clock(), free=TierConfig(models=("small",), priority=20))
     lim.check_model(ALICE, "small")
     with pytest.raises(APIError) as refused:
         lim.check_model(ALICE, "large")
-    assert (refused.value.status, refused.value.code, refused.value.param) == (404, "model_not_found", "model")
+    assert (refused.value.status, refused.value.code, refused.value.param) == (403, "model_not_allowed", "model")
+    assert "'large'" in refused.value.message and "tier (free)" in refused.value.message
     assert lim.may_use(PAYING, "large") and not lim.may_use(ALICE, "large")
 
 

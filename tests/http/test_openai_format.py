@@ -30,7 +30,7 @@ def delta(*choices: CompletionOutput) -> RequestOutput:
 @pytest.mark.parametrize("usage", [True, False], ids=["usage", "no-usage"])
 async def test_a_text_delta_from_prepared_parts_is_the_dicts_bytes(state, chat, usage):
     extra = {"service_tier": "default"} if chat else None
-    chunks = ChunkFormat(state, "chatcmpl-abc", 1_700_000_000, chat, usage, extra)
+    chunks = ChunkFormat(state.model_name, state.fleet.primary.token_text, "chatcmpl-abc", 1_700_000_000, chat, usage, extra)
     for index in (0, 3):
         for text in TEXTS:
             out = delta(CompletionOutput(index, text=text, token_ids=[7]))
@@ -38,7 +38,7 @@ async def test_a_text_delta_from_prepared_parts_is_the_dicts_bytes(state, chat, 
 
 
 async def test_other_deltas_are_built_from_dicts(state):
-    chunks = ChunkFormat(state, "chatcmpl-abc", 1, True, True)
+    chunks = ChunkFormat(state.model_name, state.fleet.primary.token_text, "chatcmpl-abc", 1, True, True)
     others = [
         delta(CompletionOutput(0, text="end", token_ids=[7], finish_reason=FinishReason.STOP)),
         delta(CompletionOutput(0, text="a", token_ids=[7]), CompletionOutput(1, text="b", token_ids=[8])),
@@ -48,6 +48,6 @@ async def test_other_deltas_are_built_from_dicts(state):
         chunk = chunks.delta_chunk(out)
         assert chunks.delta_json(out) == (None if chunk is None else orjson.dumps(chunk))
     assert b'"finish_reason":"stop"' in chunks.delta_json(others[0])
-    parsed = ChunkFormat(state, "chatcmpl-abc", 1, True, False, tool_parser=PARSERS["hermes"])
+    parsed = ChunkFormat(state.model_name, state.fleet.primary.token_text, "chatcmpl-abc", 1, True, False, tool_parser=PARSERS["hermes"])
     held = delta(CompletionOutput(0, text="<tool_call>", token_ids=[7]))  # a call may be starting: held back
     assert parsed.delta_json(held) is None

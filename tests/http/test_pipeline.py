@@ -65,30 +65,31 @@ def test_a_limit_names_the_fields_the_client_sent():
 
 async def test_admission_decides_the_reply_length_once_and_leaves_the_request_as_sent(state):
     unnamed = chat()
-    admitted = await pipeline.admit(state, ALICE, unnamed, [[1, 2, 3]])
+    admitted = await pipeline.admit(state, state.fleet.primary, ALICE, unnamed, [[1, 2, 3]])
     assert admitted.params.max_tokens == 8  # the tier's ceiling
     assert unnamed.params.max_tokens is None  # the parsed request is not rewritten
     admitted.lease.release(0)
 
     within = chat(5)
-    admitted = await pipeline.admit(state, ALICE, within, [[1, 2, 3]])
+    admitted = await pipeline.admit(state, state.fleet.primary, ALICE, within, [[1, 2, 3]])
     assert admitted.params is within.params and admitted.params.max_tokens == 5
     assert admitted.placement.priority == 20 and admitted.placement.tenant == ALICE.id
     admitted.lease.release(0)
 
     with pytest.raises(APIError) as refused:
-        await pipeline.admit(state, ALICE, chat(100), [[1, 2, 3]])
+        await pipeline.admit(state, state.fleet.primary, ALICE, chat(100), [[1, 2, 3]])
     assert refused.value.param == "max_completion_tokens" and "over the limit of 8" in refused.value.message
 
 
 async def test_two_tenants_never_share_a_cache_scope_but_do_share_a_shared_system_prompt(state):
     prompt = [5, 6, 7, 8, 9]
-    alice, bob = pipeline.cache_scope(state, ALICE, prompt), pipeline.cache_scope(state, BOB, prompt)
+    served = state.fleet.primary
+    alice, bob = pipeline.cache_scope(state, served, ALICE, prompt), pipeline.cache_scope(state, served, BOB, prompt)
     assert alice.salt != bob.salt and alice.shared_prefix_tokens == bob.shared_prefix_tokens == 0
-    state.shared_prefixes = [[5, 6, 7]]
-    assert pipeline.cache_scope(state, ALICE, prompt) == CacheScope(ALICE.id, 3)
+    served.shared_prefixes = [[5, 6, 7]]
+    assert pipeline.cache_scope(state, served, ALICE, prompt) == CacheScope(ALICE.id, 3)
     state.config = build_config({**TIERS, "cache": {"prefix_cache_scope": "global"}})
-    assert pipeline.cache_scope(state, ALICE, prompt) == CacheScope()
+    assert pipeline.cache_scope(state, served, ALICE, prompt) == CacheScope()
 
 
 class RefusesSecond(ScriptedChatEngine):
@@ -125,12 +126,12 @@ async def test_a_refused_prompt_ends_the_started_ones_and_frees_the_lease(tmp_pa
         "max_concurrent_requests": 1, "priority": 20}}}))
     try:
         with pytest.raises(APIError) as refused:
-            await pipeline.start(state, ALICE, Batch(), "req-1")
+            await pipeline.start(state, state.fleet.primary, ALICE, Batch(), "req-1")
         assert (refused.value.param, refused.value.code) == ("prompt[1]", "context_length_exceeded")
         assert engine.aborted == {"scripted-1"}  # the first prompt's request, ended
         # Its concurrency slot came back: the same tenant is admitted again at once.
         engine.generate = ScriptedChatEngine.generate.__get__(engine)
-        started = await pipeline.start(state, ALICE, Batch(), "req-2")
+        started = await pipeline.start(state, state.fleet.primary, ALICE, Batch(), "req-2")
         assert [len(p) for p in started.prompts.values()] == [3, 3] and len(started.handles) == 2
         assert started.admitted.params.max_tokens == 4
         started.admitted.lease.release(0)

@@ -137,9 +137,9 @@ async def test_the_tier_caps_max_tokens_and_limits_the_models(server):
     assert refused.value.param == "max_completion_tokens" and "over the limit of 8 for tier capped" in refused.value.message
     reply = await dave.chat.completions.create(model="demo", messages=QUESTION, extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 8  # the ceiling is the default length
-    with pytest.raises(openai.NotFoundError) as refused:
+    with pytest.raises(openai.PermissionDeniedError) as refused:
         await dave.chat.completions.create(model="demo-large", messages=QUESTION, max_tokens=4)
-    assert refused.value.code == "model_not_found" and "tier (capped)" in refused.value.message
+    assert refused.value.code == "model_not_allowed" and "tier (capped)" in refused.value.message
     assert [m.id async for m in dave.models.list()] == ["demo"]
     assert [m.id async for m in client(server, "erin").models.list()] == ["demo", "demo-large"]
 
