@@ -254,11 +254,12 @@ class ServedModel:
                 "status": self.status}
         if self.info is not None:
             card["context_length"] = self.max_model_len
-            card["chatd"] = self._details()
         elif self.entry.model.max_model_len:
             card["context_length"] = self.entry.model.max_model_len
         if self.load_error is not None:
             card["load_error"] = self.load_error
+        details = self._details() if self.status == LOADED else {}
+        card["chatd"] = {**details, "keep_alive": self.keep_alive, "loads": self.num_loads}
         return card
 
     def _details(self) -> dict:
@@ -270,8 +271,6 @@ class ServedModel:
             details["compiled_decode"], details["compiled_prefill_tokens"] = False, 0
         else:
             details["compiled_decode"] = True
-        details["keep_alive"] = self.keep_alive
-        details["loads"] = self.num_loads
         return details
 
 

@@ -1,0 +1,202 @@
+"""Which model serves a request (fleet.py's Fleet.pick), an alias's split by weight, and models
+loaded on first use and unloaded after keep_alive, with engines that only count (the real
+server with three real models is test_fleet_serve.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import time
+
+import pytest
+
+from chatd.config_loader import build_config
+from chatd.engine import EngineStats
+from chatd.http.errors import APIError
+from chatd.http.fleet import LOADED, UNLOADED, Fleet, ServedModel, fleet_config
+from tests.factories import make_model_info
+
+FLEET = {
+    "models": [{"name": "small", "path": "demo"}, {"name": ["large", "big"], "path": "", "keep_alive": "2s"},
+               {"name": "canary", "path": "demo", "keep_alive": 0}],
+    "aliases": {"chat": {"targets": {"small": 95, "canary": 5}}},
+    "tiers": {"free": {"models": ["small", "chat"], "default_model": "small"}, "paid": {"default_model": "large"}},
+}
+
+
+class CountingEngine:
+    """An engine that starts, stops and reports how many requests it holds (`streams`)."""
+
+    def __init__(self, name: str, starts: list[str], delay: float = 0.0) -> None:
+        self.name, self.starts, self.delay = name, starts, delay
+        self.streams = 0
+        self.stopped = False
+        self.tokenizer = object()
+
+    async def start(self):
+        await asyncio.sleep(self.delay)
+        self.starts.append(self.name)
+        return make_model_info(256, path=f"/models/{self.name}")
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0.0, 16, 16, 0, 0, 0, 0, 0, num_request_streams=self.streams)
+
+    def compile_state(self) -> str:
+        return "off"
+
+
+def make_fleet(values=FLEET, seed: int = 0, delay: float = 0.0) -> tuple[Fleet, list[str], dict[str, CountingEngine]]:
+    """The fleet of `values` with counting engines; the first model loaded, the others not."""
+    config = build_config(values)
+    starts: list[str] = []
+    engines: dict[str, CountingEngine] = {}
+
+    def make_engine(model_config):
+        name = next(e.name for e in config.fleet() if e.model is model_config.model)
+        engines[name] = CountingEngine(name, starts, delay)
+        return engines[name]
+
+    tokenizing = concurrent.futures.ThreadPoolExecutor(1)
+    models = [ServedModel(entry, fleet_config(config, entry), make_engine, tokenizing) for entry in config.fleet()]
+    first = CountingEngine("small", starts)
+    engines["small"] = first
+    models[0].loaded(first, first.tokenizer, make_model_info(256))
+    return Fleet(config, models, random.Random(seed)), starts, engines
+
+
+def pick(fleet: Fleet, requested, tier: str = "paid", thread_model=None) -> str:
+    tier_config = fleet.config.tiers[tier]
+    return fleet.pick(requested, tier, tier_config.models, tier_config.default_model, thread_model).name
+
+
+def test_a_request_gets_the_model_it_names_or_its_tiers_default_and_others_are_refused_by_name():
+    fleet, _, _ = make_fleet()
+    assert pick(fleet, "large") == pick(fleet, "big") == "large"  # a model's second name is the model
+    assert pick(fleet, None, "paid") == pick(fleet, "default", "paid") == "large"  # the tier's default_model
+    assert pick(fleet, None, "free") == "small"
+    assert pick(fleet, None, "premium") == "small"  # a tier without a default gets the first model
+    with pytest.raises(APIError) as unknown:
+        pick(fleet, "gpt-5")
+    assert (unknown.value.status, unknown.value.code, unknown.value.param) == (404, "model_not_found", "model")
+    assert "'gpt-5'" in unknown.value.message and "'small'" in unknown.value.message
+    with pytest.raises(APIError) as forbidden:
+        pick(fleet, "large", "free")
+    assert (forbidden.value.status, forbidden.value.code) == (403, "model_not_allowed")
+    assert "'large'" in forbidden.value.message and "tier (free)" in forbidden.value.message
+    assert pick(fleet, "chat", "free") in ("small", "canary")  # through an alias the tier may use
+
+
+def test_an_alias_splits_new_threads_by_weight_and_a_thread_keeps_its_model():
+    fleet, _, _ = make_fleet(seed=7)
+    picks = [pick(fleet, "chat") for _ in range(4000)]
+    counts = {name: picks.count(name) for name in ("small", "canary")}
+    expected = {"small": 4000 * 0.95, "canary": 4000 * 0.05}
+    chi_square = sum((counts[n] - expected[n]) ** 2 / expected[n] for n in counts)
+    assert chi_square < 10.83, (counts, chi_square)  # one degree of freedom, p = 0.001
+    # A thread on one of the alias's models stays there, whatever the draw would say.
+    assert {pick(fleet, "chat", thread_model="canary") for _ in range(200)} == {"canary"}
+    assert {pick(fleet, "chat", thread_model="small") for _ in range(200)} == {"small"}
+    # A thread on a model outside the alias is drawn again; a thread naming no model keeps its own.
+    assert pick(fleet, "large", thread_model="small") == "large"
+    assert pick(fleet, None, "paid", thread_model="canary") == "canary"
+    # Unless its tier may not use that model: then its tier's default.
+    assert pick(fleet, None, "free", thread_model="large") == "small"
+
+
+async def test_a_model_loads_once_for_concurrent_first_requests_and_unloads_after_keep_alive():
+    fleet, starts, engines = make_fleet(delay=0.2)
+    large = fleet.by_name("large")
+    assert large.status == UNLOADED and starts == []
+
+    async def request() -> str:
+        async with large.in_use() as served:
+            assert served.status == LOADED
+            await asyncio.sleep(0.05)
+            return served.name
+
+    assert await asyncio.gather(*(request() for _ in range(8))) == ["large"] * 8
+    assert starts == ["large"] and large.num_loads == 1  # one load for all eight
+    # Busy (a request in its engine) is never idle, however long ago it was picked.
+    engines["large"].streams = 1
+    now = time.monotonic() + 60
+    await fleet.unload_idle(now)
+    assert large.status == LOADED
+    engines["large"].streams = 0
+    await fleet.unload_idle(now + 1)  # idle 1 s of its 2 since it was last seen busy
+    assert large.status == LOADED
+    await fleet.unload_idle(now + 2.5)
+    assert large.status == UNLOADED and engines["large"].stopped and large.engine is None
+    assert fleet.primary.status == LOADED  # keep_alive -1 (the default): never unloaded
+    # The next request loads it again.
+    assert await request() == "large" and large.num_loads == 2 and starts == ["large", "large"]
+    # keep_alive 0: unloaded as soon as nothing holds it.
+    canary = fleet.by_name("canary")
+    async with canary.in_use():
+        await fleet.unload_idle(time.monotonic())
+        assert canary.status == LOADED
+    await fleet.unload_idle(time.monotonic())
+    assert canary.status == UNLOADED
+
+
+async def test_a_model_that_cannot_load_is_a_503_naming_it_and_is_tried_again():
+    fleet, _, engines = make_fleet()
+    large = fleet.by_name("large")
+    failures = [RuntimeError("out of memory")]
+
+    def make_engine(_):
+        engine = CountingEngine("large", [])
+        if failures:
+            async def fail():
+                raise failures.pop()
+            engine.start = fail
+        return engine
+
+    large._make_engine = make_engine
+    with pytest.raises(APIError) as failed:
+        async with large.in_use():
+            pass
+    assert (failed.value.status, failed.value.code) == (503, "model_unavailable") and "'large'" in failed.value.message
+    assert failed.value.headers["Retry-After"] and large.status == UNLOADED
+    assert large.card()["load_error"] == "RuntimeError: out of memory"
+    async with large.in_use() as served:  # the next request tries again
+        assert served.status == LOADED and "load_error" not in served.card()
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"models": [{"name": "a", "path": "demo"}], "aliases": {"chat": {"targets": {"b": 1}}}},
+     "aliases.chat.targets names 'b', which is no model's name"),
+    ({"models": [{"name": "a"}, {"name": "a"}]}, "'a' names two models"),
+    ({"models": [{"name": "a"}], "aliases": {"a": {"targets": {"a": 1}}}}, "an alias needs a name of its own"),
+    ({"models": [{"name": "a"}], "aliases": {"chat": {"targets": {"a": 0}}}}, "at least one weight"),
+    ({"models": [{"name": "a"}, {"name": "b"}], "tiers": {"free": {"models": ["a"], "default_model": "b"}}},
+     "tiers.free.default_model 'b' is not one of the tier's models"),
+    ({"models": [{"name": "a"}], "tiers": {"free": {"default_model": "x"}}}, "tiers.free names model 'x'"),
+    ({"models": [{"name": "a", "keep_alive": "soon"}]}, "models.a.keep_alive must be a duration"),
+    ({"models": [{"name": "a", "dtype": "float8"}]}, "models.a: setting model.dtype must be one of"),
+    ({"models": [{"name": "a", "cache": {"num_blockz": 8}}]}, "unknown setting models.a.cache.num_blockz"),
+    ({"models": [{"name": "default"}]}, "cannot be a model's name"),
+    ({"server": {"model_name": "x"}, "models": [{"name": "a"}]}, "with [[models]], each entry has its names"),
+])
+def test_a_fleet_config_mistake_is_refused_naming_the_setting(values, message):
+    with pytest.raises(ValueError) as refused:
+        build_config(values)
+    assert message in str(refused.value)
+
+
+def test_each_model_has_its_own_sections_over_the_servers_and_todays_config_is_one_model():
+    config = build_config({"model": {"device": "cpu", "max_model_len": 512}, "cache": {"num_blocks": 32},
+                           "models": [{"name": "a", "path": "demo"},
+                                      {"name": "b", "path": "x", "max_model_len": 128, "cache": {"num_blocks": 8},
+                                       "speculative": {"method": "ngram"}, "keep_alive": "5m", "preload": True}]})
+    a, b = config.fleet()
+    assert (a.model.path, a.model.device, a.model.max_model_len, a.cache.num_blocks) == ("demo", "cpu", 512, 32)
+    assert (b.model.path, b.model.device, b.model.max_model_len, b.cache.num_blocks) == ("x", "cpu", 128, 8)
+    assert (b.speculative.method, b.keep_alive, b.preload, a.keep_alive) == ("ngram", 300.0, True, -1.0)
+    assert fleet_config(config, b).model is b.model and fleet_config(config, b).server is config.server
+    one = build_config({"model": {"path": "demo"}, "server": {"model_name": ["m", "m2"]}})
+    [only] = one.fleet()
+    assert only.names == ("m", "m2") and only.model is one.model and only.keep_alive == -1

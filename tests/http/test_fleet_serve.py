@@ -1,0 +1,228 @@
+"""Three chat models in one real `chatd serve` ([[models]]: the demo model, the default SmolLM2
+and a random tiny Qwen2 built here), two tenants of two tiers, the official OpenAI SDK as the
+client: each model answers as it does alone, tiers route and refuse, an alias splits new threads
+by weight (chi-square over 2,000) and a thread keeps its model, a model loads on first use and
+unloads after keep_alive (never while a request holds it), prefix caches stay per model and per
+tenant, and usage and metrics name the model that served."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from chatd.engine import LLM, SamplingParams
+from chatd.engine.models.demo import build_demo_model, build_model_dir
+from chatd.engine.models.loader import default_model_path
+from tests.http.serving import create_key, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """
+[store]
+db_path = "{db}"
+[auth]
+enabled = true
+[model]
+device = "cpu"
+compile = false
+[[models]]
+name = "small"
+path = "{demo}"
+[[models]]
+name = "smol"
+path = ""
+[[models]]
+name = ["qwen", "qwen-tiny"]
+path = "{qwen}"
+keep_alive = "1s"
+[aliases.chat]
+targets = {{ small = 80, qwen = 20 }}
+[tiers.free]
+requests_per_minute = 0
+tokens_per_minute = 0
+max_concurrent_requests = 0
+max_queued_requests = 0
+ttft_p95_seconds = 0
+models = ["small", "qwen", "chat"]
+default_model = "small"
+[tiers.paid]
+requests_per_minute = 0
+tokens_per_minute = 0
+max_concurrent_requests = 0
+max_queued_requests = 0
+ttft_p95_seconds = 0
+default_model = "smol"
+"""
+PROMPT = "The quick brown fox jumps over the lazy dog while the old river runs under the stone bridge, and"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    if default_model_path() is None:
+        pytest.skip("the default model's package is not installed")
+    root = tmp_path_factory.mktemp("fleet")
+    # A Qwen2 large enough that 1,900 tokens take seconds (a stream outlives the keep_alive of 1 s).
+    demo = build_demo_model(root / "demo")
+    qwen = build_model_dir(root / "qwen", "qwen2", seed=3, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+                           num_attention_heads=8, num_key_value_heads=2)
+    config = CONFIG.format(db=root / "chatd.db", demo=demo, qwen=qwen)
+    (root / "config.toml").write_text(config)
+    keys = {"alice": create_key(root / "config.toml", "alice", "free"), "bob": create_key(root / "config.toml", "bob")}
+    proc, url, log = start_server(root, demo, config)
+    try:
+        yield {"url": url, "keys": keys, "db": root / "chatd.db", "paths": {"small": demo, "qwen": qwen, "smol": None},
+               "log": log}
+    finally:
+        stop_server(proc)
+
+
+def client(fleet, who: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{fleet['url']}/v1", api_key=fleet["keys"][who], max_retries=0)
+
+
+async def cards(fleet, who: str = "bob") -> dict[str, dict]:
+    async with aiohttp.ClientSession() as session, session.get(
+            f"{fleet['url']}/v1/models", headers={"Authorization": f"Bearer {fleet['keys'][who]}"}) as r:
+        return {card["id"]: card for card in (await r.json())["data"]}
+
+
+async def wait_for_status(fleet, name: str, status: str, seconds: float = 20.0) -> dict:
+    deadline = time.monotonic() + seconds
+    while True:
+        card = (await cards(fleet))[name]
+        if card["status"] == status or time.monotonic() > deadline:
+            return card
+        await asyncio.sleep(0.2)
+
+
+async def test_each_model_answers_as_it_does_served_alone(fleet):
+    bob = client(fleet, "bob")
+    for name in ("small", "qwen", "smol"):
+        reply = await bob.completions.create(model=name, prompt=PROMPT, max_tokens=12, temperature=0.0)
+        assert reply.model == name
+        path = fleet["paths"][name]
+        with LLM(str(path) if path else None, device="cpu", compile=False) as alone:
+            expected = alone.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0].text
+        assert reply.choices[0].text == expected, name
+
+
+async def test_tiers_route_requests_without_a_model_and_refuse_what_they_may_not_use(fleet):
+    alice, bob = client(fleet, "alice"), client(fleet, "bob")
+    question = [{"role": "user", "content": "hi"}]
+    assert (await alice.chat.completions.create(model="default", messages=question, max_tokens=2)).model == "small"
+    no_model = await alice.with_options().post("/chat/completions", cast_to=dict,
+                                               body={"messages": question, "max_tokens": 2})
+    assert no_model["model"] == "small"
+    assert (await bob.chat.completions.create(model="default", messages=question, max_tokens=2)).model == "smol"
+    assert (await bob.chat.completions.create(model="qwen-tiny", messages=question, max_tokens=2)).model == "qwen"
+    with pytest.raises(openai.PermissionDeniedError) as refused:
+        await alice.chat.completions.create(model="smol", messages=question, max_tokens=2)
+    assert refused.value.code == "model_not_allowed" and "'smol'" in refused.value.message and "(free)" in refused.value.message
+    with pytest.raises(openai.NotFoundError) as unknown:
+        await alice.chat.completions.create(model="gpt-5", messages=question, max_tokens=2)
+    assert unknown.value.code == "model_not_found" and "'gpt-5'" in unknown.value.message
+    listed = [m.id async for m in alice.models.list()]
+    assert listed == ["small", "qwen", "chat"]  # what the free tier may use (a model's names count apart)
+    assert {"small", "smol", "qwen", "qwen-tiny", "chat"} <= set(await cards(fleet, "bob"))
+
+
+async def test_an_alias_splits_new_conversations_by_weight_and_threads_keep_their_model(fleet):
+    alice = client(fleet, "alice")
+    models: dict[str, str] = {}
+
+    async def create(i: int) -> None:
+        conversation = await alice.post("/conversations", cast_to=dict, body={"model": "chat"})
+        models[conversation["id"]] = conversation["model"]
+
+    for start in range(0, 2000, 50):
+        await asyncio.gather(*(create(i) for i in range(start, start + 50)))
+    counts = {name: list(models.values()).count(name) for name in ("small", "qwen")}
+    assert sum(counts.values()) == 2000
+    expected = {"small": 1600, "qwen": 400}
+    chi_square = sum((counts[n] - expected[n]) ** 2 / expected[n] for n in counts)
+    assert chi_square < 10.83, (counts, chi_square)  # one degree of freedom, p = 0.001
+
+    # Each turn of a conversation names the alias again, and stays on the model it was drawn.
+    chosen = [next(c for c, m in models.items() if m == name) for name in ("small", "qwen")]
+    for conversation_id in chosen:
+        for turn in range(2):
+            reply = await alice.post(f"/conversations/{conversation_id}/messages", cast_to=dict,
+                                     body={"content": f"turn {turn}", "model": "chat", "max_tokens": 3})
+            assert reply["model"] == models[conversation_id]
+    # A client that names another model moves the conversation there, and it stays there.
+    moved = chosen[1]
+    reply = await alice.post(f"/conversations/{moved}/messages", cast_to=dict,
+                             body={"content": "now you", "model": "small", "max_tokens": 3})
+    assert reply["model"] == "small"
+    reply = await alice.post(f"/conversations/{moved}/messages", cast_to=dict,
+                             body={"content": "and again", "model": "chat", "max_tokens": 3})
+    assert reply["model"] == "small"
+    assert (await alice.get(f"/conversations/{moved}", cast_to=dict))["model"] == "small"
+
+    # A Responses chain keeps the model its first response was drawn.
+    seen = set()
+    for _ in range(12):
+        first = await alice.responses.create(model="chat", input="hello", max_output_tokens=3)
+        second = await alice.responses.create(model="chat", input="more", max_output_tokens=3,
+                                              previous_response_id=first.id)
+        third = await alice.responses.create(input="again", max_output_tokens=3, previous_response_id=second.id)
+        assert first.model == second.model == third.model
+        seen.add(first.model)
+    assert seen <= {"small", "qwen"}
+
+
+async def test_a_model_loads_on_first_use_and_unloads_after_keep_alive_never_while_in_use(fleet):
+    bob = client(fleet, "bob")
+    await bob.completions.create(model="qwen", prompt="warm", max_tokens=1)
+    card = await wait_for_status(fleet, "qwen", "unloaded")  # keep_alive 1 s
+    assert card["status"] == "unloaded" and "compiled_steps" not in card["chatd"]
+    loads = card["chatd"]["loads"]
+    # A request generating for longer than keep_alive keeps its model loaded.
+    started = time.monotonic()
+    stream = await bob.completions.create(model="qwen", prompt="Count:", max_tokens=1900, stream=True,
+                                          extra_body={"ignore_eos": True})
+    checked_while_generating = False
+    async for chunk in stream:
+        if not checked_while_generating and time.monotonic() - started > 2.0:
+            assert (await cards(fleet))["qwen"]["status"] == "loaded"
+            checked_while_generating = chunk.choices[0].finish_reason is None
+        last = chunk
+    assert last.choices[0].finish_reason == "length" and last.model == "qwen"
+    assert checked_while_generating, "the reply ended before keep_alive could have unloaded its model"
+    assert (await cards(fleet))["qwen"]["chatd"]["loads"] == loads + 1
+    await wait_for_status(fleet, "qwen", "unloaded")
+    # Eight requests at once while it is unloaded: one load, and every one answered alike.
+    replies = await asyncio.gather(*(bob.completions.create(model="qwen", prompt=PROMPT, max_tokens=4, temperature=0.0)
+                                     for _ in range(8)))
+    assert len({r.choices[0].text for r in replies}) == 1 and all(r.model == "qwen" for r in replies)
+    assert (await cards(fleet))["qwen"]["chatd"]["loads"] == loads + 2
+    assert (await cards(fleet))["small"]["status"] == "loaded"  # keep_alive -1: never unloaded
+
+
+async def test_prefix_caches_are_per_model_and_per_tenant_and_usage_names_the_model(fleet):
+    alice, bob = client(fleet, "alice"), client(fleet, "bob")
+    prompt = "Only this test sends this: " + PROMPT * 3  # nobody has cached it before
+
+    async def cached(who, model) -> int:
+        reply = await who.completions.create(model=model, prompt=prompt, max_tokens=1)
+        return reply.usage.prompt_tokens_details.cached_tokens if reply.usage.prompt_tokens_details else 0
+
+    await cached(alice, "small")
+    assert await cached(alice, "small") > 0  # its own prefix, on the same model
+    assert await cached(alice, "qwen") == 0  # the same tokens on another model: nothing cached there
+    assert await cached(bob, "small") == 0  # another tenant on the same model: salted apart
+    async with aiohttp.ClientSession() as session, session.get(f"{fleet['url']}/metrics") as r:
+        metrics = await r.text()
+    for name in ("small", "qwen", "smol"):
+        assert f'chatd:kv_blocks{{model_name="{name}"}}' in metrics
+        served = [line for line in metrics.splitlines() if line.startswith("chatd:request_success_total{")
+                  and f'model_name="{name}"' in line]
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in served) > 0, name
+    with sqlite3.connect(fleet["db"]) as db:
+        billed = {model for (model,) in db.execute("SELECT DISTINCT model FROM usage_events")}
+    assert {"small", "qwen", "smol"} <= billed
