@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.metadata
 import logging
 import os
@@ -97,7 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = serve_config(args)
     setup_logging(config.server.log_json, getattr(logging, config.server.log_level.upper()))
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, reload_config=functools.partial(serve_config, args)))
     return 0
 
 

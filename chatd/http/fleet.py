@@ -339,6 +339,22 @@ class Fleet:
     def loaded(self) -> list[ServedModel]:
         return [model for model in self.models if model.status == LOADED]
 
+    def reload(self, config: Config) -> None:
+        """Take a reloaded config's [aliases] and keep_alive (SIGHUP); the models themselves stay as
+        they are. ValueError, changing nothing, when it serves other models than this process."""
+        names = [entry.names for entry in config.fleet()]
+        if names != [model.entry.names for model in self.models] and config.models:
+            raise ValueError(f"its [[models]] are {names}, not the ones serving; restart to change the models")
+        for alias, settings in config.aliases.items():
+            unknown = [target for target in settings.targets if self.by_name(target) is None]
+            if unknown:
+                raise ValueError(f"aliases.{alias} names {unknown}, which this server does not serve")
+        self.aliases = dict(config.aliases)
+        if config.models:
+            for model, entry in zip(self.models, config.fleet()):
+                model.keep_alive = entry.keep_alive
+        log.info("reloaded: aliases %s", {name: dict(a.targets) for name, a in self.aliases.items()} or "none")
+
     # -- keep_alive ----------------------------------------------------------------------------
 
     def start(self) -> None:

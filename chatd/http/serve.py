@@ -54,9 +54,11 @@ LEDGER_FLUSH_SECONDS = 10.0  # at stop, billing writes the store refuses are ret
 
 async def serve(config: Config, stop: asyncio.Event | None = None,
                 build_engine: Callable[[Config], LLMEngine] = functools.partial(LLMEngine.from_config,
-                                                                                background_compile=True)) -> None:
+                                                                                background_compile=True),
+                reload_config: Callable[[], Config] | None = None) -> None:
     """Run the server until SIGINT/SIGTERM (or `stop` is set). `build_engine` makes the engine from
-    the config, on the engine thread (benchmarks/host.py passes one around a fixed-time model)."""
+    the config, on the engine thread (benchmarks/host.py passes one around a fixed-time model).
+    `reload_config` reads the config again: on SIGHUP, its [aliases] and keep_alive take effect."""
     SafetyPipeline.build(config.safety, config.policies)  # a bad rules file or policy: said now, not after loading
     check_storage(config.tiers_storage)  # [tiers] storage needs redis-py: said now too
     sock = reserve_port(config.server.host, config.server.port)
@@ -84,7 +86,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         ledger = Ledger(store, retry_seconds=config.store.retry_seconds)
         ledger.start()
         try:
-            await _serve(config, store, ledger, listening, stop, build_engine)
+            await _serve(config, store, ledger, listening, stop, build_engine, reload_config)
         finally:
             await ledger.stop(timeout=LEDGER_FLUSH_SECONDS)  # what still cannot be written is logged in full
             await store.close()
@@ -178,13 +180,13 @@ def reserve_port(host: str, port: int) -> socket.socket:
 
 
 async def _serve(config: Config, store: Store, ledger: Ledger, listening: Listening, stop: asyncio.Event | None,
-                 build_engine: Callable[[Config], LLMEngine]) -> None:
+                 build_engine: Callable[[Config], LLMEngine], reload_config: Callable[[], Config] | None) -> None:
     # The guard model first: on a GPU the main engine then sizes its KV pool from what the guard left.
     guard_engine, guard = await _start_guard(config)
     embedder = None
     try:
         embedder = await _load_embedder(config)  # before the engine too: it sizes its KV pool from what is left
-        await _serve_with(config, store, ledger, listening, stop, guard, embedder, build_engine)
+        await _serve_with(config, store, ledger, listening, stop, guard, embedder, build_engine, reload_config)
     finally:
         if embedder is not None:
             embedder.stop()
@@ -234,7 +236,8 @@ def guard_engine_config(config: Config) -> Config:
 
 async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: Listening, stop: asyncio.Event | None,
                       guard: GuardModel | None, embedder: Embedder | None,
-                      build_engine: Callable[[Config], LLMEngine]) -> None:
+                      build_engine: Callable[[Config], LLMEngine],
+                      reload_config: Callable[[], Config] | None = None) -> None:
     # Loaded on the engine thread, where all of the server's torch work runs (see async_engine.py),
     # or in a process of its own (engine_process.py) that the engine thread drives.
     startup = listening.startup
@@ -297,6 +300,8 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if reload_config is not None:
+        loop.add_signal_handler(signal.SIGHUP, lambda: state.spawn(_reload(state, reload_config), "reload"))
     purge = asyncio.create_task(_purge_forever(store, config.store), name="purge")
     beat = asyncio.create_task(_beat_forever(store, state.replica, config.store.replica_timeout_seconds / 5),
                                name="heartbeat")
@@ -356,6 +361,17 @@ async def _watch_start(engine: AsyncEngine, startup: Startup) -> None:
                 startup.mark("compiled")
             startup.log_timeline()
         await asyncio.sleep(0.05)
+
+
+async def _reload(state: ServerState, reload_config: Callable[[], Config]) -> None:
+    """SIGHUP: read the config again and apply its [aliases] weights and keep_alive (a canary moved
+    from 5% to 25% without a restart); a config that does not load, or whose aliases name models
+    this process does not serve, changes nothing and is logged."""
+    try:
+        config = await asyncio.to_thread(reload_config)
+        state.fleet.reload(config)
+    except ValueError as exc:
+        log.error("SIGHUP: the config was not reloaded: %s", exc)
 
 
 async def _warm_up(engine: AsyncEngine, state: ServerState) -> None:

@@ -8,6 +8,7 @@ tenant, and usage and metrics name the model that served."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import sqlite3
 import time
 
@@ -76,7 +77,7 @@ def fleet(tmp_path_factory):
     proc, url, log = start_server(root, demo, config)
     try:
         yield {"url": url, "keys": keys, "db": root / "chatd.db", "paths": {"small": demo, "qwen": qwen, "smol": None},
-               "log": log}
+               "log": log, "proc": proc, "config": root / "config.toml"}
     finally:
         stop_server(proc)
 
@@ -226,3 +227,30 @@ async def test_prefix_caches_are_per_model_and_per_tenant_and_usage_names_the_mo
     with sqlite3.connect(fleet["db"]) as db:
         billed = {model for (model,) in db.execute("SELECT DISTINCT model FROM usage_events")}
     assert {"small", "qwen", "smol"} <= billed
+
+
+async def test_sighup_changes_an_alias_s_weights_without_a_restart_and_a_bad_config_changes_nothing(fleet):
+    alice, config = client(fleet, "alice"), fleet["config"]
+    original = config.read_text()
+    before = (await cards(fleet))["small"]["chatd"]["loads"]
+    try:
+        config.write_text(original.replace("targets = { small = 80, qwen = 20 }", "targets = { small = 0, qwen = 100 }"))
+        fleet["proc"].send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while (await cards(fleet))["chat"]["targets"] != {"small": 0.0, "qwen": 100.0}:
+            assert time.monotonic() < deadline, "the new weights never showed in /v1/models"
+            await asyncio.sleep(0.1)
+        drawn = [(await alice.post("/conversations", cast_to=dict, body={"model": "chat"}))["model"] for _ in range(30)]
+        assert drawn == ["qwen"] * 30
+        # An alias naming a model this process does not serve: logged, and the weights stay.
+        config.write_text(original.replace("targets = { small = 80, qwen = 20 }", "targets = { small = 1, qwen = 1 }")
+                          .replace('name = "smol"', 'name = "smol2"'))
+        fleet["proc"].send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while "the config was not reloaded" not in fleet["log"].read_text():
+            assert time.monotonic() < deadline, "the refused reload was never logged"
+            await asyncio.sleep(0.1)
+        assert (await cards(fleet))["chat"]["targets"] == {"small": 0.0, "qwen": 100.0}
+        assert (await cards(fleet))["small"]["chatd"]["loads"] == before  # nothing was loaded again
+    finally:
+        config.write_text(original)
