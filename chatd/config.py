@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatd.config_tiers import DEFAULT_TIERS, LIMIT_PER, TIER_NAME, Price, TierConfig  # noqa: F401 (part of the tree)
+from chatd.config_tiers import (DEFAULT_POLICIES, DEFAULT_TIERS, FAILURE_MODES, LIMIT_PER, POLICY_ACTIONS,  # noqa: F401
+                                TIER_NAME, CategoryPolicy, Price, TierConfig)
 
 
 def one_of(section: str, settings, name: str, choices: tuple[str, ...]) -> None:
@@ -328,50 +329,6 @@ class SafetyConfig:
             raise ValueError(f"setting safety.guard_max_model_len must be at least 64 tokens, got {self.guard_max_model_len}")
 
 
-POLICY_ACTIONS = ("block", "flag", "redact")
-FAILURE_MODES = ("open", "closed")
-
-
-@dataclass(frozen=True)
-class CategoryPolicy:
-    """What the safety pipeline does with one category (OpenAI's moderation categories, and pii/*)."""
-
-    action: str = "block"  # block: refuse the request (cut the reply); flag: serve and record; redact: mask the match
-    failure: str = "open"  # when a check cannot run (the guard failed): "open" serves and records, "closed" refuses
-    tiers: tuple[str, ...] = ()  # the tiers it applies to; empty: every tier
-
-    def __post_init__(self) -> None:
-        if self.action not in POLICY_ACTIONS:
-            raise ValueError(f"action must be one of {', '.join(POLICY_ACTIONS)}, got {self.action!r}")
-        if self.failure not in FAILURE_MODES:
-            raise ValueError(f"failure must be one of {', '.join(FAILURE_MODES)}, got {self.failure!r}")
-
-
-# A public service's policies (used once [safety] turns a check on): threats, hate, violent
-# crimes, graphic violence and sexual content are refused; what a person in distress or a
-# curious one writes (self-harm, illicit, violence, harassment) is served and recorded for
-# review; personal data is masked. The worst categories fail closed: when the guard cannot
-# judge, such requests are refused rather than let through.
-DEFAULT_POLICIES: dict[str, CategoryPolicy] = {
-    "harassment": CategoryPolicy("flag"),
-    "harassment/threatening": CategoryPolicy("block"),
-    "hate": CategoryPolicy("block"),
-    "hate/threatening": CategoryPolicy("block"),
-    "illicit": CategoryPolicy("flag"),
-    "illicit/violent": CategoryPolicy("block", "closed"),
-    "self-harm": CategoryPolicy("flag"),
-    "self-harm/intent": CategoryPolicy("flag"),
-    "self-harm/instructions": CategoryPolicy("block", "closed"),
-    "sexual": CategoryPolicy("block"),
-    "sexual/minors": CategoryPolicy("block", "closed"),
-    "violence": CategoryPolicy("flag"),
-    "violence/graphic": CategoryPolicy("block"),
-    "pii/email": CategoryPolicy("redact"),
-    "pii/phone": CategoryPolicy("redact"),
-    "pii/card": CategoryPolicy("redact"),
-}
-
-
 # A model's or an alias's name as clients send it in `model`.
 SERVED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 # What a request may send as `model` to mean its tier's default.
@@ -398,11 +355,37 @@ class FleetModel:
 
 
 @dataclass(frozen=True)
+class EscalationRules:
+    """When an escalating alias sends a request to its large model: any one rule that holds. 0, false
+    and () leave a rule out."""
+
+    prompt_chars: int = 0  # its messages' (or prompt's, or input's) text is longer than this
+    messages: int = 0  # its thread holds more messages than this (the stored history and the new ones)
+    tools: bool = False  # it offers tools
+    response_format: bool = False  # it asks for structured output (a JSON schema, json_object, a grammar)
+    tiers: tuple[str, ...] = ()  # its tenant's tier is one of these
+
+    def __post_init__(self) -> None:
+        if self.prompt_chars < 0 or self.messages < 0:
+            raise ValueError("prompt_chars and messages must be 0 (no such rule) or more")
+
+
+@dataclass(frozen=True)
 class AliasConfig:
-    """A name split across models by weight ([aliases.NAME] targets = { stable = 95, canary = 5 }):
-    each new thread (conversation, Responses chain, stateless request) picks one by weight and keeps it."""
+    """A name clients send that picks one of several models. Either split by weight ([aliases.NAME]
+    targets = { stable = 95, canary = 5 }: each new thread draws one and keeps it), or escalating
+    (small = "s", large = "l", escalate_when = { ... }: a request goes to the large model when a rule
+    holds, and its thread stays there)."""
 
     targets: dict[str, float] = field(default_factory=dict)
+    small: str = ""
+    large: str = ""
+    escalate_when: EscalationRules = field(default_factory=EscalationRules)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models it may pick."""
+        return (self.small, self.large) if self.small else tuple(self.targets)
 
 
 @dataclass(frozen=True)

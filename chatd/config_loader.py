@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from chatd.config import (DEFAULT_ALIAS, DEFAULT_POLICIES, DEFAULT_TIERS, FAILURE_MODES, SECTIONS, SERVED_NAME, TIER_NAME,
-                          AliasConfig, CacheConfig, CategoryPolicy, Config, FleetModel, ModelConfig, Price,
-                          SpeculativeConfig, TierConfig, keep_alive_seconds)
+                          AliasConfig, CacheConfig, CategoryPolicy, Config, EscalationRules, FleetModel, ModelConfig,
+                          Price, SpeculativeConfig, TierConfig, keep_alive_seconds)
 
 # Settings that take one string or a list of strings; a lone "" means none.
 ONE_OR_MORE = {("server", "model_name")}
@@ -96,23 +96,45 @@ def _replaced(where: str, section: Any, cls: type, values: dict[str, Any]) -> An
 
 
 def _build_aliases(values: Any) -> dict[str, AliasConfig]:
-    """[aliases.NAME] targets = { model = weight, ... }: weights are positive numbers."""
+    """[aliases.NAME]: targets = { model = weight, ... } (weights of 0 or more, one above 0), or
+    small = "model", large = "model" and escalate_when = { rule = value, ... } (EscalationRules)."""
     if not isinstance(values, dict):
         raise ValueError("aliases must be tables: [aliases.chat] with targets = { small = 80, large = 20 }")
     aliases = {}
     for name, table in values.items():
-        if not isinstance(table, dict) or set(table) != {"targets"} or not isinstance(table["targets"], dict) \
-                or not table["targets"]:
-            raise ValueError(f"aliases.{name} must be a table with only targets = {{ model = weight, ... }}, got {table!r}")
-        targets = {}
-        for model, weight in table["targets"].items():
-            if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
-                raise ValueError(f"aliases.{name}.targets.{model} must be a weight of 0 or more, got {weight!r}")
-            targets[model] = float(weight)
-        if not sum(targets.values()) > 0:
-            raise ValueError(f"aliases.{name}.targets: at least one weight must be more than 0")
-        aliases[name] = AliasConfig(targets)
+        where = f"aliases.{name}"
+        if not isinstance(table, dict):
+            raise ValueError(f"{where} must be a table, got {table!r}")
+        if "targets" in table:
+            aliases[name] = _split_alias(where, table)
+        elif set(table) >= {"small", "large"}:
+            unknown = set(table) - {"small", "large", "escalate_when"}
+            if unknown:
+                raise ValueError(f"unknown setting {where}.{sorted(unknown)[0]}; known: small, large, escalate_when")
+            if not all(isinstance(table[k], str) for k in ("small", "large")) or table["small"] == table["large"]:
+                raise ValueError(f"{where}.small and .large must name two models")
+            rules = table.get("escalate_when", {})
+            if not isinstance(rules, dict) or not rules:
+                raise ValueError(f"{where}.escalate_when must be a table of rules like {{ prompt_chars = 4000, tools = true }}")
+            aliases[name] = AliasConfig(small=table["small"], large=table["large"],
+                                        escalate_when=_replaced(f"{where}.escalate_when", EscalationRules(),
+                                                                EscalationRules, rules))
+        else:
+            raise ValueError(f"{where} must have targets = {{ model = weight, ... }}, or small, large and escalate_when")
     return aliases
+
+
+def _split_alias(where: str, table: dict) -> AliasConfig:
+    if set(table) != {"targets"} or not isinstance(table["targets"], dict) or not table["targets"]:
+        raise ValueError(f"{where} must be a table with only targets = {{ model = weight, ... }}, got {table!r}")
+    targets = {}
+    for model, weight in table["targets"].items():
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
+            raise ValueError(f"{where}.targets.{model} must be a weight of 0 or more, got {weight!r}")
+        targets[model] = float(weight)
+    if not sum(targets.values()) > 0:
+        raise ValueError(f"{where}.targets: at least one weight must be more than 0")
+    return AliasConfig(targets)
 
 
 def check_names(config: Config) -> None:
@@ -132,10 +154,13 @@ def check_names(config: Config) -> None:
     for alias, settings in config.aliases.items():
         if not SERVED_NAME.fullmatch(alias) or alias == DEFAULT_ALIAS or alias in seen:
             raise ValueError(f"aliases.{alias}: an alias needs a name of its own (not a model's, not {DEFAULT_ALIAS!r})")
-        for target in settings.targets:
+        for target in settings.models:
             if target not in seen:
-                raise ValueError(f"aliases.{alias}.targets names {target!r}, which is no model's name; models: "
+                raise ValueError(f"aliases.{alias} names {target!r}, which is no model's name; models: "
                                  f"{', '.join(seen)}")
+        for tier in settings.escalate_when.tiers:
+            if tier not in config.tiers:
+                raise ValueError(f"aliases.{alias}.escalate_when.tiers names tier {tier!r}, which is not defined")
     if not all(entry.names for entry in fleet):  # the one model's name is its folder's, known when it loads
         return
     known = set(seen) | set(config.aliases)

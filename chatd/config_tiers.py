@@ -1,6 +1,6 @@
-"""The tables config.toml keys by name that say what a tenant's tier may use: [prices."MODEL"]
-and [tiers.NAME], with the tiers every server knows. Part of the one configuration tree
-(config.py re-exports them); it imports nothing of chatd.
+"""The tables config.toml keys by name that say what a tenant gets: [tiers.NAME] (with the tiers
+every server knows), [prices."MODEL"] and [policies."CATEGORY"] (the safety pipeline's, per tier).
+Part of the one configuration tree (config.py re-exports them); it imports nothing of chatd.
 """
 
 from __future__ import annotations
@@ -72,4 +72,48 @@ DEFAULT_TIERS: dict[str, TierConfig] = {
                        max_embedding_tokens=300_000, priority=10, weight=1.0, ttft_p95_seconds=2.0),  # OpenAI's 300k
     "premium": TierConfig(requests_per_minute=5_000, tokens_per_minute=10_000_000, max_concurrent_requests=256,
                           priority=0, weight=1.0, ttft_p95_seconds=1.0),
+}
+
+
+POLICY_ACTIONS = ("block", "flag", "redact")
+FAILURE_MODES = ("open", "closed")
+
+
+@dataclass(frozen=True)
+class CategoryPolicy:
+    """What the safety pipeline does with one category (OpenAI's moderation categories, and pii/*)."""
+
+    action: str = "block"  # block: refuse the request (cut the reply); flag: serve and record; redact: mask the match
+    failure: str = "open"  # when a check cannot run (the guard failed): "open" serves and records, "closed" refuses
+    tiers: tuple[str, ...] = ()  # the tiers it applies to; empty: every tier
+
+    def __post_init__(self) -> None:
+        if self.action not in POLICY_ACTIONS:
+            raise ValueError(f"action must be one of {', '.join(POLICY_ACTIONS)}, got {self.action!r}")
+        if self.failure not in FAILURE_MODES:
+            raise ValueError(f"failure must be one of {', '.join(FAILURE_MODES)}, got {self.failure!r}")
+
+
+# A public service's policies (used once [safety] turns a check on): threats, hate, violent
+# crimes, graphic violence and sexual content are refused; what a person in distress or a
+# curious one writes (self-harm, illicit, violence, harassment) is served and recorded for
+# review; personal data is masked. The worst categories fail closed: when the guard cannot
+# judge, such requests are refused rather than let through.
+DEFAULT_POLICIES: dict[str, CategoryPolicy] = {
+    "harassment": CategoryPolicy("flag"),
+    "harassment/threatening": CategoryPolicy("block"),
+    "hate": CategoryPolicy("block"),
+    "hate/threatening": CategoryPolicy("block"),
+    "illicit": CategoryPolicy("flag"),
+    "illicit/violent": CategoryPolicy("block", "closed"),
+    "self-harm": CategoryPolicy("flag"),
+    "self-harm/intent": CategoryPolicy("flag"),
+    "self-harm/instructions": CategoryPolicy("block", "closed"),
+    "sexual": CategoryPolicy("block"),
+    "sexual/minors": CategoryPolicy("block", "closed"),
+    "violence": CategoryPolicy("flag"),
+    "violence/graphic": CategoryPolicy("block"),
+    "pii/email": CategoryPolicy("redact"),
+    "pii/phone": CategoryPolicy("redact"),
+    "pii/card": CategoryPolicy("redact"),
 }

@@ -188,7 +188,7 @@ def test_serve_allowed_origins_flag_sets_the_config(monkeypatch, capsys):
 
     served = []
 
-    async def record(config) -> None:
+    async def record(config, reload_config=None) -> None:
         served.append(config)
 
     monkeypatch.setattr(chatd.http.serve, "serve", record)

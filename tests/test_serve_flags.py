@@ -24,8 +24,9 @@ def served(monkeypatch) -> list:
     """The configs `chatd serve` would have served, in order; logging is restored afterwards."""
     configs = []
 
-    async def record(config) -> None:
+    async def record(config, reload_config=None) -> None:
         configs.append(config)
+        assert reload_config() == config  # SIGHUP reads the same file, with the same flags over it
 
     monkeypatch.setattr(chatd.http.serve, "serve", record)
     root = logging.getLogger()

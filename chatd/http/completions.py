@@ -29,7 +29,8 @@ from chatd.http.errors import REQUEST_ID, APIError, loggable
 from chatd.http.heartbeats import Heartbeat
 from chatd.http.limits import Lease
 from chatd.http.openai_format import ChunkFormat, merged_with, output_usage, whole_response
-from chatd.http.fleet import ServedModel
+from chatd.http.fleet import request_traits
+from chatd.http.served_model import ServedModel
 from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion, requested_model
 from chatd.http.request_log import REQUEST_LOG, GenerationRecord
 from chatd.http.safety import input_strings
@@ -44,7 +45,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's chat completions: the messages rendered with the chat template."""
     state = request.app[STATE]
     body = await read_json(request)
-    async with state.pick_model(requested_model(body), request[TENANT]).in_use() as served:
+    served = state.pick_model(requested_model(body), request[TENANT], traits=request_traits(body))
+    async with served.in_use():
         gen = await checked(request, parse_chat, body, state.config.server.max_messages, served.info.sampling_defaults)
         return await _complete(request, state, served, gen, chat=True)
 
@@ -53,7 +55,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's (legacy) text completions: a prompt of text or token ids, continued as is."""
     state = request.app[STATE]
     body = await read_json(request)
-    async with state.pick_model(requested_model(body), request[TENANT]).in_use() as served:
+    served = state.pick_model(requested_model(body), request[TENANT], traits=request_traits(body))
+    async with served.in_use():
         gen = await checked(request, parse_completion, body, served.max_model_len, served.info.sampling_defaults)
         return await _complete(request, state, served, gen, chat=False)
 

@@ -22,7 +22,8 @@ from chatd.http.conversation_request import parse_conversation_update, parse_new
 from chatd.http.errors import REQUEST_ID, APIError, error_body
 from chatd.http.items import Item, item_json, item_page, page_params, parse_items
 from chatd.http.openai_format import ChunkFormat, token_usage
-from chatd.http.fleet import ServedModel
+from chatd.http.fleet import RequestTraits, request_traits
+from chatd.http.served_model import ServedModel
 from chatd.http.protocol import json_body, parse_turn, requested_model, shown
 from chatd.http.request_log import REQUEST_LOG
 from chatd.http.state import STATE, ServerState
@@ -41,7 +42,8 @@ async def create_conversation(request: web.Request) -> web.Response:
     state, tenant = request.app[STATE], request[TENANT]
     state.check_store_writable()
     items, fields = parse_conversation(await read_json(request) if request.can_read_body else None, state)
-    served = state.pick_model(fields.pop("model"), tenant)  # an alias is drawn here, once: the thread keeps it
+    # An alias is drawn here, once: the thread keeps it.
+    served = state.pick_model(fields.pop("model"), tenant, traits=RequestTraits(messages=len(items)))
     items = await _checked_items(state, request, tenant, items)
     if fields.get("system_prompt"):
         [fields["system_prompt"]] = await state.safety.check_input(tenant, "conversations", [fields["system_prompt"]],
@@ -133,7 +135,8 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     conversation = await _own_conversation(state, tenant, request.match_info["conversation_id"])
     body = await read_json(request)
     # The conversation's model, unless the message names another (an alias keeps it when it can).
-    served = state.pick_model(requested_model(body), tenant, thread_model=conversation.model)
+    traits = request_traits(body).with_history(await state.store.count_messages(conversation.id))
+    served = state.pick_model(requested_model(body), tenant, conversation.model, traits)
     async with served.in_use():
         turn = await checked(request, parse_turn, body, state.config.conversations.max_message_chars,
                              served.info.sampling_defaults)

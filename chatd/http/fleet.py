@@ -1,25 +1,24 @@
-"""Several chat models in one process: which one serves a request, and each one loaded and unloaded.
+"""Several chat models in one process: which one serves a request, and which stay loaded.
 
-A `ServedModel` is one chat model of config.toml's [[models]] (or the one model of [model]): its
-engine (a thread of its own, as the guard model's), tokenizer and facts once loaded, and what
-rendering and billing need of it. Its KV pool, prefix cache and host tier are its engine's, so a
-block of one model can never be read by another.
+Each model is a `ServedModel` (served_model.py): one of config.toml's [[models]] (or the one
+model of [model]), with its own engine, loaded on demand.
 
 `Fleet.pick` decides which model serves a request, in this order:
   1. no `model`, or "default": the tier's `default_model`, else the first model;
-  2. an alias ([aliases.NAME] targets = { stable = 95, canary = 5 }): the model its thread already
-     runs on (a conversation's, a Responses chain's) when that is one of its targets, else one
-     drawn by weight;
-  3. a model's name: that model.
+  2. an alias split by weight ([aliases.NAME] targets = { stable = 95, canary = 5 }): the model its
+     thread already runs on (a conversation's, a Responses chain's) when that is one of its
+     targets, else one drawn by weight;
+  3. an escalating alias (small = "s", large = "l", escalate_when = { ... }): the large model when
+     its thread is already there or one of the rules holds of the request (`RequestTraits`: its
+     text's length, its thread's messages, tools, a response format, its tenant's tier), else the
+     small one;
+  4. a model's name: that model.
 An unknown name is a 404 (`model_not_found`) naming it; a model or alias the tenant's tier may
 not use, a 403 naming both.
 
 Loading: the first model loads at start; the others when a request first needs them (or at start
-with `preload = true`). A request for a model being loaded waits for it, up to
-MAX_WAITING_FOR_LOAD requests a model (then 503 with Retry-After). A model idle longer than its
-keep_alive is unloaded (-1: never; 0: after each reply); one with requests in flight, queued or
-being admitted never is. Loading and unloading run on the engine's own thread, never on the
-event loop.
+with `preload = true`). A model idle longer than its keep_alive is unloaded (-1: never; 0: after
+each reply); one with requests in flight, queued or being admitted never is.
 
 It knows nothing of routes: handlers call `pick`, then hold the model with `in_use` while they
 render and start its requests.
@@ -28,260 +27,88 @@ render and start its requests.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
-import gc
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from collections.abc import Callable
+from dataclasses import dataclass
 
-import orjson
-
-from chatd.config import DEFAULT_ALIAS, Config, FleetModel
-from chatd.engine import EngineClient, ModelInfo, StructuredOutput, Tokenizer
+from chatd.config import DEFAULT_ALIAS, AliasConfig, Config
 from chatd.http.errors import APIError, shown
-from chatd.http.tool_calls import ToolParser
-from chatd.http.tools import ToolRequest, ToolUse, tool_parser, tool_use
+from chatd.http.served_model import LOADED, ServedModel
 
 log = logging.getLogger("chatd.http")
 
-T = TypeVar("T")
-
-LOADED, LOADING, UNLOADED = "loaded", "loading", "unloaded"
-# Requests that may wait for one model to load; more get a 503 with Retry-After.
-MAX_WAITING_FOR_LOAD = 256
-LOAD_RETRY_AFTER_SECONDS = 5
 IDLE_CHECK_SECONDS = 1.0  # how often idle models are looked for (keep_alive is this precise)
 
 
-class ServedModel:
-    """One chat model of the fleet: its engine once loaded, and what rendering and billing need of it."""
+@dataclass(frozen=True)
+class RequestTraits:
+    """What an escalation rule reads of a request, before it is parsed (`request_traits`)."""
 
-    def __init__(self, entry: FleetModel, config: Config, make_engine: Callable[[Config], EngineClient] | None,
-                 tokenizing: concurrent.futures.Executor) -> None:
-        self.entry = entry
-        self.config = config  # the server's, with this model's [model], [cache] and [speculative]
-        self.names: tuple[str, ...] = entry.names  # ([model] alone: its folder's name, once loaded)
-        self.keep_alive = entry.keep_alive
-        self._make_engine = make_engine
-        self._tokenizing = tokenizing
-        self.engine: EngineClient | None = None
-        self.tokenizer: Tokenizer | None = None
-        self.info: ModelInfo | None = None
-        self.status = UNLOADED
-        self.load_error: str | None = None  # why its last load failed
-        self.num_loads = 0
-        self.num_in_use = 0  # handlers holding it (in_use): rendering, admitting, starting requests
-        self.num_waiting_for_load = 0
-        self.last_used = time.monotonic()
-        self._loading: asyncio.Task | None = None
-        self._token_text: dict[int, str] = {}
-        self._tool_parser: ToolParser | None = None
-        # Token ids of the chat template's rendering of each [cache] shared_system_prompts entry.
-        self.shared_prefixes: list[list[int]] = []
+    prompt_chars: int = 0  # the text of its messages, prompt or input items
+    messages: int = 0  # its messages (or input items), and its thread's stored ones once counted
+    tools: bool = False
+    response_format: bool = False
 
-    def __repr__(self) -> str:
-        return f"ServedModel({self.name!r}, {self.status})"
+    def with_history(self, num_stored: int) -> RequestTraits:
+        return dataclasses.replace(self, messages=self.messages + num_stored)
 
-    @property
-    def name(self) -> str:
-        """The name replies and usage carry."""
-        return self.names[0]
 
-    # -- loading ---------------------------------------------------------------------------------
+def request_traits(body) -> RequestTraits:
+    """A body's traits as it came: chat `messages`, a completion's `prompt`, a conversation
+    message's `content`, a response's `input`; its parser refuses what is malformed."""
+    if not isinstance(body, dict):
+        return RequestTraits()
+    items = body.get("messages") if "messages" in body else body.get("input", body.get("prompt", body.get("content")))
+    items = items if isinstance(items, list) else [items]
+    chars = sum(_text_length(item) for item in items)
+    text = body.get("text")
+    structured = body.get("response_format") or (text.get("format") if isinstance(text, dict) else None)
+    wants_format = isinstance(structured, dict) and structured.get("type") not in (None, "text")
+    return RequestTraits(chars, len(items), bool(body.get("tools")), wants_format)
 
-    def loaded(self, engine: EngineClient, tokenizer: Tokenizer, info: ModelInfo) -> None:
-        """Take an engine started elsewhere (serve.py starts the first model's itself)."""
-        self.engine, self.tokenizer, self.info = engine, tokenizer, info
-        self.names = self.names or (info.name,)
-        self.status, self.load_error = LOADED, None
-        self._token_text, self._tool_parser = {}, None
-        self.num_loads += 1
-        self.last_used = time.monotonic()
 
-    async def load(self) -> None:
-        """Load it unless it is loaded; requests that come meanwhile wait for the same load."""
-        if self.status == LOADED:
-            return
-        if self._loading is None:
-            self._loading = asyncio.get_running_loop().create_task(self._load(), name=f"load {self.name}")
-        await asyncio.shield(self._loading)
+def _text_length(item) -> int:
+    """The text of a message or item: its content as a string, or its parts' texts (one level: a
+    body nested deeper is refused by its parser, and must not cost a recursion here)."""
+    content = item.get("content", item.get("text", item.get("output"))) if isinstance(item, dict) else item
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part) if isinstance(part, str) else len(part["text"])
+                   if isinstance(part, dict) and isinstance(part.get("text"), str) else 0 for part in content)
+    return 0
 
-    async def _load(self) -> None:
-        self.status, self.load_error = LOADING, None
-        started = time.monotonic()
-        log.info("model %s: loading %s", self.name, self.entry.model.path or "the default model")
-        engine = self._make_engine(self.config)
-        try:
-            info = await engine.start()
-            if engine.tokenizer is None:
-                await engine.stop()
-                raise ValueError("it has no tokenizer")
-        except Exception as exc:
-            self.status, self.load_error = UNLOADED, f"{type(exc).__name__}: {exc}"
-            log.error("model %s could not be loaded: %s", self.name, self.load_error)
-            raise
-        finally:
-            self._loading = None
-        self.loaded(engine, engine.tokenizer, info)
-        await self.render_shared_prefixes()
-        log.info("model %s: loaded in %.1f s (%d KV blocks, context %d)", self.name, time.monotonic() - started,
-                 info.num_kv_blocks, info.max_model_len)
 
-    async def render_shared_prefixes(self) -> None:
-        """Render [cache] shared_system_prompts with this model's template, off the event loop."""
-        self.shared_prefixes = await self.off_loop(shared_prefixes, self.tokenizer, self.config.cache.shared_system_prompts)
+# The escalation rules in the order they are tried: the first that holds is the one counted.
+ESCALATION_RULES = ("tiers", "tools", "response_format", "prompt_chars", "messages")
 
-    async def unload(self, why: str) -> None:
-        """Stop its engine and let its weights and KV pool go (whatever is in flight ends with an error)."""
-        if self.status != LOADED:
-            return
-        engine, self.engine, self.status = self.engine, None, UNLOADED
-        log.info("model %s: unloading (%s)", self.name, why)
-        await engine.stop()
-        del engine
-        await asyncio.to_thread(gc.collect)  # the weights' tensors go now, not at some later collection
 
-    @contextlib.asynccontextmanager
-    async def in_use(self) -> AsyncIterator[ServedModel]:
-        """Hold the model loaded while a handler renders and starts its requests (loading it first,
-        waiting in a bounded line while it loads); its requests in the engine hold it after that."""
-        self.num_in_use += 1
-        try:
-            if self.status != LOADED:
-                await self._wait_for_load()
-            self.last_used = time.monotonic()
-            yield self
-        finally:
-            self.num_in_use -= 1
-            self.last_used = time.monotonic()
-
-    async def _wait_for_load(self) -> None:
-        if self.num_waiting_for_load >= MAX_WAITING_FOR_LOAD:
-            raise APIError(503, f"the model {self.name!r} is loading and {MAX_WAITING_FOR_LOAD} requests already wait "
-                                "for it; try again shortly", "model", "model_loading",
-                           headers={"Retry-After": str(LOAD_RETRY_AFTER_SECONDS)})
-        self.num_waiting_for_load += 1
-        try:
-            await self.load()
-        except Exception:
-            raise APIError(503, f"the model {self.name!r} could not be loaded; try again later", "model",
-                           "model_unavailable", headers={"Retry-After": str(LOAD_RETRY_AFTER_SECONDS)}) from None
-        finally:
-            self.num_waiting_for_load -= 1
-
-    def busy(self) -> bool:
-        """Requests hold it: being admitted or rendered, queued or generating in its engine."""
-        if self.num_in_use or self.num_waiting_for_load:
-            return True
-        return self.engine is not None and self.engine.stats().num_request_streams > 0
-
-    # -- what rendering and billing need -----------------------------------------------------------
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
-
-    @property
-    def max_prompt_chars(self) -> int:
-        """More characters than this cannot fit the context window: no token decodes to more than max_token_chars."""
-        return self.max_model_len * self.tokenizer.max_token_chars
-
-    def check_text_size(self, num_chars: int, param: str) -> None:
-        """Refuse text that cannot fit the context window from its length alone, before tokenizing it."""
-        if num_chars > self.max_prompt_chars:
-            raise APIError(400, f"{param} has {num_chars} characters; the context window of {self.max_model_len} tokens "
-                                f"holds at most {self.max_prompt_chars} characters of text", param, "context_length_exceeded")
-
-    async def encode_chat(self, messages: list[dict], param: str = "messages",
-                          add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
-        """Render messages (and tools) with the chat template and tokenize them, in a worker thread."""
-        calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
-        extra = len(orjson.dumps([calls, tools])) if calls or tools else 0  # rendered as JSON, about this long
-        self.check_text_size(sum(len(m["content"]) for m in messages) + extra, param)
-        try:
-            return await self.off_loop(self.tokenizer.encode_chat, messages, add_generation_prompt, tools)
-        except ValueError as exc:
-            raise APIError(400, f"cannot render messages with this model's chat template: {exc}", param) from exc
-
-    async def encode_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        """A completion's prompt as token ids (text is tokenized in a worker thread)."""
-        if not isinstance(prompt, str):
-            return prompt
-        self.check_text_size(len(prompt), param)
-        return await self.off_loop(self.tokenizer.encode, prompt) if prompt else []
-
-    async def off_loop(self, function: Callable[..., T], *args) -> T:
-        """Run CPU work on text (templates, tokenizing) in the server's tokenizing threads."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, function, *args)
-
-    @property
-    def tool_parser(self) -> ToolParser:
-        """How this model's tool calls are read ([model] tool_parser, or its template's family)."""
-        if self._tool_parser is None:
-            self._tool_parser = tool_parser(self.config.model.tool_parser, self.tokenizer.chat_template)
-        return self._tool_parser
-
-    def tool_use(self, request: ToolRequest | None, messages: list[dict],
-                 reply_format: StructuredOutput | None = None) -> ToolUse:
-        """How a chat request's messages and tools are rendered for this model, the grammar its
-        reply follows and how its calls are read. The tools must fit the context window (their JSON
-        length, measured when parsed) before they are walked in Python: run it off the event loop."""
-        if request is not None:
-            self.check_text_size(request.offered_chars, "tools")
-        tokenizer = self.tokenizer
-        return tool_use(request, messages, self.tool_parser, tokenizer.template_takes_tools, tokenizer.added_token_ids,
-                        reply_format)
-
-    def token_text(self, token_id: int) -> str:
-        """A token's own text, as logprobs report it (cached: the same ids come back often)."""
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
-
-    def cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
-        """USD for one request at this model's configured prices ([prices."NAME"])."""
-        return self.config.price(self.name).cost(prompt_tokens, cached_tokens, completion_tokens)
-
-    def card(self, name: str | None = None) -> dict:
-        """The model as OpenAI describes one, under `name` (default: its own); `root` is its own
-        name, `status` whether it is loaded, and chatd's details once it is."""
-        card = {"id": name or self.name, "object": "model", "created": 0, "owned_by": "chatd", "root": self.name,
-                "status": self.status}
-        if self.info is not None:
-            card["context_length"] = self.max_model_len
-        elif self.entry.model.max_model_len:
-            card["context_length"] = self.entry.model.max_model_len
-        if self.load_error is not None:
-            card["load_error"] = self.load_error
-        details = self._details() if self.status == LOADED else {}
-        card["chatd"] = {**details, "keep_alive": self.keep_alive, "loads": self.num_loads}
-        return card
-
-    def _details(self) -> dict:
-        """The model's facts, with its compiled steps as of now (on a CPU they compile while it serves)."""
-        details = self.info.details()
-        compiled = self.engine.compile_state() if self.engine is not None else "off"
-        details["compiled_steps"] = compiled
-        if compiled != "compiled":
-            details["compiled_decode"], details["compiled_prefill_tokens"] = False, 0
-        else:
-            details["compiled_decode"] = True
-        return details
+def escalation(alias: AliasConfig, tier_name: str, traits: RequestTraits) -> str | None:
+    """The first of the alias's rules that holds of a request, or None: it stays on the small model."""
+    rules = alias.escalate_when
+    holds = {"tiers": tier_name in rules.tiers, "tools": rules.tools and traits.tools,
+             "response_format": rules.response_format and traits.response_format,
+             "prompt_chars": 0 < rules.prompt_chars < traits.prompt_chars,
+             "messages": 0 < rules.messages < traits.messages}
+    return next((rule for rule in ESCALATION_RULES if holds[rule]), None)
 
 
 class Fleet:
     """The server's chat models by name, its aliases, and which one serves each request."""
 
-    def __init__(self, config: Config, models: list[ServedModel], rng: random.Random | None = None) -> None:
+    def __init__(self, config: Config, models: list[ServedModel], rng: random.Random | None = None,
+                 on_alias: Callable[[str, str, str], None] | None = None) -> None:
+        """on_alias(alias, model, why): told of each request an alias served (why: "weight",
+        "thread", an escalation rule, or "none" for the small model)."""
         self.config = config
         self.models = models  # the first is the default
         self.aliases = dict(config.aliases)
         self._rng = rng or random.Random()
+        self.on_alias = on_alias or (lambda alias, model, why: None)
         self._by_name: dict[str, ServedModel] = {}
         self._reaper: asyncio.Task | None = None
 
@@ -302,11 +129,11 @@ class Fleet:
         return [name for model in self.models for name in model.names] + list(self.aliases)
 
     def pick(self, requested: str | None, tier_name: str, allowed: tuple[str, ...], default: str,
-             thread_model: str | None = None) -> ServedModel:
+             thread_model: str | None = None, traits: RequestTraits = RequestTraits()) -> ServedModel:
         """The model that serves a request naming `requested` (None: naming none), for a tenant
         whose tier may use `allowed` (empty: every name) and defaults to `default`; `thread_model`:
-        the model its conversation or Responses chain runs on. 404 for an unknown name, 403 for
-        one the tier may not use."""
+        the model its conversation or Responses chain runs on; `traits`: what escalation rules
+        read of it. 404 for an unknown name, 403 for one the tier may not use."""
         name = requested if requested not in (None, DEFAULT_ALIAS) else None
         if name is None:
             thread = self.by_name(thread_model) if thread_model else None
@@ -315,10 +142,8 @@ class Fleet:
             name = default or self.primary.name
         if name in self.aliases:
             self._check_tier(name, allowed, tier_name)
-            targets = self.aliases[name].targets
-            if thread_model in targets and targets[thread_model] > 0:
-                return self.by_name(thread_model)
-            [chosen] = self._rng.choices(list(targets), weights=list(targets.values()))
+            chosen, why = self._through_alias(self.aliases[name], tier_name, thread_model, traits)
+            self.on_alias(name, chosen, why)
             return self.by_name(chosen)
         model = self.by_name(name)
         if model is None:
@@ -329,6 +154,20 @@ class Fleet:
             raise APIError(403, f"your tier ({tier_name}) may not use the model {name!r}; it may use "
                                 f"{', '.join(repr(m) for m in allowed)}", "model", "model_not_allowed")
         return model
+
+    def _through_alias(self, alias: AliasConfig, tier_name: str, thread_model: str | None,
+                       traits: RequestTraits) -> tuple[str, str]:
+        """The model an alias picks, and why."""
+        if alias.small:  # escalating: up when a rule holds, and a thread that went up stays there
+            if thread_model == alias.large:
+                return alias.large, "thread"
+            rule = escalation(alias, tier_name, traits)
+            return (alias.large, rule) if rule is not None else (alias.small, "none")
+        targets = alias.targets
+        if thread_model in targets and targets[thread_model] > 0:
+            return thread_model, "thread"
+        [chosen] = self._rng.choices(list(targets), weights=list(targets.values()))
+        return chosen, "weight"
 
     @staticmethod
     def _check_tier(name: str, allowed: tuple[str, ...], tier_name: str) -> None:
@@ -346,7 +185,7 @@ class Fleet:
         if names != [model.entry.names for model in self.models] and config.models:
             raise ValueError(f"its [[models]] are {names}, not the ones serving; restart to change the models")
         for alias, settings in config.aliases.items():
-            unknown = [target for target in settings.targets if self.by_name(target) is None]
+            unknown = [target for target in settings.models if self.by_name(target) is None]
             if unknown:
                 raise ValueError(f"aliases.{alias} names {unknown}, which this server does not serve")
         self.aliases = dict(config.aliases)
@@ -404,19 +243,3 @@ def _may_use(allowed: tuple[str, ...], name: str) -> bool:
 async def _logged(load) -> None:
     with contextlib.suppress(Exception):  # (its failure is logged, and shown on /v1/models)
         await load
-
-
-def shared_prefixes(tokenizer: Tokenizer, prompts: tuple[str, ...]) -> list[list[int]]:
-    """Each shared system prompt as the chat template renders it alone, in tokens."""
-    prefixes = []
-    for prompt in prompts:
-        try:
-            prefixes.append(tokenizer.encode_chat([{"role": "system", "content": prompt}], add_generation_prompt=False))
-        except ValueError as exc:
-            log.warning("shared system prompt %r cannot be rendered on its own (%s); it is not shared", prompt[:40], exc)
-    return prefixes
-
-
-def fleet_config(config: Config, entry: FleetModel) -> Config:
-    """The config one model's engine is built from: the server's, with the model's own sections."""
-    return dataclasses.replace(config, model=entry.model, cache=entry.cache, speculative=entry.speculative)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import orjson
 
 from chatd.http.errors import APIError
-from chatd.http.fleet import ServedModel
+from chatd.http.served_model import ServedModel
 from chatd.http.protocol import GenerationRequest, TurnRequest
 from chatd.http.tools import described_in_messages
 from chatd.store.records import Conversation, Message

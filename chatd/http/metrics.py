@@ -95,7 +95,15 @@ class ServerMetrics:
         self._tier_queue_time = Histogram("chatd:tier_request_queue_time_seconds", "Seconds a request waited in the "
                                           "engine's queue before its first schedule, by tier.", ["model_name", "tier"],
                                           buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._alias_requests = Counter(
+            "chatd:alias_requests_total", "Requests an alias ([aliases]) sent to a model, by why: weight (a canary's "
+            "draw), thread (its conversation or chain was there), none (an escalating alias's small model), or the "
+            "escalation rule that held (tiers, tools, response_format, prompt_chars, messages).",
+            ["alias", "model_name", "why"], registry=self.registry)
         self.declare_model(model_name, kv_bytes_per_token, block_size)
+
+    def alias_picked(self, alias: str, model_name: str, why: str) -> None:
+        self._alias_requests.labels(alias=alias, model_name=model_name, why=why).inc()
 
     def declare_model(self, model_name: str, kv_bytes_per_token: int = 0, block_size: int = 0) -> None:
         """A chat model's series, at 0 from the start so rate() works before its first request (each

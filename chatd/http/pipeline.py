@@ -25,7 +25,7 @@ from typing import Protocol
 
 from chatd.engine import CacheScope, LimitError, ParamError, Placement, RequestHandle, SamplingParams, StructuredOutput
 from chatd.http.errors import APIError
-from chatd.http.fleet import ServedModel
+from chatd.http.served_model import ServedModel
 from chatd.http.limits import Lease
 from chatd.http.protocol import GenerationRequest
 from chatd.http.state import ServerState

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from chatd.engine import CompletionOutput, RequestOutput
 from chatd.http import pipeline
 from chatd.http.errors import APIError
-from chatd.http.fleet import ServedModel
+from chatd.http.served_model import ServedModel
 from chatd.http.history import Tools, render_history, template_messages
 from chatd.http.items import item_json
 from chatd.http.openai_format import CUT_SHORT

@@ -37,6 +37,7 @@ from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, APIError
 from chatd.http.items import item_json, item_page, page_params
 from chatd.http.conversations import move_if_needed
+from chatd.http.fleet import request_traits
 from chatd.http.protocol import requested_model, shown
 from chatd.http.request_log import REQUEST_LOG
 # The body's parsing. openapi.py (and test_openapi.py) read its fields and limits as responses.X: kept here.
@@ -58,7 +59,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     state, tenant = request.app[STATE], request[TENANT]
     body = await read_json(request)
     # The model of the chain or conversation it continues, unless it names another (an alias keeps it when it can).
-    served = state.pick_model(requested_model(body), tenant, await _thread_model(state, tenant, body))
+    thread_model, num_stored = await _thread(state, tenant, body)
+    served = state.pick_model(requested_model(body), tenant, thread_model, request_traits(body).with_history(num_stored))
     async with served.in_use():
         req = await checked(request, parse_response, body, state, served.info.sampling_defaults)
         # A store=false response keeps no rows to give back: its key, if any, is not claimed.
@@ -220,23 +222,27 @@ async def _continued(state: ServerState, turns: Turns, tenant: Tenant,
     return conversation, previous
 
 
-async def _thread_model(state: ServerState, tenant: Tenant, body) -> str | None:
-    """The model of the conversation or previous response a body names, read before the body is
-    parsed (parsing needs the model's defaults); None when it names neither, or one that is not
-    the caller's (parsing and `_continued` refuse those by name)."""
+async def _thread(state: ServerState, tenant: Tenant, body) -> tuple[str | None, int]:
+    """The model of the conversation or previous response a body names, and how many messages it
+    holds, read before the body is parsed (parsing needs the model's defaults); (None, 0) when it
+    names neither, or one that is not the caller's (parsing and `_continued` refuse those by name)."""
     if not isinstance(body, dict):
-        return None
+        return None, 0
     conversation = body.get("conversation")
     if isinstance(conversation, dict):
         conversation = conversation.get("id")
     if isinstance(conversation, str):
         found = await state.store.get_conversation(tenant.id, conversation)
-        return found.model if found is not None else None
+        if found is None:
+            return None, 0
+        return found.model, await state.store.count_messages(found.id)
     previous = body.get("previous_response_id")
     if isinstance(previous, str):
         record = await state.store.get_response(tenant.id, previous)
-        return record.model if record is not None else None
-    return None
+        if record is None:
+            return None, 0
+        return record.model, len(await state.store.chain_messages(record.id))
+    return None, 0
 
 
 async def _previous(state: ServerState, turns: Turns, tenant: Tenant, response_id: str) -> Response:

@@ -32,7 +32,7 @@ from chatd.config import Config, StoreConfig
 from chatd.engine import AsyncEngine, Embedder, EngineProcess, LLMEngine, SamplingParams, engine_process_wanted
 from chatd.http.app import create_app
 from chatd.http.buckets import check_storage
-from chatd.http.fleet import fleet_config
+from chatd.http.served_model import fleet_config
 from chatd.http.starting import Startup, starting_app
 from chatd.http.state import ServerState
 from chatd.safety.guard import GuardModel

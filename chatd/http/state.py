@@ -17,7 +17,8 @@ from chatd.config import Config
 from chatd.engine import Embedder, EngineClient, ModelInfo, Tokenizer
 from chatd.http.buckets import shared_buckets
 from chatd.http.errors import APIError
-from chatd.http.fleet import Fleet, ServedModel, fleet_config
+from chatd.http.fleet import Fleet, RequestTraits
+from chatd.http.served_model import ServedModel, fleet_config
 from chatd.http.limits import Limits
 from chatd.http.metrics import ServerMetrics
 from chatd.http.safety import Safety
@@ -74,26 +75,27 @@ class ServerState:
         first.loaded(self.engine, self.tokenizer, self.model)
         others = [ServedModel(entry, fleet_config(self.config, entry), self.make_engine, self.tokenizing)
                   for entry in entries[1:]]
-        self.fleet = Fleet(self.config, [first, *others])
         self.metrics = ServerMetrics(self.model_name, self.model.kv_bytes_per_token, self.model.block_size)
         for served in others:
             self.metrics.declare_model(served.name)
+        self.fleet = Fleet(self.config, [first, *others], on_alias=self.metrics.alias_picked)
         self.metrics.declare_tiers(self.config.tiers)
         self.limits = Limits(self.config.tiers, self.config.auth.enabled, self.metrics,
                              shared_buckets(self.config.tiers_storage), self.config.tiers_on_storage_error == "open")
         pipeline = SafetyPipeline.build(self.config.safety, self.config.policies, self.guard)
         self.safety = Safety(pipeline, self.store, self.metrics, self.fleet.primary.token_text)
 
-    def pick_model(self, requested: str | None, tenant: Tenant | None = None,
-                   thread_model: str | None = None) -> ServedModel:
+    def pick_model(self, requested: str | None, tenant: Tenant | None = None, thread_model: str | None = None,
+                   traits: RequestTraits = RequestTraits()) -> ServedModel:
         """The chat model that serves a request naming `requested` (fleet.py's `pick`): the tenant's
         tier decides the default and, while limits apply, what it may use (404 for an unknown name,
-        403 for one the tier may not use). `thread_model`: its conversation's or chain's model."""
+        403 for one the tier may not use). `thread_model`: its conversation's or chain's model;
+        `traits`: what an escalating alias's rules read of it."""
         tier_name = tenant.tier if tenant is not None else self.config.auth.local_tier
         tier = self.config.tiers.get(tier_name)
         allowed = tier.models if tier is not None and self.limits.enabled and tenant is not None else ()
         default = tier.default_model if tier is not None else ""
-        return self.fleet.pick(requested, tier_name, allowed, default, thread_model)
+        return self.fleet.pick(requested, tier_name, allowed, default, thread_model, traits)
 
     @property
     def model_names(self) -> list[str]:

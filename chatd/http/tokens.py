@@ -18,7 +18,7 @@ from aiohttp import web
 
 from chatd.http.auth import TENANT
 from chatd.http.errors import APIError
-from chatd.http.fleet import ServedModel
+from chatd.http.served_model import ServedModel
 from chatd.http.protocol import parse_chat, shown
 from chatd.http.state import STATE, ServerState
 from chatd.http.wire import checked, json_response, read_json

@@ -39,7 +39,7 @@ from aiohttp import web
 from chatd.engine import CompletionOutput, EngineClient, FinishReason, RequestOutput
 from chatd.http import pipeline
 from chatd.http.errors import APIError, error_body
-from chatd.http.fleet import ServedModel
+from chatd.http.served_model import ServedModel
 from chatd.http.history import render_turn
 from chatd.http.limits import Lease
 from chatd.http.openai_format import ChunkFormat, finish_reason, merged_with

@@ -54,6 +54,11 @@ class Messages(Database):
                                  "ORDER BY position", (conversation_id,))
         return [message_from_row(row) for row in rows]
 
+    async def count_messages(self, conversation_id: str) -> int:
+        """How many messages a conversation holds (check the conversation is the caller's first)."""
+        rows = await self._fetch("SELECT COUNT(*) FROM messages WHERE conversation_id = ?", (conversation_id,))
+        return rows[0][0]
+
     async def get_message(self, conversation_id: str, message_id: str) -> Message | None:
         """One message of a conversation, or None."""
         rows = await self._fetch(f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? AND id = ?",

@@ -14,13 +14,16 @@ import pytest
 from chatd.config_loader import build_config
 from chatd.engine import EngineStats
 from chatd.http.errors import APIError
-from chatd.http.fleet import LOADED, UNLOADED, Fleet, ServedModel, fleet_config
+from chatd.http.fleet import Fleet, RequestTraits, request_traits
+from chatd.http.served_model import LOADED, UNLOADED, ServedModel, fleet_config
 from tests.factories import make_model_info
 
 FLEET = {
     "models": [{"name": "small", "path": "demo"}, {"name": ["large", "big"], "path": "", "keep_alive": "2s"},
                {"name": "canary", "path": "demo", "keep_alive": 0}],
-    "aliases": {"chat": {"targets": {"small": 95, "canary": 5}}},
+    "aliases": {"chat": {"targets": {"small": 95, "canary": 5}},
+                "auto": {"small": "small", "large": "large", "escalate_when": {
+                    "prompt_chars": 100, "tools": True, "response_format": True, "messages": 4, "tiers": ["premium"]}}},
     "tiers": {"free": {"models": ["small", "chat"], "default_model": "small"}, "paid": {"default_model": "large"}},
 }
 
@@ -68,9 +71,9 @@ def make_fleet(values=FLEET, seed: int = 0, delay: float = 0.0) -> tuple[Fleet, 
     return Fleet(config, models, random.Random(seed)), starts, engines
 
 
-def pick(fleet: Fleet, requested, tier: str = "paid", thread_model=None) -> str:
+def pick(fleet: Fleet, requested, tier: str = "paid", thread_model=None, traits=RequestTraits()) -> str:
     tier_config = fleet.config.tiers[tier]
-    return fleet.pick(requested, tier, tier_config.models, tier_config.default_model, thread_model).name
+    return fleet.pick(requested, tier, tier_config.models, tier_config.default_model, thread_model, traits).name
 
 
 def test_a_request_gets_the_model_it_names_or_its_tiers_default_and_others_are_refused_by_name():
@@ -105,6 +108,32 @@ def test_an_alias_splits_new_threads_by_weight_and_a_thread_keeps_its_model():
     assert pick(fleet, None, "paid", thread_model="canary") == "canary"
     # Unless its tier may not use that model: then its tier's default.
     assert pick(fleet, None, "free", thread_model="large") == "small"
+
+
+def test_an_escalating_alias_sends_a_request_up_when_a_rule_holds_and_its_thread_stays_up():
+    fleet, _, _ = make_fleet()
+    said = []
+    fleet.on_alias = lambda alias, model, why: said.append((alias, model, why))
+    question = {"messages": [{"role": "user", "content": "hi"}]}
+    assert pick(fleet, "auto", traits=request_traits(question)) == "small"
+    long = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 101}]}]}
+    assert pick(fleet, "auto", traits=request_traits(long)) == "large"
+    assert pick(fleet, "auto", traits=request_traits({**question, "tools": [{"type": "function"}]})) == "large"
+    schema = {**question, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}
+    assert pick(fleet, "auto", traits=request_traits(schema)) == "large"
+    assert pick(fleet, "auto", traits=request_traits({**question, "response_format": {"type": "text"}})) == "small"
+    assert pick(fleet, "auto", traits=request_traits({"content": "next"}).with_history(4)) == "large"
+    assert pick(fleet, "auto", traits=request_traits({"content": "next"}).with_history(2)) == "small"
+    assert pick(fleet, "auto", "premium", traits=request_traits(question)) == "large"
+    assert pick(fleet, "auto", thread_model="large", traits=request_traits(question)) == "large"  # stays up
+    assert pick(fleet, "auto", thread_model="small", traits=request_traits(long)) == "large"  # may go up
+    assert [why for _, _, why in said] == ["none", "prompt_chars", "tools", "response_format", "none", "messages", "none",
+                                           "tiers", "thread", "prompt_chars"]
+    # A Responses body: its input items and text.format.
+    traits = request_traits({"input": [{"role": "user", "content": "a" * 50}, {"type": "function_call_output",
+                                                                             "output": "b" * 60}],
+                             "text": {"format": {"type": "json_object"}}})
+    assert traits == RequestTraits(prompt_chars=110, messages=2, tools=False, response_format=True)
 
 
 async def test_a_model_loads_once_for_concurrent_first_requests_and_unloads_after_keep_alive():
@@ -168,7 +197,7 @@ async def test_a_model_that_cannot_load_is_a_503_naming_it_and_is_tried_again():
 
 @pytest.mark.parametrize("values, message", [
     ({"models": [{"name": "a", "path": "demo"}], "aliases": {"chat": {"targets": {"b": 1}}}},
-     "aliases.chat.targets names 'b', which is no model's name"),
+     "aliases.chat names 'b', which is no model's name"),
     ({"models": [{"name": "a"}, {"name": "a"}]}, "'a' names two models"),
     ({"models": [{"name": "a"}], "aliases": {"a": {"targets": {"a": 1}}}}, "an alias needs a name of its own"),
     ({"models": [{"name": "a"}], "aliases": {"chat": {"targets": {"a": 0}}}}, "at least one weight"),

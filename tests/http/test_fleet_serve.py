@@ -43,13 +43,17 @@ path = "{qwen}"
 keep_alive = "1s"
 [aliases.chat]
 targets = {{ small = 80, qwen = 20 }}
+[aliases.auto]
+small = "small"
+large = "smol"
+escalate_when = {{ prompt_chars = 300, tools = true, response_format = true, messages = 5, tiers = ["paid"] }}
 [tiers.free]
 requests_per_minute = 0
 tokens_per_minute = 0
 max_concurrent_requests = 0
 max_queued_requests = 0
 ttft_p95_seconds = 0
-models = ["small", "qwen", "chat"]
+models = ["small", "qwen", "chat", "auto"]
 default_model = "small"
 [tiers.paid]
 requests_per_minute = 0
@@ -128,7 +132,7 @@ async def test_tiers_route_requests_without_a_model_and_refuse_what_they_may_not
         await alice.chat.completions.create(model="gpt-5", messages=question, max_tokens=2)
     assert unknown.value.code == "model_not_found" and "'gpt-5'" in unknown.value.message
     listed = [m.id async for m in alice.models.list()]
-    assert listed == ["small", "qwen", "chat"]  # what the free tier may use (a model's names count apart)
+    assert listed == ["small", "qwen", "chat", "auto"]  # what the free tier may use (a model's names count apart)
     assert {"small", "smol", "qwen", "qwen-tiny", "chat"} <= set(await cards(fleet, "bob"))
 
 
@@ -175,6 +179,39 @@ async def test_an_alias_splits_new_conversations_by_weight_and_threads_keep_thei
         assert first.model == second.model == third.model
         seen.add(first.model)
     assert seen <= {"small", "qwen"}
+
+
+async def test_an_escalating_alias_sends_each_rule_s_requests_up_and_counts_them_by_rule(fleet):
+    alice, bob = client(fleet, "alice"), client(fleet, "bob")
+    short = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
+
+    async def served(who, **fields) -> str:
+        return (await who.chat.completions.create(model="auto", max_tokens=2, **fields)).model
+
+    assert await served(alice, messages=short) == "small"
+    assert await served(alice, messages=[{"role": "user", "content": "why " * 100}]) == "smol"  # prompt_chars
+    assert await served(alice, messages=short, tools=[tool]) == "smol"
+    assert await served(alice, messages=short, response_format={"type": "json_object"}) == "smol"
+    assert await served(bob, messages=short) == "smol"  # the paid tier
+    # A conversation goes up once its history passes 5 messages, and stays up.
+    conversation = await alice.post("/conversations", cast_to=dict, body={"model": "auto"})
+    models = []
+    for turn in range(5):
+        reply = await alice.post(f"/conversations/{conversation['id']}/messages", cast_to=dict,
+                                 body={"content": "hi", "model": "auto", "max_tokens": 2})
+        models.append(reply["model"])
+    assert models == ["small", "small", "small", "smol", "smol"]  # 6 messages with the new one, then "thread"
+    async with aiohttp.ClientSession() as session, session.get(f"{fleet['url']}/metrics") as r:
+        metrics = await r.text()
+
+    def count(why: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("chatd:alias_requests_total{") and 'alias="auto"' in line and f'why="{why}"' in line)
+
+    assert {why: count(why) for why in ("prompt_chars", "tools", "response_format", "tiers", "messages", "thread")} == {
+        "prompt_chars": 1, "tools": 1, "response_format": 1, "tiers": 1, "messages": 1, "thread": 1}
+    assert count("none") == 5  # the short chat, the conversation's creation and its first three turns
 
 
 async def test_a_model_loads_on_first_use_and_unloads_after_keep_alive_never_while_in_use(fleet):

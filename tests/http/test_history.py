@@ -13,7 +13,7 @@ from chatd.engine import Tokenizer
 from chatd.http.history import render_turn
 from chatd.http.errors import APIError
 from chatd.http.protocol import parse_turn
-from chatd.http.fleet import ServedModel
+from chatd.http.served_model import ServedModel
 from chatd.http.state import ServerState
 from chatd.store.records import Conversation, Message
 from tests.factories import make_model_info

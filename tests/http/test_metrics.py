@@ -54,6 +54,7 @@ REQUEST_FAMILIES = {
     "chatd:request_queue_time_seconds": "histogram",
     "chatd:request_prompt_tokens": "histogram",
     "chatd:request_generation_tokens": "histogram",
+    "chatd:alias_requests": "counter",  # [aliases]: which model each served, and why
 }
 TIER_FAMILIES = {
     "chatd:tier_requests_admitted": "counter",
@@ -140,6 +141,28 @@ def test_gauges_show_the_latest_engine_state():
     assert samples[f"chatd:num_requests_running{{model_name={MODEL}}}"] == 1
     assert samples[f"chatd:num_requests_waiting{{model_name={MODEL}}}"] == 0
     assert samples[f"chatd:kv_cache_usage_perc{{model_name={MODEL}}}"] == 0.5
+
+
+def test_each_model_of_a_fleet_has_its_own_series_and_an_unloaded_one_reads_zero():
+    metrics = ServerMetrics(MODEL)
+    metrics.declare_model("canary", kv_bytes_per_token=512, block_size=16)
+    samples = scrape(metrics)  # declared: at 0 before its first request
+    assert samples["chatd:request_success_total{finished_reason=stop,model_name=canary,route=chat}"] == 0
+    assert samples["chatd:num_requests_running{model_name=canary}"] == 0
+    metrics.update_engine(make_stats(num_running=3, num_generation_tokens=40))
+    metrics.update_engine(make_stats(num_running=5, num_generation_tokens=7), model_name="canary")
+    observe(metrics, model_name="canary")
+    metrics.alias_picked("chat", "canary", "weight")
+    samples = scrape(metrics)
+    assert samples[f"chatd:num_requests_running{{model_name={MODEL}}}"] == 3
+    assert samples["chatd:num_requests_running{model_name=canary}"] == 5
+    assert samples["vllm:num_requests_running{engine=0,model_name=canary}"] == 5
+    assert samples["chatd:request_success_total{finished_reason=stop,model_name=canary,route=chat}"] == 1
+    assert samples[f"chatd:request_success_total{{finished_reason=stop,model_name={MODEL},route=chat}}"] == 0
+    assert samples["chatd:kv_bytes_per_token{model_name=canary}"] == 512
+    assert samples["chatd:alias_requests_total{alias=chat,model_name=canary,why=weight}"] == 1
+    metrics.update_engine(None, {}, "canary")  # unloaded
+    assert scrape(metrics)["chatd:generation_tokens_total{model_name=canary}"] == 0
 
 
 def test_vllm_names_read_the_same_values_with_vllms_labels():
