@@ -156,10 +156,12 @@ class ServedModel:
             self.num_waiting_for_load -= 1
 
     def busy(self) -> bool:
-        """Requests hold it: being admitted or rendered, queued or generating in its engine."""
+        """Requests hold it (being admitted or rendered, queued or generating in its engine), or its
+        steps are still compiling on a thread (CPU): a model is not unloaded under either."""
         if self.num_in_use or self.num_waiting_for_load:
             return True
-        return self.engine is not None and self.engine.stats().num_request_streams > 0
+        engine = self.engine
+        return engine is not None and (engine.stats().num_request_streams > 0 or engine.compile_state() == "compiling")
 
     # -- what rendering and billing need -----------------------------------------------------------
 

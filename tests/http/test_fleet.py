@@ -155,6 +155,11 @@ async def test_a_model_loads_once_for_concurrent_first_requests_and_unloads_afte
     await fleet.unload_idle(now)
     assert large.status == LOADED
     engines["large"].streams = 0
+    engines["large"].compile_state = lambda: "compiling"  # its steps compiling on a thread: not idle either
+    now += 60
+    await fleet.unload_idle(now)
+    assert large.status == LOADED
+    engines["large"].compile_state = lambda: "compiled"
     await fleet.unload_idle(now + 1)  # idle 1 s of its 2 since it was last seen busy
     assert large.status == LOADED
     await fleet.unload_idle(now + 2.5)
