@@ -212,9 +212,15 @@ class ServerConfig:
     # How long a [[models]] model stays loaded with nothing to do (Ollama's keep_alive: "5m", "1h",
     # seconds; "0" unloads after each reply, "-1" keeps it); a [[models]] entry or a request may say otherwise.
     keep_alive: str = "-1"
+    # At most this many [[models]] loaded at once, and their weights and KV pools within this many
+    # GB; past either, the least recently used idle model is unloaded first. 0: no limit.
+    max_loaded_models: int = 0
+    models_memory_gb: float = 0.0
 
     def __post_init__(self) -> None:
         at_least_one("server", self, "stream_interval")
+        if self.max_loaded_models < 0 or self.models_memory_gb < 0:
+            raise ValueError("settings server.max_loaded_models and server.models_memory_gb must be 0 (no limit) or more")
         keep_alive_seconds(self.keep_alive, "server.keep_alive")
         if any(not name.strip() for name in self.model_name):
             raise ValueError(f"setting server.model_name takes non-empty names, got {list(self.model_name)!r}")

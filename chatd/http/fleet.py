@@ -111,6 +111,8 @@ class Fleet:
         self.on_alias = on_alias or (lambda alias, model, why: None)
         self._by_name: dict[str, ServedModel] = {}
         self._reaper: asyncio.Task | None = None
+        for model in models:
+            model.make_room = self._make_room
 
     @property
     def primary(self) -> ServedModel:
@@ -225,14 +227,43 @@ class Fleet:
                 log.exception("unloading idle models failed; trying again")
 
     async def unload_idle(self, now: float) -> None:
-        """Unload each model idle past its keep_alive; a busy one counts as used now."""
+        """Unload each model idle past its keep_alive (a busy one counts as used now), and load
+        again one whose engine died, unless it would have unloaded anyway."""
         for model in self.models:
             if model.status != LOADED:
                 continue
-            if model.busy():
+            problem = model.engine.health()
+            if problem is not None:
+                await model.unload(f"its engine stopped ({problem})")
+                if model.keep_alive != 0:
+                    asyncio.get_running_loop().create_task(_logged(model.load()), name=f"reload {model.name}")
+            elif model.busy():
                 model.last_used = now
             elif model.keep_alive >= 0 and now - model.last_used >= model.keep_alive:
                 await model.unload(f"idle for {now - model.last_used:.0f} s, keep_alive {model.keep_alive:g} s")
+
+    async def _make_room(self, incoming: ServedModel) -> None:
+        """Before `incoming` loads: unload the least recently used idle models (never the first)
+        until it fits [server] max_loaded_models and models_memory_gb; 503 naming what holds the
+        room when the others are all in use."""
+        settings = self.config.server
+        budget = settings.models_memory_gb * 2**30
+        while True:
+            loaded = [m for m in self.models if m.status == LOADED and m is not incoming]
+            over_count = settings.max_loaded_models and len(loaded) + 1 > settings.max_loaded_models
+            over_budget = budget and sum(m.footprint_bytes() for m in loaded) + incoming.footprint_bytes() > budget
+            if not (over_count or over_budget):
+                return
+            idle = [m for m in loaded if m is not self.primary and not m.busy()]
+            if not idle:
+                held = ", ".join(repr(m.name) for m in loaded)
+                limit = (f"max_loaded_models = {settings.max_loaded_models}" if over_count
+                         else f"models_memory_gb = {settings.models_memory_gb:g}")
+                raise APIError(503, f"the model {incoming.name!r} cannot be loaded now: {held} are loaded and in use "
+                                    f"({limit}); try again shortly", "model", "model_unavailable",
+                               headers={"Retry-After": "5"})
+            victim = min(idle, key=lambda m: m.last_used)
+            await victim.unload(f"making room for {incoming.name}: least recently used")
 
 
 def _may_use(allowed: tuple[str, ...], name: str) -> bool:

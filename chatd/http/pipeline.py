@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from chatd.engine import CacheScope, LimitError, ParamError, Placement, RequestHandle, SamplingParams, StructuredOutput
+from chatd.engine import (CacheScope, EngineUnavailable, LimitError, ParamError, Placement, RequestHandle, SamplingParams,
+                          StructuredOutput)
 from chatd.http.errors import APIError
 from chatd.http.served_model import ServedModel
 from chatd.http.limits import Lease
@@ -132,9 +133,12 @@ def launch(state: ServerState, served: ServedModel, admitted: Admitted,
         try:
             handles.append(served.engine.generate(prompt, admitted.params, admitted.placement,
                                                   cache_scope(state, served, admitted.tenant, prompt)))
-        except ParamError as exc:
+        except (ParamError, EngineUnavailable) as exc:
             for handle in handles:
                 handle.abort()
+            if isinstance(exc, EngineUnavailable):  # it died since it was picked: the next request loads it again
+                raise APIError(503, f"the model {served.name!r} stopped ({exc}); it is loaded again on the next "
+                                    "request", "model", "model_unavailable", headers={"Retry-After": "5"}) from None
             raise refusal(exc, name, admitted.max_tokens_field) from None
     return handles
 

@@ -18,7 +18,8 @@ import dataclasses
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 import orjson
@@ -64,6 +65,9 @@ class ServedModel:
         self._tool_parser: ToolParser | None = None
         # Token ids of the chat template's rendering of each [cache] shared_system_prompts entry.
         self.shared_prefixes: list[list[int]] = []
+        # Called before each load, to unload others if this one would not fit (fleet.py's).
+        self.make_room: Callable[[ServedModel], Awaitable[None]] | None = None
+        self._weights_bytes: int | None = None
 
     def __repr__(self) -> str:
         return f"ServedModel({self.name!r}, {self.status})"
@@ -95,13 +99,18 @@ class ServedModel:
     async def _load(self) -> None:
         self.status, self.load_error = LOADING, None
         started = time.monotonic()
-        log.info("model %s: loading %s", self.name, self.entry.model.path or "the default model")
-        engine = self._make_engine(self.config)
         try:
+            if self.make_room is not None:
+                await self.make_room(self)
+            log.info("model %s: loading %s", self.name, self.entry.model.path or "the default model")
+            engine = self._make_engine(self.config)
             info = await engine.start()
             if engine.tokenizer is None:
                 await engine.stop()
                 raise ValueError("it has no tokenizer")
+        except APIError:  # no room for it now: nothing is wrong with the model
+            self.status = UNLOADED
+            raise
         except Exception as exc:
             self.status, self.load_error = UNLOADED, f"{type(exc).__name__}: {exc}"
             log.error("model %s could not be loaded: %s", self.name, self.load_error)
@@ -133,6 +142,9 @@ class ServedModel:
         waiting in a bounded line while it loads); its requests in the engine hold it after that."""
         self.num_in_use += 1
         try:
+            problem = self.engine.health() if self.status == LOADED else None
+            if problem is not None:  # its engine died (a crash, out of memory): load it again
+                await self.unload(f"its engine stopped ({problem})")
             if self.status != LOADED:
                 await self._wait_for_load()
             self.last_used = time.monotonic()
@@ -149,11 +161,21 @@ class ServedModel:
         self.num_waiting_for_load += 1
         try:
             await self.load()
+        except APIError:
+            raise
         except Exception:
             raise APIError(503, f"the model {self.name!r} could not be loaded; try again later", "model",
                            "model_unavailable", headers={"Retry-After": str(LOAD_RETRY_AFTER_SECONDS)}) from None
         finally:
             self.num_waiting_for_load -= 1
+
+    def footprint_bytes(self) -> int:
+        """What it takes loaded, as far as is known: its weights' files, and its KV pool once loaded."""
+        if self._weights_bytes is None:
+            self._weights_bytes = weights_bytes(self.entry.model.path)
+        info = self.info
+        kv = info.num_kv_blocks * info.block_size * info.kv_bytes_per_token if info is not None else 0
+        return self._weights_bytes + kv
 
     def busy(self) -> bool:
         """Requests hold it (being admitted or rendered, queued or generating in its engine), or its
@@ -256,6 +278,19 @@ class ServedModel:
         else:
             details["compiled_decode"] = True
         return details
+
+
+def weights_bytes(path: str) -> int:
+    """The size of a model's weight files on disk ("" : the default model's file; a hub id or the
+    demo model: 0, unknown until loaded or negligible)."""
+    from chatd.engine.models.loader import default_model_path
+
+    found = Path(path) if path and path != "demo" else default_model_path() if not path else None
+    if found is None or not found.exists():
+        return 0
+    if found.is_file():
+        return found.stat().st_size
+    return sum(f.stat().st_size for f in found.iterdir() if f.suffix in (".safetensors", ".gguf", ".bin", ".pt"))
 
 
 def shared_prefixes(tokenizer: Tokenizer, prompts: tuple[str, ...]) -> list[list[int]]:

@@ -139,7 +139,7 @@ async def health(request: web.Request) -> web.Response:
     refused = _unavailable(state)
     if refused is not None:
         return refused
-    return web.json_response({"status": "ok", "phase": "serving", "compiled_steps": state.engine.compile_state(),
+    return web.json_response({"status": "ok", "phase": "serving", "compiled_steps": _compiled_steps(state),
                               "store": _store_status(state), "models": _model_states(state)})
 
 
@@ -156,8 +156,14 @@ async def ready(request: web.Request) -> web.Response:
     if refused is not None:
         return refused
     # Steps still compiling (CPU, worker/compile_job.py) serve, eagerly: ready, and it says so.
-    return web.json_response({"status": "ready", "compiled_steps": state.engine.compile_state(),
+    return web.json_response({"status": "ready", "compiled_steps": _compiled_steps(state),
                               "models": _model_states(state)})
+
+
+def _compiled_steps(state: ServerState) -> str:
+    """The first model's compiled steps (on a CPU they compile while it serves)."""
+    first = state.fleet.primary.engine
+    return first.compile_state() if first is not None else "off"
 
 
 def _model_states(state: ServerState) -> dict[str, str]:
@@ -176,7 +182,8 @@ def _unavailable(state: ServerState) -> web.Response | None:
         return _refusal("draining", "draining", left)
     if not state.ready:
         return _refusal("warming up", "warming up", RETRY_AFTER_SECONDS)
-    problem = state.engine.health() if state.fleet.primary.status != "unloaded" else None
+    first = state.fleet.primary.engine  # (loaded again, after a crash, it is another engine than state.engine)
+    problem = first.health() if first is not None else None
     if problem is not None:
         return _refusal("engine stopped", "stopped", None, error=problem)
     if not state.ledger.healthy:

@@ -35,6 +35,7 @@ class CountingEngine:
         self.name, self.starts, self.delay = name, starts, delay
         self.streams = 0
         self.stopped = False
+        self.problem: str | None = None  # what health() says: None while it serves
         self.tokenizer = object()
 
     async def start(self):
@@ -50,6 +51,9 @@ class CountingEngine:
 
     def compile_state(self) -> str:
         return "off"
+
+    def health(self) -> str | None:
+        return self.problem
 
 
 def make_fleet(values=FLEET, seed: int = 0, delay: float = 0.0) -> tuple[Fleet, list[str], dict[str, CountingEngine]]:
@@ -198,6 +202,55 @@ async def test_a_model_that_cannot_load_is_a_503_naming_it_and_is_tried_again():
     assert large.card()["load_error"] == "RuntimeError: out of memory"
     async with large.in_use() as served:  # the next request tries again
         assert served.status == LOADED and "load_error" not in served.card()
+
+
+async def test_past_max_loaded_models_the_least_recently_used_idle_model_makes_room_and_a_busy_one_never():
+    fleet, starts, engines = make_fleet({**FLEET, "server": {"max_loaded_models": 2}})
+    large, canary = fleet.by_name("large"), fleet.by_name("canary")
+    canary.keep_alive = -1
+    async with large.in_use():
+        pass
+    assert [m.status for m in fleet.models] == [LOADED, LOADED, UNLOADED]
+    async with canary.in_use():  # two loaded already: large (idle) goes; the first model never does
+        assert [m.status for m in fleet.models] == [LOADED, UNLOADED, LOADED]
+        # Now the only other model is in use: no room for large, and the 503 says why.
+        with pytest.raises(APIError) as full:
+            async with large.in_use():
+                pass
+        assert (full.value.status, full.value.code) == (503, "model_unavailable")
+        assert "'canary'" in full.value.message and "max_loaded_models = 2" in full.value.message
+        assert full.value.headers["Retry-After"] and large.load_error is None
+    async with large.in_use():  # canary is idle now: it makes room
+        assert [m.status for m in fleet.models] == [LOADED, LOADED, UNLOADED]
+    assert starts == ["large", "canary", "large"]
+
+
+async def test_a_memory_budget_unloads_by_size_as_well(tmp_path):
+    fleet, _, _ = make_fleet({**FLEET, "server": {"models_memory_gb": 1.0}})
+    large, canary = fleet.by_name("large"), fleet.by_name("canary")
+    canary.keep_alive = -1
+    large._weights_bytes, canary._weights_bytes = 600 * 2**20, 500 * 2**20  # together over 1 GB
+    fleet.primary._weights_bytes = 0
+    async with large.in_use():
+        pass
+    async with canary.in_use():
+        assert large.status == UNLOADED and canary.status == LOADED
+
+
+async def test_a_model_whose_engine_died_is_loaded_again_and_the_next_request_is_served():
+    fleet, starts, engines = make_fleet()
+    large = fleet.by_name("large")
+    async with large.in_use():
+        pass
+    engines["large"].problem = "engine stopped: RuntimeError('out of memory')"
+    async with large.in_use() as served:  # a request finds it dead: it loads again, and is served
+        assert served.status == LOADED and served.engine is not None and served.engine.problem is None
+    assert starts == ["large", "large"]
+    engines["large"].problem = "engine stopped: segfault in a worker"  # the unloader finds it too
+    await fleet.unload_idle(time.monotonic())
+    await asyncio.sleep(0.05)
+    assert starts == ["large", "large", "large"] and large.status == LOADED
+    assert fleet.primary.status == LOADED  # the others never noticed
 
 
 @pytest.mark.parametrize("values, message", [
