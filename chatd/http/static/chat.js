@@ -53,9 +53,12 @@ async function connect() {
   else newChat(false); // the page opened on a new chat: keep what was typed while it loaded
 }
 
+// Chat models and aliases (not an embedding model); one that is not loaded says it loads first.
 function fillModels(models) {
   const chosen = $("model").value;
-  $("model").replaceChildren(...models.map((model) => new Option(model.id, model.id)));
+  const chat = models.filter((model) => model.chatd?.kind !== "embedding");
+  const label = (model) => (model.status === "unloaded" ? `${model.id} (loads on first use)` : model.id);
+  $("model").replaceChildren(...chat.map((model) => new Option(label(model), model.id)));
   if (chosen) $("model").value = chosen;
   summarize(page.current);
 }
