@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from chatd.engine import LLMEngine
 
 API_KEY_ENV = "CHATD_API_KEY"
+ADMIN_KEY_ENV = "CHATD_ADMIN_KEY"  # [auth] admin_key: the /admin/ routes' key, kept out of files
 
 
 def _load_engine(args: argparse.Namespace, one_reply: bool = False) -> LLMEngine:
@@ -142,6 +143,8 @@ def serve_config(args: argparse.Namespace) -> Config:
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     if api_key:
         overrides["auth"]["api_key"] = api_key
+    if os.environ.get(ADMIN_KEY_ENV):
+        overrides["auth"]["admin_key"] = os.environ[ADMIN_KEY_ENV]
     return load_config(args.config, overrides)
 
 

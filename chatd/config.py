@@ -268,8 +268,12 @@ class AuthConfig:
     # One key shared by every caller, without the key database (as `vllm serve --api-key`). Never shown.
     api_key: str = field(default="", repr=False)
     public_models: bool = False  # GET /v1/models answers callers without a key too (a gateway learning the model)
+    # The operator's key for /admin/ routes (load and unload a model); empty: they are off. Never shown.
+    admin_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
+        if self.admin_key and not API_KEY.fullmatch(self.admin_key):
+            raise ValueError("setting auth.admin_key (CHATD_ADMIN_KEY) must be visible ASCII characters without spaces")
         if self.api_key and not API_KEY.fullmatch(self.api_key):
             raise ValueError("setting auth.api_key (--api-key, CHATD_API_KEY) must be visible ASCII characters "
                              "without spaces: it is sent in an HTTP header")

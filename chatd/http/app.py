@@ -14,7 +14,7 @@ import uuid
 
 from aiohttp import web
 
-from chatd.http import completions, conversations, embeddings, moderation, openapi, page, responses, status, tokens
+from chatd.http import admin, completions, conversations, embeddings, moderation, openapi, page, responses, status, tokens
 from chatd.http.auth import TENANT, auth_middleware
 from chatd.http.cors import Cors
 from chatd.http.request_log import request_log_middleware
@@ -119,6 +119,8 @@ ROUTES = [
     ("GET", "/v1/appeals/{appeal_id}", moderation.get_appeal),
     ("POST", "/tokenize", tokens.tokenize),
     ("POST", "/detokenize", tokens.detokenize),
+    ("POST", "/admin/models/{model:.+}/load", admin.load_model),
+    ("POST", "/admin/models/{model:.+}/unload", admin.unload_model),
 ]
 
 

@@ -206,6 +206,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "response": ref("Appeal"),
     },
     ("GET", "/v1/appeals/{appeal_id}"): {"response": ref("Appeal")},
+    ("POST", "/admin/models/{model}/load"): {"response": ref("Model"), "statuses": {503: ref("Error")}},
+    ("POST", "/admin/models/{model}/unload"): {"response": ref("Model"), "statuses": {409: ref("Error")}},
 }
 ERROR_RESPONSE = {"description": "OpenAI's error shape", "content": {"application/json": {"schema": ref("Error")}}}
 # {name} or aiohttp's {name:regex} in a route's path; OpenAPI's template is {name}.

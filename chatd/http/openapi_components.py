@@ -189,9 +189,15 @@ COMPONENTS: dict[str, Schema] = {
     "TextCompletion": _completion("text_completion", _choice(TEXT_CHOICE, "CompletionLogprobs", False), False),
     "TextCompletionChunk": _completion("text_completion", _choice(TEXT_CHOICE, "CompletionLogprobs", True), True),
     "Model": object_({"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                      "owned_by": {"type": "string"}, "root": {"type": "string", "description": "the served model's name"},
+                      "owned_by": {"type": "string"},
+                      "root": nullable({"type": "string", "description": "the model this name serves (null: an alias)"}),
+                      "status": {"enum": ["loaded", "loading", "unloaded"],
+                                 "description": "a chat model's: one that is not loaded loads on its first request"},
                       "context_length": COUNT,
-                      "chatd": {"type": "object", "description": "chatd's facts about the model: dtype, device, KV blocks..."}}),
+                      "targets": {"type": "object", "description": "an alias split by weight: each model's weight"},
+                      "load_error": {"type": "string", "description": "why its last load failed"},
+                      "chatd": {"type": "object", "description": "chatd's facts about the model: dtype, device, KV "
+                                "blocks, keep_alive, loads..."}}, required=("id", "object", "created", "owned_by")),
     "ModelList": object_({"object": {"const": "list"}, "data": {"type": "array", "items": ref("Model")}}),
     "TenantUsage": object_({
         "object": {"const": "usage"}, "tenant": {"type": "string"}, "tier": {"type": "string"},

@@ -67,7 +67,7 @@ class ServedModel:
         self.shared_prefixes: list[list[int]] = []
         # Called before each load, to unload others if this one would not fit (fleet.py's).
         self.make_room: Callable[[ServedModel], Awaitable[None]] | None = None
-        self._weights_bytes: int | None = None
+        self._weights_bytes: tuple[str, int] | None = None  # (the path measured, its files' bytes)
 
     def __repr__(self) -> str:
         return f"ServedModel({self.name!r}, {self.status})"
@@ -170,12 +170,15 @@ class ServedModel:
             self.num_waiting_for_load -= 1
 
     def footprint_bytes(self) -> int:
-        """What it takes loaded, as far as is known: its weights' files, and its KV pool once loaded."""
-        if self._weights_bytes is None:
-            self._weights_bytes = weights_bytes(self.entry.model.path)
+        """What it takes loaded, as far as is known: its weight files' size (once loaded, the files it
+        loaded; before, those of a local path: the default model or a hub id count 0 until then),
+        and its KV pool once loaded."""
         info = self.info
+        path = info.path if info is not None else self.entry.model.path
+        if self._weights_bytes is None or self._weights_bytes[0] != path:
+            self._weights_bytes = (path, weights_bytes(path))
         kv = info.num_kv_blocks * info.block_size * info.kv_bytes_per_token if info is not None else 0
-        return self._weights_bytes + kv
+        return self._weights_bytes[1] + kv
 
     def busy(self) -> bool:
         """Requests hold it (being admitted or rendered, queued or generating in its engine), or its
@@ -281,11 +284,9 @@ class ServedModel:
 
 
 def weights_bytes(path: str) -> int:
-    """The size of a model's weight files on disk ("" : the default model's file; a hub id or the
-    demo model: 0, unknown until loaded or negligible)."""
-    from chatd.engine.models.loader import default_model_path
-
-    found = Path(path) if path and path != "demo" else default_model_path() if not path else None
+    """The size of a model's weight files on a local path (a file, or a folder's weight files); 0
+    for anything else (a hub id, "demo", "" before the default model is found)."""
+    found = Path(path) if path and path != "demo" else None
     if found is None or not found.exists():
         return 0
     if found.is_file():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import random
 import time
 
@@ -31,8 +32,8 @@ FLEET = {
 class CountingEngine:
     """An engine that starts, stops and reports how many requests it holds (`streams`)."""
 
-    def __init__(self, name: str, starts: list[str], delay: float = 0.0) -> None:
-        self.name, self.starts, self.delay = name, starts, delay
+    def __init__(self, name: str, starts: list[str], delay: float = 0.0, path: str = "") -> None:
+        self.name, self.starts, self.delay, self.path = name, starts, delay, path or f"/models/{name}"
         self.streams = 0
         self.stopped = False
         self.problem: str | None = None  # what health() says: None while it serves
@@ -41,7 +42,7 @@ class CountingEngine:
     async def start(self):
         await asyncio.sleep(self.delay)
         self.starts.append(self.name)
-        return make_model_info(256, path=f"/models/{self.name}")
+        return make_model_info(256, path=self.path, num_kv_blocks=0)
 
     async def stop(self) -> None:
         self.stopped = True
@@ -63,8 +64,8 @@ def make_fleet(values=FLEET, seed: int = 0, delay: float = 0.0) -> tuple[Fleet, 
     engines: dict[str, CountingEngine] = {}
 
     def make_engine(model_config):
-        name = next(e.name for e in config.fleet() if e.model is model_config.model)
-        engines[name] = CountingEngine(name, starts, delay)
+        name = next(m.name for m in models if m.config is model_config)
+        engines[name] = CountingEngine(name, starts, delay, model_config.model.path)
         return engines[name]
 
     tokenizing = concurrent.futures.ThreadPoolExecutor(1)
@@ -229,8 +230,13 @@ async def test_a_memory_budget_unloads_by_size_as_well(tmp_path):
     fleet, _, _ = make_fleet({**FLEET, "server": {"models_memory_gb": 1.0}})
     large, canary = fleet.by_name("large"), fleet.by_name("canary")
     canary.keep_alive = -1
-    large._weights_bytes, canary._weights_bytes = 600 * 2**20, 500 * 2**20  # together over 1 GB
-    fleet.primary._weights_bytes = 0
+    (tmp_path / "large.gguf").write_bytes(b"\0" * (600 << 20))  # weight files together over 1 GB
+    (tmp_path / "canary").mkdir()
+    (tmp_path / "canary" / "model.safetensors").write_bytes(b"\0" * (500 << 20))
+    for served, path in ((large, tmp_path / "large.gguf"), (canary, tmp_path / "canary")):
+        served.entry = dataclasses.replace(served.entry, model=dataclasses.replace(served.entry.model, path=str(path)))
+        served.config = fleet_config(fleet.config, served.entry)
+    assert canary.footprint_bytes() == 500 << 20
     async with large.in_use():
         pass
     async with canary.in_use():

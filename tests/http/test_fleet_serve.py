@@ -28,6 +28,7 @@ CONFIG = """
 db_path = "{db}"
 [auth]
 enabled = true
+admin_key = "operator-secret"
 [model]
 device = "cpu"
 compile = false
@@ -291,3 +292,31 @@ async def test_sighup_changes_an_alias_s_weights_without_a_restart_and_a_bad_con
         assert (await cards(fleet))["small"]["chatd"]["loads"] == before  # nothing was loaded again
     finally:
         config.write_text(original)
+
+
+async def test_the_admin_key_alone_loads_and_unloads_a_model_and_a_model_in_use_is_not_unloaded(fleet):
+    bob = client(fleet, "bob")
+    url = fleet["url"]
+
+    async def admin(action: str, model: str, key: str | None = "operator-secret") -> tuple[int, dict]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with aiohttp.ClientSession() as session, session.post(f"{url}/admin/models/{model}/{action}",
+                                                                    headers=headers) as r:
+            return r.status, await r.json()
+
+    assert (await admin("load", "qwen", None))[0] == 401
+    status, body = await admin("load", "qwen", fleet["keys"]["bob"])  # a tenant's key is not the admin key
+    assert status == 401 and body["error"]["code"] == "invalid_admin_key"
+    status, body = await admin("load", "nope")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, card = await admin("load", "qwen")
+    assert status == 200 and card["status"] == "loaded" and card["id"] == "qwen"
+    stream = await bob.completions.create(model="qwen", prompt="Count:", max_tokens=1900, stream=True,
+                                          extra_body={"ignore_eos": True})
+    await stream.__anext__()
+    status, body = await admin("unload", "qwen")
+    assert status == 409 and body["error"]["code"] == "model_in_use"
+    [chunk async for chunk in stream]
+    status, card = await admin("unload", "qwen")
+    assert status == 200 and card["status"] == "unloaded"
+    assert (await cards(fleet))["qwen"]["status"] == "unloaded"
