@@ -54,10 +54,19 @@ def _load_engine(args: argparse.Namespace, one_reply: bool = False) -> LLMEngine
 
 
 def model_flag_overrides(args: argparse.Namespace) -> dict[str, dict]:
-    """The settings the flags of every command that loads a model set (`_add_model_flags`)."""
-    flags = {"path": args.model, "device": args.device, "tensor_parallel_size": args.tensor_parallel_size,
-             "quantization": args.quantization}
+    """The settings the flags of every command that loads a model set (`_add_model_flags`); `chatd
+    serve --model NAME=PATH`, once or more, serves each as one of [[models]] (the first the default)."""
+    models = list(args.models or []) if hasattr(args, "models") else [args.model] if args.model else []
+    named = [model.partition("=") for model in models if "=" in model]
+    if named and len(named) != len(models):
+        raise SystemExit("chatd: --model: give every model as NAME=PATH, or one model as a path")
+    if len(models) > 1 and not named:
+        raise SystemExit("chatd: --model: to serve several models, name each: --model small=demo --model large=PATH")
+    flags = {"path": models[0] if models and not named else None, "device": args.device,
+             "tensor_parallel_size": args.tensor_parallel_size, "quantization": args.quantization}
     overrides: dict[str, dict] = {"model": {name: value for name, value in flags.items() if value}}
+    if named:
+        overrides["models"] = [{"name": name, "path": path} for name, _, path in named]
     if args.speculative_config is not None:
         overrides["speculative"] = args.speculative_config
     return overrides
@@ -174,7 +183,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
-    _add_model_flags(serve)
+    _add_model_flags(serve, many=True)
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
     serve.add_argument("--allowed-origins", metavar="ORIGINS",
@@ -261,8 +270,14 @@ def _command(argv: Sequence[str]) -> str | None:
 
 def _add_model_flags(parser: argparse.ArgumentParser,
                      model_help: str = "model folder, GGUF file or Hugging Face hub id, or 'demo' (default: "
-                                       "SmolLM2-135M-Instruct where its package is installed, else the demo model)") -> None:
-    parser.add_argument("--model", help=model_help)
+                                       "SmolLM2-135M-Instruct where its package is installed, else the demo model)",
+                     many: bool = False) -> None:
+    if many:  # `chatd serve`: NAME=PATH, repeated, serves several models ([[models]])
+        parser.add_argument("--model", dest="models", action="append", metavar="[NAME=]PATH",
+                            help=model_help + "; NAME=PATH, repeated, serves several models by name (the first is "
+                                 "the default), as [[models]] in config.toml")
+    else:
+        parser.add_argument("--model", help=model_help)
     parser.add_argument("--config", help="path to a config.toml")
     parser.add_argument("--device", help="auto | cpu | cuda[:N]")
     parser.add_argument("--quantization", choices=QUANTIZATIONS,

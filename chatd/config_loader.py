@@ -301,7 +301,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
     for section, section_values in (overrides or {}).items():
-        values.setdefault(section, {}).update(section_values)
+        if section == "models":  # `chatd serve --model NAME=PATH ...`: these models, not the file's
+            values["models"] = section_values
+        else:
+            values.setdefault(section, {}).update(section_values)
     return build_config(values)
 
 

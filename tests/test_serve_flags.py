@@ -72,6 +72,22 @@ def test_serve_flags_land_in_their_settings(served):
     assert KEY not in repr(config)  # a config printed in a log or a traceback does not show the key
 
 
+def test_model_repeated_as_name_equals_path_serves_several_models_and_the_admin_key_comes_from_the_environment(
+        served, monkeypatch):
+    monkeypatch.setenv("CHATD_ADMIN_KEY", "operator-secret")
+    assert main(["serve", "--model", "small=demo", "--model", "large=/models/qwen3-8b", "--device", "cpu"]) == 0
+    [config] = served
+    assert [(entry.names, entry.model.path, entry.model.device) for entry in config.fleet()] == [
+        (("small",), "demo", "cpu"), (("large",), "/models/qwen3-8b", "cpu")]
+    assert config.auth.admin_key == "operator-secret" and "operator-secret" not in repr(config)
+    assert main(["serve", "--model", "demo"]) == 0  # one path, as always: the one model of [model]
+    assert served[1].models == () and served[1].model.path == "demo"
+    for flags, said in ((["--model", "demo", "--model", "x=y"], "give every model as NAME=PATH"),
+                        (["--model", "demo", "--model", "other"], "to serve several models, name each")):
+        with pytest.raises(SystemExit, match=said):
+            main(["serve", *flags])
+
+
 def test_flags_win_over_the_config_file_and_the_environment(tmp_path, monkeypatch):
     path = tmp_path / "config.toml"
     path.write_text('[server]\nmodel_name = "from-file"\nlog_level = "warning"\n[model]\nmax_model_len = 128\n'
