@@ -320,3 +320,13 @@ async def test_the_admin_key_alone_loads_and_unloads_a_model_and_a_model_in_use_
     status, card = await admin("unload", "qwen")
     assert status == 200 and card["status"] == "unloaded"
     assert (await cards(fleet))["qwen"]["status"] == "unloaded"
+
+
+async def test_langchain_picks_a_model_by_name_and_through_an_alias(fleet):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    settings = dict(base_url=f"{fleet['url']}/v1", api_key=fleet["keys"]["alice"], max_tokens=3, temperature=0,
+                    max_retries=0)
+    reply = await langchain_openai.ChatOpenAI(model="qwen", **settings).ainvoke("hello")
+    assert reply.response_metadata["model_name"] == "qwen"
+    reply = await langchain_openai.ChatOpenAI(model="auto", **settings).ainvoke("hello")
+    assert reply.response_metadata["model_name"] == "small"  # a short chat stays on the small model
