@@ -46,6 +46,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     served = state.pick_model(requested_model(body), request[TENANT], traits=request_traits(body))
+    state.take_keep_alive(served, body)
     async with served.in_use():
         gen = await checked(request, parse_chat, body, state.config.server.max_messages, served.info.sampling_defaults)
         return await _complete(request, state, served, gen, chat=True)
@@ -56,6 +57,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
     served = state.pick_model(requested_model(body), request[TENANT], traits=request_traits(body))
+    state.take_keep_alive(served, body)
     async with served.in_use():
         gen = await checked(request, parse_completion, body, served.max_model_len, served.info.sampling_defaults)
         return await _complete(request, state, served, gen, chat=False)

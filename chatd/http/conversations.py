@@ -137,6 +137,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     # The conversation's model, unless the message names another (an alias keeps it when it can).
     traits = request_traits(body).with_history(await state.store.count_messages(conversation.id))
     served = state.pick_model(requested_model(body), tenant, conversation.model, traits)
+    state.take_keep_alive(served, body)
     async with served.in_use():
         turn = await checked(request, parse_turn, body, state.config.conversations.max_message_chars,
                              served.info.sampling_defaults)

@@ -204,8 +204,8 @@ class Fleet:
         for model in self.models[1:]:
             if model.entry.preload:
                 loop.create_task(_logged(model.load()), name=f"preload {model.name}")
-        if any(model.keep_alive >= 0 for model in self.models):
-            self._reaper = loop.create_task(self._unload_idle_forever(), name="unload idle models")
+        # Always: a request may set a model's keep_alive (Ollama's field), and a dead engine is loaded again.
+        self._reaper = loop.create_task(self._unload_idle_forever(), name="unload idle models")
 
     async def stop(self) -> None:
         """Stop unloading, and stop every loaded model but the first (serve.py stops that one last)."""

@@ -164,6 +164,9 @@ FIELD_SCHEMAS: dict[str, Schema] = {
     "service_tier": {"enum": list(SERVICE_TIERS), "description": "accepted; every request is served the same way"},
     "verbosity": {"enum": list(VERBOSITIES), "description": "accepted, not used"},
     "prompt_cache_key": {"type": "string", "description": "logged; the prefix cache finds shared prefixes by itself"},
+    "keep_alive": {"anyOf": [{"type": "string"}, {"type": "number"}],
+                   "description": "Ollama's: how long the model stays loaded after this request (\"5m\", seconds, 0 "
+                   "unloads it after the reply, -1 keeps it); only without API keys (the operator's otherwise)"},
     "safety_identifier": {"type": "string", "description": "accepted, not used"},
     "add_generation_prompt": {"type": "boolean", "default": True, "description": "end with the assistant's turn opening"},
     "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}, "description": "token ids of the served model"},

@@ -40,7 +40,7 @@ UNSUPPORTED = {
 SAMPLING_FIELDS = {
     "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
     "stream", "stream_options", "user", "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority",
-    "min_tokens", "model", "logit_bias", "store", "metadata", "service_tier",
+    "min_tokens", "model", "logit_bias", "store", "metadata", "service_tier", "keep_alive",
 }
 SAMPLING_FIELDS |= structured.EXTRA_FIELDS  # chatd's (vLLM's) structured-output extensions
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
@@ -98,6 +98,7 @@ def parse_chat(body: Any, max_messages: int, defaults: Mapping[str, float] = Map
     if verbosity is not None and verbosity not in VERBOSITIES:
         raise APIError(400, f"verbosity must be one of {', '.join(VERBOSITIES)}; got {shown(verbosity)}", "verbosity")
     _request_metadata(body)
+    check_keep_alive(body)
     output_format = _structured(body, structured.response_format(body.get("response_format")))
     tool_request = parse_tools(body)
     if output_format is not None and tool_request is not None and tool_request.choice in ("required", "function"):
@@ -128,6 +129,7 @@ def parse_turn(body: Any, max_chars: int, defaults: Mapping[str, float] = Mappin
         if name in body:  # a conversation's replies are text; calls and formats are chat completions' and responses'
             raise APIError(400, f"{name} is not supported on conversation messages; use /v1/chat/completions", name)
     _check_fields(body, TURN_FIELDS)
+    check_keep_alive(body)
     role = _get(body, "role", str, "user")
     if role != "user":
         raise APIError(400, f"role must be 'user' (the server writes the assistant's replies), got {role!r}", "role")
@@ -179,6 +181,7 @@ def parse_completion(body: Any, max_model_len: int,
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
     _request_metadata(body)
+    check_keep_alive(body)
     gen = _request(body, None, _get(body, "max_tokens", int, 16), logprobs, defaults, output_format=_structured(body, None))
     gen.prompts = prompts
     return gen
@@ -218,6 +221,15 @@ def _token_ids(prompt: list, where: str, max_model_len: int) -> list[int]:
         if not isinstance(token, int) or isinstance(token, bool):
             raise APIError(400, f"{where}[{j}] must be a token id (an integer), got {shown(token)}", f"{where}[{j}]")
     return prompt
+
+
+def check_keep_alive(body: dict) -> None:
+    """`keep_alive` (Ollama's) is a duration's text or a number of seconds; what it says is read
+    where the model is held (state.take_keep_alive)."""
+    value = body.get("keep_alive")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, str | int | float)):
+        raise APIError(400, f"keep_alive must be a duration like \"5m\" or a number of seconds, got {shown(value)}",
+                       "keep_alive")
 
 
 def _request_metadata(body: dict) -> None:

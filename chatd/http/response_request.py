@@ -14,7 +14,8 @@ from typing import Any
 from chatd.http import structured
 from chatd.http.errors import APIError
 from chatd.http.items import Item, parse_items
-from chatd.http.protocol import SERVICE_TIERS, GenerationRequest, _get, _object, _request, _request_metadata, shown
+from chatd.http.protocol import (SERVICE_TIERS, GenerationRequest, _get, _object, _request, _request_metadata,
+                                 check_keep_alive, shown)
 from chatd.http.state import ServerState
 from chatd.http.tools import ToolRequest, parse_tools
 
@@ -24,7 +25,7 @@ SAMPLING = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penal
 RESPONSE_FIELDS = {
     *SAMPLING, "input", "instructions", "max_output_tokens", "store", "previous_response_id", "conversation",
     "stream_options", "metadata", "safety_identifier", "prompt_cache_key", "service_tier", "truncation", "text", "tools",
-    "tool_choice", "parallel_tool_calls", "include", "reasoning", "background",
+    "tool_choice", "parallel_tool_calls", "include", "reasoning", "background", "keep_alive",
 }
 # Fields of OpenAI's that would change the answer, and what chatd would have to support for them.
 UNSUPPORTED = {"prompt": "stored prompts", "max_tool_calls": "a cap on tool calls", "top_logprobs": "logprobs on responses",
@@ -103,6 +104,7 @@ def parse_response(body, state: ServerState, defaults: Mapping[str, float] = Map
     gen.max_tokens_field = "max_output_tokens"
     gen.tools = tools
     _request_metadata(body)  # as OpenAI: at most 16 string values under short keys
+    check_keep_alive(body)
     metadata = _get(body, "metadata", dict, {})
     echo = {"max_output_tokens": max_output_tokens, "temperature": gen.params.temperature, "top_p": gen.params.top_p,
             "metadata": metadata, "user": gen.user, "truncation": truncation,

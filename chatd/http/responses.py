@@ -61,6 +61,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     # The model of the chain or conversation it continues, unless it names another (an alias keeps it when it can).
     thread_model, num_stored = await _thread(state, tenant, body)
     served = state.pick_model(requested_model(body), tenant, thread_model, request_traits(body).with_history(num_stored))
+    state.take_keep_alive(served, body)
     async with served.in_use():
         req = await checked(request, parse_response, body, state, served.info.sampling_defaults)
         # A store=false response keeps no rows to give back: its key, if any, is not claimed.

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from chatd.config import Config
+from chatd.config import Config, keep_alive_seconds
 from chatd.engine import Embedder, EngineClient, ModelInfo, Tokenizer
 from chatd.http.buckets import shared_buckets
 from chatd.http.errors import APIError
@@ -96,6 +96,21 @@ class ServerState:
         allowed = tier.models if tier is not None and self.limits.enabled and tenant is not None else ()
         default = tier.default_model if tier is not None else ""
         return self.fleet.pick(requested, tier_name, allowed, default, thread_model, traits)
+
+    def take_keep_alive(self, served: ServedModel, body) -> None:
+        """A request's `keep_alive` (Ollama's) becomes its model's, from now on: how long it stays
+        loaded once idle. Only for the one local user: with API keys, one tenant's `0` would make
+        the next tenant wait for a load, so it is the operator's and a request's is a 400."""
+        value = body.get("keep_alive") if isinstance(body, dict) else None
+        if value is None:
+            return
+        if self.config.auth.enabled:
+            raise APIError(400, "keep_alive is set by the operator ([server] keep_alive, [[models]] keep_alive) while "
+                                "API keys are on", "keep_alive")
+        try:
+            served.keep_alive = keep_alive_seconds(value, "keep_alive")
+        except ValueError as exc:
+            raise APIError(400, str(exc), "keep_alive") from None
 
     @property
     def model_names(self) -> list[str]:

@@ -259,6 +259,38 @@ async def test_a_model_whose_engine_died_is_loaded_again_and_the_next_request_is
     assert fleet.primary.status == LOADED  # the others never noticed
 
 
+@pytest.mark.parametrize("auth", [False, True], ids=["local", "keys"])
+async def test_a_requests_keep_alive_is_the_local_users_and_a_bad_one_is_named(tmp_path, auth):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from chatd.http.app import create_app
+    from tests.factories import ScriptedChatEngine, close_server_state, make_server_state
+
+    state = await make_server_state(ScriptedChatEngine(pause=0.0), tmp_path, build_config({"auth": {"enabled": auth}}))
+    key = None
+    if auth:
+        key, _ = await state.store.create_key("alice", "paid")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        async with TestClient(TestServer(create_app(state))) as client:
+            answer = await client.post("/v1/chat/completions", json={**body, "keep_alive": "5m"}, headers=headers)
+            if auth:  # with keys, it is the operator's: one tenant's `0` would make the next one wait for a load
+                error = (await answer.json())["error"]
+                assert answer.status == 400 and error["param"] == "keep_alive" and "operator" in error["message"]
+                assert state.fleet.primary.keep_alive == -1
+                return
+            assert answer.status == 200 and state.fleet.primary.keep_alive == 300.0
+            answer = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "keep_alive": 0})
+            assert answer.status == 200 and state.fleet.primary.keep_alive == 0
+            answer = await client.post("/v1/chat/completions", json={**body, "keep_alive": "soon"})
+            error = (await answer.json())["error"]
+            assert answer.status == 400 and error["param"] == "keep_alive" and "duration" in error["message"]
+            assert state.fleet.primary.keep_alive == 0
+    finally:
+        await close_server_state(state)
+
+
 @pytest.mark.parametrize("values, message", [
     ({"models": [{"name": "a", "path": "demo"}], "aliases": {"chat": {"targets": {"b": 1}}}},
      "aliases.chat names 'b', which is no model's name"),
