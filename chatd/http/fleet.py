@@ -113,6 +113,7 @@ class Fleet:
         self._reaper: asyncio.Task | None = None
         for model in models:
             model.make_room = self._make_room
+            model.reloads = bool(config.models)
 
     @property
     def primary(self) -> ServedModel:
@@ -232,7 +233,7 @@ class Fleet:
         for model in self.models:
             if model.status != LOADED:
                 continue
-            problem = model.engine.health()
+            problem = model.engine.health() if model.reloads else None
             if problem is not None:
                 await model.unload(f"its engine stopped ({problem})")
                 if model.keep_alive != 0:

@@ -136,10 +136,13 @@ def launch(state: ServerState, served: ServedModel, admitted: Admitted,
         except (ParamError, EngineUnavailable) as exc:
             for handle in handles:
                 handle.abort()
-            if isinstance(exc, EngineUnavailable):  # it died since it was picked: the next request loads it again
-                raise APIError(503, f"the model {served.name!r} stopped ({exc}); it is loaded again on the next "
-                                    "request", "model", "model_unavailable", headers={"Retry-After": "5"}) from None
-            raise refusal(exc, name, admitted.max_tokens_field) from None
+            if isinstance(exc, ParamError):
+                raise refusal(exc, name, admitted.max_tokens_field) from None
+            if not served.reloads:
+                raise  # one model alone: 503 engine_unavailable, as /health says (errors.py)
+            # One of several, dead since it was picked: the next request for it loads it again.
+            raise APIError(503, f"the model {served.name!r} stopped ({exc}); it is loaded again on the next request",
+                           "model", "model_unavailable", headers={"Retry-After": "5"}) from None
     return handles
 
 

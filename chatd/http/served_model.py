@@ -67,6 +67,9 @@ class ServedModel:
         self.shared_prefixes: list[list[int]] = []
         # Called before each load, to unload others if this one would not fit (fleet.py's).
         self.make_room: Callable[[ServedModel], Awaitable[None]] | None = None
+        # Whether a dead engine is loaded again ([[models]]: the others serve on meanwhile). Alone, a
+        # dead model stays dead: /health says why, and a supervisor restarts the process.
+        self.reloads = False
         self._weights_bytes: tuple[str, int] | None = None  # (the path measured, its files' bytes)
 
     def __repr__(self) -> str:
@@ -142,7 +145,7 @@ class ServedModel:
         waiting in a bounded line while it loads); its requests in the engine hold it after that."""
         self.num_in_use += 1
         try:
-            problem = self.engine.health() if self.status == LOADED else None
+            problem = self.engine.health() if self.status == LOADED and self.reloads else None
             if problem is not None:  # its engine died (a crash, out of memory): load it again
                 await self.unload(f"its engine stopped ({problem})")
             if self.status != LOADED:

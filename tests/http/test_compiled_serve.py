@@ -55,7 +55,8 @@ def test_replies_while_steps_compile_match_the_compiled_ones_and_two_tenants_sha
     try:
         prompts = {"alice": "Tell me about the sea.", "bob": "Name three colours, please, and why."}
         headers = {"Authorization": f"Bearer {keys['alice']}"}
-        assert httpx.get(f"{url}/ready").json() == {"status": "ready", "compiled_steps": "compiling"}
+        assert httpx.get(f"{url}/ready").json() == {"status": "ready", "compiled_steps": "compiling",
+                                                      "models": {"demo": "loaded"}}
         while_compiling = {name: reply(url, keys[name], prompt) for name, prompt in prompts.items()}
         during = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["chatd"]
         assert "compiled steps in use" not in log.read_text(), "the replies should have come while the steps compiled"
@@ -64,7 +65,8 @@ def test_replies_while_steps_compile_match_the_compiled_ones_and_two_tenants_sha
         assert "compiled steps in use: decode steps and prefill steps of 192 tokens or more" in timeline
         assert re.search(r"start timeline: listening [\d.]+ s, loaded [\d.]+ s, ready [\d.]+ s, first token [\d.]+ s, "
                          r"compiled [\d.]+ s", timeline), timeline
-        assert httpx.get(f"{url}/ready").json() == {"status": "ready", "compiled_steps": "compiled"}
+        assert httpx.get(f"{url}/ready").json() == {"status": "ready", "compiled_steps": "compiled",
+                                                      "models": {"demo": "loaded"}}
         card = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]
         assert card["chatd"]["compiled_decode"] is True
         assert card["chatd"]["compiled_prefill_tokens"] == 192
@@ -87,7 +89,8 @@ def test_without_a_cpp_compiler_the_server_says_so_and_serves_eagerly(tmp_path):
     try:
         assert reply(url, "unused", "Hello") != ""
         assert "compiling decode and prefill steps failed" in wait_for_timeline(log, proc)
-        assert httpx.get(f"{url}/ready").json() == {"status": "ready", "compiled_steps": "failed"}
+        assert httpx.get(f"{url}/ready").json() == {"status": "ready", "compiled_steps": "failed",
+                                                      "models": {"demo": "loaded"}}
         card = httpx.get(f"{url}/v1/models").json()["data"][0]
         assert card["chatd"]["compiled_decode"] is False
         assert card["chatd"]["compiled_prefill_tokens"] == 0
