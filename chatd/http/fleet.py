@@ -209,10 +209,12 @@ class Fleet:
         self._reaper = loop.create_task(self._unload_idle_forever(), name="unload idle models")
 
     async def stop(self) -> None:
-        """Stop unloading, and stop every loaded model but the first (serve.py stops that one last)."""
+        """Stop unloading, and every model's engine: its open streams end with an error, replies in
+        flight are saved as partial (the first model's may be another engine than the one serve.py
+        started: it may have been unloaded and loaded again)."""
         if self._reaper is not None:
             self._reaper.cancel()
-        for model in self.models[1:]:
+        for model in self.models:
             if model._loading is not None:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await model._loading

@@ -242,7 +242,7 @@ async def _thread(state: ServerState, tenant: Tenant, body) -> tuple[str | None,
         record = await state.store.get_response(tenant.id, previous)
         if record is None:
             return None, 0
-        return record.model, len(await state.store.chain_messages(record.id))
+        return record.model, await state.store.chain_length(record.id)
     return None, 0
 
 

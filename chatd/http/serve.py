@@ -339,8 +339,10 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
         if watch is not None:
             watch.cancel()
         state.stopping = True
-        await state.fleet.stop()  # the other models, and unloading
-        await async_engine.stop()  # aborts what is left: streams end with an error event, replies save as partial
+        # Every model's engine (the first one's too, loaded again or not; stopping twice is a no-op):
+        # what is left is aborted, streams end with an error event, replies save as partial.
+        await state.fleet.stop()
+        await async_engine.stop()
         await runner.cleanup()  # handlers finish their last writes, or are cancelled after SHUTDOWN_WRITE_SECONDS
         await state.wait_background(timeout=10.0)
         await state.limits.close()  # the last give-backs to the shared buckets, and their connections

@@ -102,6 +102,16 @@ class Responses(Database):
             messages.append(message)
         return messages
 
+    async def chain_length(self, response_id: str) -> int:
+        """How many messages `chain_messages` would give, counted in the database (escalation rules
+        read it before the history itself is read)."""
+        rows = await self._fetch(
+            "WITH RECURSIVE chain (id) AS (SELECT ? UNION ALL "
+            "SELECT r.previous_response_id FROM responses r JOIN chain ON r.id = chain.id "
+            "WHERE r.previous_response_id IS NOT NULL) "
+            "SELECT COUNT(*) FROM chain JOIN messages m ON m.response_id = chain.id", (response_id,))
+        return rows[0][0]
+
     async def chain_root(self, response_id: str) -> str:
         """The first response of the chain `response_id` ends (itself if it continues none): what
         names the chain to a gateway, so every response of it lands on the replica that has its KV."""

@@ -141,3 +141,16 @@ def test_any_text_reads_back_identical(tmp_path):
             check()
         finally:
             runner.run(store.close())
+
+
+async def test_a_conversation_moved_to_another_model_forgets_its_token_ids_and_only_its_tenant_moves_it(store):
+    alice, bob = await make_tenant(store, "alice"), await make_tenant(store, "bob")
+    conversation = await store.create_conversation(alice, model="small")
+    _, assistant = await store.start_turn(alice, conversation.id, "hi")
+    await finish(store, alice, assistant.id, "hello", token_ids=[3, 4])
+    assert not await store.move_conversation(bob, conversation.id, "large")  # another tenant's: nothing moves
+    assert [m.token_ids for m in await store.list_messages(conversation.id)] == [None, (3, 4)]
+    assert await store.move_conversation(alice, conversation.id, "large")
+    assert (await store.get_conversation(alice, conversation.id)).model == "large"
+    assert [m.token_ids for m in await store.list_messages(conversation.id)] == [None, None]
+    assert await store.count_messages(conversation.id) == 2

@@ -67,3 +67,19 @@ async def test_a_response_in_a_conversation_adds_its_items_there(store):
                                            conversation_id=conversation.id)
     await store.delete_conversation(alice, conversation.id)
     assert await store.get_response(alice, other.id) is None
+
+
+async def test_a_chain_read_for_one_model_drops_the_token_ids_another_model_generated(store):
+    alice = await make_tenant(store)
+    first, out1 = await store.create_response(alice, model="small", stored=True, inputs=[("user", "a")])
+    await finish(store, alice, out1.id, "A", endpoint="responses", token_ids=[5, 6])
+    second, out2 = await store.create_response(alice, model="large", stored=True, inputs=[("user", "b")],
+                                               previous_response_id=first.id)
+    await finish(store, alice, out2.id, "B", endpoint="responses", token_ids=[7, 8])
+    everything = await store.chain_messages(second.id)
+    assert [m.token_ids for m in everything if m.role == "assistant"] == [(5, 6), (7, 8)]
+    assert [m.token_ids for m in await store.chain_messages(second.id, model="large") if m.role == "assistant"] == [
+        None, (7, 8)]
+    assert [m.token_ids for m in await store.chain_messages(second.id, model="small") if m.role == "assistant"] == [
+        (5, 6), None]
+    assert await store.chain_length(second.id) == len(everything) == 4
