@@ -35,7 +35,7 @@ async def unload_model(request: web.Request) -> web.Response:
         if served.busy():
             raise APIError(409, f"the model {served.name!r} is in use (requests are being admitted or generated, or its "
                                 "steps compile); unload it when they are done", "model", "model_in_use")
-        await served.unload("an admin asked")
+        await served.unload("admin", "an admin asked")
     return json_response(served.card())
 
 

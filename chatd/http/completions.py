@@ -76,7 +76,8 @@ async def _complete(request: web.Request, state: ServerState, served: ServedMode
     try:
         # The engine names each request itself; the client's X-Request-Id is only logged and echoed.
         handles = [state.safety.watch(handle, tenant, route.endpoint, admitted.params.n, request[REQUEST_ID],
-                                      token_text=served.token_text) for handle in started.handles]
+                                      token_text=served.token_text, model_name=served.name)
+                   for handle in started.handles]
         replies = _Replies(handles, admitted.params.n, admitted.lease)
     except BaseException:
         for handle in started.handles:

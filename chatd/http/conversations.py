@@ -44,20 +44,20 @@ async def create_conversation(request: web.Request) -> web.Response:
     items, fields = parse_conversation(await read_json(request) if request.can_read_body else None, state)
     # An alias is drawn here, once: the thread keeps it.
     served = state.pick_model(fields.pop("model"), tenant, traits=RequestTraits(messages=len(items)))
-    items = await _checked_items(state, request, tenant, items)
+    items = await _checked_items(state, request, tenant, items, model_name=served.name)
     if fields.get("system_prompt"):
         [fields["system_prompt"]] = await state.safety.check_input(tenant, "conversations", [fields["system_prompt"]],
-                                                                  request[REQUEST_ID])
+                                                                  request[REQUEST_ID], model_name=served.name)
     conversation = await state.store.create_conversation(tenant.id, model=served.name, items=items, **fields)
     return json_response(_conversation_json(conversation))
 
 
 async def _checked_items(state: ServerState, request: web.Request, tenant, items: list[Item],
-                         conversation_id: str | None = None) -> list[Item]:
+                         conversation_id: str | None = None, model_name: str | None = None) -> list[Item]:
     """Items as the safety pipeline's input check leaves them (they reach the model with the next
     turn); a refusal is raised before anything is written."""
     texts = await state.safety.check_input(tenant, "conversations", [text for _, text, _ in items], request[REQUEST_ID],
-                                           conversation_id)
+                                           conversation_id, model_name)
     return [(role, text, call) for (role, _, call), text in zip(items, texts)]
 
 
@@ -216,7 +216,7 @@ async def create_items(request: web.Request) -> web.Response:
     items = parse_items(body.get("items"), "items", allow_string=False, limit=MAX_NEW_ITEMS)
     _check_item_sizes(state, items)
     state.check_store_writable()
-    items = await _checked_items(state, request, tenant, items, conversation.id)
+    items = await _checked_items(state, request, tenant, items, conversation.id, conversation.model)
     try:
         added = await state.store.add_items(tenant.id, conversation.id, items)
     except LookupError:

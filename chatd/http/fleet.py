@@ -237,13 +237,13 @@ class Fleet:
                 continue
             problem = model.engine.health() if model.reloads else None
             if problem is not None:
-                await model.unload(f"its engine stopped ({problem})")
+                await model.unload("stopped", f"its engine stopped ({problem})")
                 if model.keep_alive != 0:
                     asyncio.get_running_loop().create_task(_logged(model.load()), name=f"reload {model.name}")
             elif model.busy():
                 model.last_used = now
             elif model.keep_alive >= 0 and now - model.last_used >= model.keep_alive:
-                await model.unload(f"idle for {now - model.last_used:.0f} s, keep_alive {model.keep_alive:g} s")
+                await model.unload("idle", f"idle for {now - model.last_used:.0f} s, keep_alive {model.keep_alive:g} s")
 
     async def _make_room(self, incoming: ServedModel) -> None:
         """Before `incoming` loads: unload the least recently used idle models (never the first)
@@ -266,7 +266,7 @@ class Fleet:
                                     f"({limit}); try again shortly", "model", "model_unavailable",
                                headers={"Retry-After": "5"})
             victim = min(idle, key=lambda m: m.last_used)
-            await victim.unload(f"making room for {incoming.name}: least recently used")
+            await victim.unload("room", f"making room for {incoming.name}: least recently used")
 
 
 def _may_use(allowed: tuple[str, ...], name: str) -> bool:

@@ -102,6 +102,7 @@ class Lease:
     arrived_at: float = field(default_factory=time.perf_counter)  # perf_counter when its request arrived
     queued: bool = True
     released: bool = False
+    model_name: str | None = None  # the model serving it, for the tier series (None: the first)
 
     def first_token(self, queue_time: float | None = None) -> None:
         """Its first token arrived (`queue_time`: how long the engine kept it waiting)."""
@@ -181,28 +182,33 @@ class Limits:
     # -- admission --------------------------------------------------------------------------------
 
     def admit(self, tenant: Tenant, prompt_tokens: int, reserved_tokens: int, priority: int,
-              drain_rate: Callable[[], float | None], param: str, arrived_at: float | None = None) -> Lease:
+              drain_rate: Callable[[], float | None], param: str, arrived_at: float | None = None,
+              model_name: str | None = None) -> Lease:
         """Admit a request of `prompt_tokens` reserving `reserved_tokens` (prompt + max_tokens per
         choice), or refuse it (Refused: 429 or 503, or 400 if it can never fit), taking nothing.
         `priority` is its class as placed; `drain_rate` says how fast the engine drains its queue
         (read only when an objective needs it); `param` names max_tokens as the client did.
         In-process buckets only: the server admits with `admit_async`."""
-        with self._telling(tenant):
+        with self._telling(tenant, model_name):
             lease = self._admit(tenant, prompt_tokens, reserved_tokens, priority, drain_rate, param)
+        lease.model_name = model_name
         self.queued.add(lease, self.tier(tenant).weight)
         return self._admitted(lease, arrived_at)
 
     async def admit_async(self, tenant: Tenant, prompt_tokens: int, reserved_tokens: int, priority: int,
-                          drain_rate: Callable[[], float | None], param: str, arrived_at: float | None = None) -> Lease:
+                          drain_rate: Callable[[], float | None], param: str, arrived_at: float | None = None,
+                          model_name: str | None = None) -> Lease:
         """`admit`, taking from the shared store's buckets when there is one (one call to Redis)."""
         tier = self.tier(tenant)
         if self.shared is None or not self.enabled or not (tier.requests_per_minute or tier.tokens_per_minute):
-            return self.admit(tenant, prompt_tokens, reserved_tokens, priority, drain_rate, param, arrived_at)
-        with self._telling(tenant):
+            return self.admit(tenant, prompt_tokens, reserved_tokens, priority, drain_rate, param, arrived_at,
+                              model_name)
+        with self._telling(tenant, model_name):
             budget = self._check(tenant, tier, reserved_tokens, prompt_tokens, priority, drain_rate, param, buckets=False)
             # Its slot and queue place are held while Redis answers, so that requests admitted
             # meanwhile see them: the bounds hold however many wait for Redis at once.
-            lease = Lease(self, tenant.tier, tenant.id, priority, prompt_tokens, budget, reserved_tokens)
+            lease = Lease(self, tenant.tier, tenant.id, priority, prompt_tokens, budget, reserved_tokens,
+                          model_name=model_name)
             budget.in_flight += 1
             self.queued.add(lease, tier.weight)
             try:
@@ -218,19 +224,20 @@ class Limits:
         if arrived_at is not None:
             lease.arrived_at = arrived_at
         if self.metrics is not None:
-            self.metrics.tier_admitted(lease.tier_name)
+            self.metrics.tier_admitted(lease.tier_name, lease.model_name)
         return lease
 
-    def precheck(self, tenant: Tenant, priority: int, drain_rate: Callable[[], float | None]) -> None:
+    def precheck(self, tenant: Tenant, priority: int, drain_rate: Callable[[], float | None],
+                 model_name: str | None = None) -> None:
         """What can be refused before the prompt is rendered and tokenized (all but the token
         bucket, and the wait estimate without the request's own prompt): a flood that would be
         refused costs the server no tokenizing. Takes nothing; `admit` checks everything again."""
         if self.enabled:
-            with self._telling(tenant):
+            with self._telling(tenant, model_name):
                 self._check(tenant, self.tier(tenant), None, 0, priority, drain_rate, "")
 
     @contextlib.contextmanager
-    def _telling(self, tenant: Tenant):
+    def _telling(self, tenant: Tenant, model_name: str | None):
         """Log and count each refusal once, with tenant, tier and reason."""
         try:
             yield
@@ -238,7 +245,7 @@ class Limits:
             log.info("request refused", extra={"tenant": tenant.name, "tier": tenant.tier, "reason": refusal.reason,
                                                "status": refusal.status})
             if self.metrics is not None:
-                self.metrics.tier_refused(tenant.tier, refusal.reason)
+                self.metrics.tier_refused(tenant.tier, refusal.reason, model_name)
             raise
 
     def _admit(self, tenant: Tenant, prompt_tokens: int, reserved_tokens: int, priority: int,
@@ -321,7 +328,7 @@ class Limits:
     def _leave_queue(self, lease: Lease, queue_time: float | None, ttft: float | None) -> None:
         self.queued.remove(lease)
         if self.metrics is not None and ttft is not None:
-            self.metrics.tier_first_token(lease.tier_name, ttft, queue_time)
+            self.metrics.tier_first_token(lease.tier_name, ttft, queue_time, lease.model_name)
 
     def _release(self, lease: Lease, used_tokens: int) -> None:
         budget = lease.budget

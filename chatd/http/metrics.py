@@ -38,6 +38,8 @@ LIMITED_REASONS = ("requests", "tokens", "concurrency", "too_large")
 SHED_REASONS = ("overloaded", "queue_full", "limit_store")
 # Powers of two, 1 .. 32768: context windows are powers of two, so the top bucket is one.
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))
+LOAD_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+UNLOAD_REASONS = ("idle", "room", "stopped", "admin")
 # The APIs that generate, as the per-request series' `route` label: /v1/chat/completions,
 # /v1/completions, /v1/responses and a conversation's /messages (the chat page).
 ROUTES = ("chat", "completions", "responses", "conversation")
@@ -54,7 +56,9 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, kv_bytes_per_token: int = 0, block_size: int = 0) -> None:
         """kv_bytes_per_token, block_size: the KV pool's layout, so blocks moved read as bytes."""
-        self.model_name = model_name  # the first model's: the tier and safety series carry it
+        self.model_name = model_name  # the first model's: series whose model is not named carry it
+        self._model_names: list[str] = []
+        self._tiers: list[str] = []
         self.registry = CollectorRegistry()
         self._engine = _EngineCollector()
         self.registry.register(self._engine)
@@ -100,10 +104,28 @@ class ServerMetrics:
             "draw), thread (its conversation or chain was there), none (an escalating alias's small model), or the "
             "escalation rule that held (tiers, tools, response_format, prompt_chars, messages).",
             ["alias", "model_name", "why"], registry=self.registry)
+        # A fleet's models coming and going (fleet.py): loads by outcome, unloads by reason, load time.
+        self._model_loads = Counter("chatd:model_loads_total", "Loads of a chat model, by outcome (loaded, failed).",
+                                    ["model_name", "outcome"], registry=self.registry)
+        self._model_unloads = Counter(
+            "chatd:model_unloads_total", "Unloads of a chat model, by reason: idle (its keep_alive passed), room (a "
+            "least recently used model made room for another), stopped (its engine died), admin.",
+            ["model_name", "reason"], registry=self.registry)
+        self._model_load_seconds = Histogram("chatd:model_load_seconds", "Seconds a chat model took to load.",
+                                             ["model_name"], buckets=LOAD_BUCKETS, registry=self.registry)
         self.declare_model(model_name, kv_bytes_per_token, block_size)
 
     def alias_picked(self, alias: str, model_name: str, why: str) -> None:
         self._alias_requests.labels(alias=alias, model_name=model_name, why=why).inc()
+
+    def model_loaded(self, model_name: str, seconds: float | None) -> None:
+        """A model loaded in `seconds`, or (None) failed to."""
+        self._model_loads.labels(model_name=model_name, outcome="failed" if seconds is None else "loaded").inc()
+        if seconds is not None:
+            self._model_load_seconds.labels(model_name=model_name).observe(seconds)
+
+    def model_unloaded(self, model_name: str, reason: str) -> None:
+        self._model_unloads.labels(model_name=model_name, reason=reason).inc()
 
     def declare_model(self, model_name: str, kv_bytes_per_token: int = 0, block_size: int = 0) -> None:
         """A chat model's series, at 0 from the start so rate() works before its first request (each
@@ -111,6 +133,14 @@ class ServerMetrics:
         so blocks moved read as bytes, once known)."""
         self._engine.declare(model_name, kv_bytes_per_token, block_size)
         self._inter_token.declare(model_name)
+        if model_name not in self._model_names:
+            self._model_names.append(model_name)
+        for outcome in ("loaded", "failed"):
+            self._model_loads.labels(model_name=model_name, outcome=outcome)
+        for reason in UNLOAD_REASONS:
+            self._model_unloads.labels(model_name=model_name, reason=reason)
+        self._model_load_seconds.labels(model_name=model_name)
+        self._declare_tier_series(model_name, self._tiers)
         for route in ROUTES:
             for metric in (self._ttft, self._e2e, self._queue_time, self._prompt_tokens, self._generation_tokens):
                 metric.labels(model_name=model_name, route=route)
@@ -128,41 +158,51 @@ class ServerMetrics:
             ["model_name", "check"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self._guard_failures = Counter("chatd:safety_guard_failures_total", "Guard model checks that failed or "
                                        "timed out (each policy's `failure` decided).", ["model_name"], registry=self.registry)
-        self._guard_failures.labels(model_name=self.model_name)
-        for category in categories:
-            for stage in ("input", "output"):
-                for action in ("block", "flag", "redact"):
-                    self._safety_actions.labels(model_name=self.model_name, category=category, stage=stage, action=action)
+        for model_name in self._model_names:
+            self._guard_failures.labels(model_name=model_name)
+            for category in categories:
+                for stage in ("input", "output"):
+                    for action in ("block", "flag", "redact"):
+                        self._safety_actions.labels(model_name=model_name, category=category, stage=stage, action=action)
 
-    def safety_action(self, category: str, stage: str, action: str) -> None:
-        self._safety_actions.labels(model_name=self.model_name, category=category, stage=stage, action=action).inc()
+    # The tier and safety series carry the model that serves the request (`model_name`; None: the first).
 
-    def safety_check(self, check: str, seconds: float) -> None:
-        self._safety_seconds.labels(model_name=self.model_name, check=check).observe(seconds)
+    def safety_action(self, category: str, stage: str, action: str, model_name: str | None = None) -> None:
+        self._safety_actions.labels(model_name=model_name or self.model_name, category=category, stage=stage,
+                                    action=action).inc()
 
-    def guard_failed(self) -> None:
-        self._guard_failures.labels(model_name=self.model_name).inc()
+    def safety_check(self, check: str, seconds: float, model_name: str | None = None) -> None:
+        self._safety_seconds.labels(model_name=model_name or self.model_name, check=check).observe(seconds)
+
+    def guard_failed(self, model_name: str | None = None) -> None:
+        self._guard_failures.labels(model_name=model_name or self.model_name).inc()
 
     def declare_tiers(self, tiers: Iterable[str]) -> None:
-        """Expose each tier's counters at 0 from the start, so rate() works before the first event."""
+        """Expose each tier's counters at 0 from the start, for every model, so rate() works before the first event."""
+        self._tiers = list(tiers)
+        for model_name in self._model_names:
+            self._declare_tier_series(model_name, self._tiers)
+
+    def _declare_tier_series(self, model_name: str, tiers: Iterable[str]) -> None:
         for tier in tiers:
-            self._tier_admitted.labels(model_name=self.model_name, tier=tier)
+            self._tier_admitted.labels(model_name=model_name, tier=tier)
             for reason in LIMITED_REASONS:
-                self._tier_limited.labels(model_name=self.model_name, tier=tier, reason=reason)
+                self._tier_limited.labels(model_name=model_name, tier=tier, reason=reason)
             for reason in SHED_REASONS:
-                self._tier_shed.labels(model_name=self.model_name, tier=tier, reason=reason)
+                self._tier_shed.labels(model_name=model_name, tier=tier, reason=reason)
 
-    def tier_admitted(self, tier: str) -> None:
-        self._tier_admitted.labels(model_name=self.model_name, tier=tier).inc()
+    def tier_admitted(self, tier: str, model_name: str | None = None) -> None:
+        self._tier_admitted.labels(model_name=model_name or self.model_name, tier=tier).inc()
 
-    def tier_refused(self, tier: str, reason: str) -> None:
+    def tier_refused(self, tier: str, reason: str, model_name: str | None = None) -> None:
         counter = self._tier_shed if reason in SHED_REASONS else self._tier_limited
-        counter.labels(model_name=self.model_name, tier=tier, reason=reason).inc()
+        counter.labels(model_name=model_name or self.model_name, tier=tier, reason=reason).inc()
 
-    def tier_first_token(self, tier: str, ttft: float, queue_time: float | None) -> None:
-        self._tier_ttft.labels(model_name=self.model_name, tier=tier).observe(ttft)
+    def tier_first_token(self, tier: str, ttft: float, queue_time: float | None, model_name: str | None = None) -> None:
+        model_name = model_name or self.model_name
+        self._tier_ttft.labels(model_name=model_name, tier=tier).observe(ttft)
         if queue_time is not None:
-            self._tier_queue_time.labels(model_name=self.model_name, tier=tier).observe(queue_time)
+            self._tier_queue_time.labels(model_name=model_name, tier=tier).observe(queue_time)
 
     def update_engine(self, stats: EngineStats | None, stage_times: dict[str, float] | None = None,
                       model_name: str | None = None, kv_bytes_per_token: int = 0, block_size: int = 0) -> None:

@@ -77,7 +77,7 @@ async def start(state: ServerState, served: ServedModel, tenant: Tenant, route: 
     if state.safety.config.check_input:
         texts = await route.input_texts()
         route.use_input_texts(await state.safety.check_input(tenant, route.endpoint, texts, request_id,
-                                                             conversation_id))
+                                                             conversation_id, served.name))
     prompts = await route.prompts()
     await check_structured(served, route.gen.params.structured, tenant)
     admitted = await admit(state, served, tenant, route.gen, list(prompts.values()), arrived_at)
@@ -94,7 +94,7 @@ def check(state: ServerState, served: ServedModel, tenant: Tenant, gen: Generati
     tier's own limits (429, 503)."""
     state.check_store_writable()
     priority = state.limits.placement(tenant, gen.priority).priority
-    state.limits.precheck(tenant, priority, _drain_rate(served))
+    state.limits.precheck(tenant, priority, _drain_rate(served), served.name)
 
 
 async def check_structured(served: ServedModel, spec: StructuredOutput | None, tenant: Tenant) -> None:
@@ -120,7 +120,7 @@ async def admit(state: ServerState, served: ServedModel, tenant: Tenant, gen: Ge
     reserved = sum(len(p) + n * (max_tokens if max_tokens is not None else window - len(p)) for p in prompts)
     placement = state.limits.placement(tenant, gen.priority)
     lease = await state.limits.admit_async(tenant, sum(map(len, prompts)), reserved, placement.priority,
-                                           _drain_rate(served), gen.max_tokens_field, arrived_at)
+                                           _drain_rate(served), gen.max_tokens_field, arrived_at, served.name)
     return Admitted(tenant, params, placement, lease, gen.max_tokens_field)
 
 

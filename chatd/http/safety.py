@@ -48,18 +48,19 @@ class Safety:
     # -- inputs -----------------------------------------------------------------------------------
 
     async def check_input(self, tenant: Tenant, endpoint: str, texts: list[str], request_id: str | None,
-                          conversation_id: str | None = None) -> list[str]:
+                          conversation_id: str | None = None, model_name: str | None = None) -> list[str]:
         """The request's texts as the model may see them (masked where a policy redacts); raises the
-        refusal when a policy blocks, or when the guard failed on a category that fails closed."""
+        refusal when a policy blocks, or when the guard failed on a category that fails closed.
+        model_name: the model the request is for, as its series say (None: the first)."""
         if not self.config.check_input or not any(texts):
             return texts
         timings: dict[str, float] = {}
         decision = await self.pipeline.check_input(texts, tenant.tier, timings)
         for check, seconds in timings.items():
-            self.metrics.safety_check(check, seconds)
+            self.metrics.safety_check(check, seconds, model_name)
         record = _Recorder(self, tenant, "input", endpoint, "\n\n".join(texts), request_id, conversation_id)
         if decision.guard_failed is not None:
-            self.metrics.guard_failed()
+            self.metrics.guard_failed(model_name)
             log.warning("the guard model could not judge a request (%s); policies decide by their failure mode",
                         decision.guard_failed, extra={"request_id": request_id, "tenant": tenant.id})
         if decision.refused_unchecked:
@@ -67,7 +68,7 @@ class Safety:
             raise APIError(503, "the safety check could not run, and this service refuses what it cannot check "
                                 f"({', '.join(decision.refused_unchecked)}); try again shortly", None,
                            "safety_check_unavailable", headers={"Retry-After": "5"})
-        self._count(decision, "input")
+        self._count(decision, "input", model_name)
         blocked = decision.blocked
         if blocked:
             event = await record("blocked", blocked)
@@ -81,17 +82,17 @@ class Safety:
             await record("guard_failed", ())
         return decision.texts
 
-    def _count(self, decision: Decision, stage: str) -> None:
+    def _count(self, decision: Decision, stage: str, model_name: str | None) -> None:
         for finding in {(f.category, f.action) for f in decision.findings}:
-            self.metrics.safety_action(finding[0], stage, finding[1])
+            self.metrics.safety_action(finding[0], stage, finding[1], model_name)
 
     # -- outputs ----------------------------------------------------------------------------------
 
     def watch(self, handle: RequestHandle, tenant: Tenant, endpoint: str, num_choices: int, request_id: str | None,
               conversation_id: str | None = None, message_id: str | None = None,
-              token_text: Callable[[int], str] | None = None) -> RequestHandle:
+              token_text: Callable[[int], str] | None = None, model_name: str | None = None) -> RequestHandle:
         """The engine request with its text checked as it streams (as it was, when outputs are not checked).
-        token_text: the serving model's token texts (else the one given at construction)."""
+        token_text, model_name: the serving model's token texts and name (else the first model's)."""
         if not self.config.check_output:
             return handle
 
@@ -99,7 +100,7 @@ class Safety:
             """Record what one choice's window found, once it has ended."""
             record = _Recorder(self, tenant, "output", endpoint, window.text, request_id, conversation_id, message_id)
             for finding in {(f.category, f.action) for f in window.findings}:
-                self.metrics.safety_action(finding[0], "output", finding[1])
+                self.metrics.safety_action(finding[0], "output", finding[1], model_name)
             if window.violation is not None:  # as for inputs, a refusal is the one record of its text
                 await record("blocked", sorted({f.category for f in window.findings if f.action == "block"}))
                 return

@@ -27,6 +27,7 @@ import orjson
 from chatd.config import Config, FleetModel
 from chatd.engine import EngineClient, ModelInfo, StructuredOutput, Tokenizer
 from chatd.http.errors import APIError
+from chatd.http.metrics import ServerMetrics
 from chatd.http.tool_calls import ToolParser
 from chatd.http.tools import ToolRequest, ToolUse, tool_parser, tool_use
 
@@ -57,6 +58,9 @@ class ServedModel:
         self.status = UNLOADED
         self.load_error: str | None = None  # why its last load failed
         self.num_loads = 0
+        self.loading_since: float | None = None  # monotonic time its current load began
+        self.last_load_seconds: float | None = None  # how long its last load took: the next one's estimate
+        self.metrics: ServerMetrics | None = None  # where its loads and unloads are counted (the server's)
         self.num_in_use = 0  # handlers holding it (in_use): rendering, admitting, starting requests
         self.num_waiting_for_load = 0
         self.last_used = time.monotonic()
@@ -101,7 +105,7 @@ class ServedModel:
 
     async def _load(self) -> None:
         self.status, self.load_error = LOADING, None
-        started = time.monotonic()
+        started = self.loading_since = time.monotonic()
         try:
             if self.make_room is not None:
                 await self.make_room(self)
@@ -117,24 +121,43 @@ class ServedModel:
         except Exception as exc:
             self.status, self.load_error = UNLOADED, f"{type(exc).__name__}: {exc}"
             log.error("model %s could not be loaded: %s", self.name, self.load_error)
+            self._observe_load(None)
             raise
         finally:
-            self._loading = None
+            self._loading = self.loading_since = None
         self.loaded(engine, engine.tokenizer, info)
         await self.render_shared_prefixes()
-        log.info("model %s: loaded in %.1f s (%d KV blocks, context %d)", self.name, time.monotonic() - started,
+        self.last_load_seconds = time.monotonic() - started
+        self._observe_load(self.last_load_seconds)
+        log.info("model %s: loaded in %.1f s (%d KV blocks, context %d)", self.name, self.last_load_seconds,
                  info.num_kv_blocks, info.max_model_len)
+
+    def _observe_load(self, seconds: float | None) -> None:
+        if self.metrics is not None:
+            self.metrics.model_loaded(self.name, seconds)
+
+    def load_progress(self, now: float) -> dict | None:
+        """While it loads: for how long, how long its last load took (None before its second), and
+        the share of that passed (capped at 0.99: a load is done when it says so)."""
+        if self.loading_since is None:
+            return None
+        seconds, expected = now - self.loading_since, self.last_load_seconds
+        return {"seconds": round(seconds, 1), "expected_seconds": None if expected is None else round(expected, 1),
+                "progress": None if not expected else round(min(0.99, seconds / expected), 2)}
 
     async def render_shared_prefixes(self) -> None:
         """Render [cache] shared_system_prompts with this model's template, off the event loop."""
         self.shared_prefixes = await self.off_loop(shared_prefixes, self.tokenizer, self.config.cache.shared_system_prompts)
 
-    async def unload(self, why: str) -> None:
-        """Stop its engine and let its weights and KV pool go (whatever is in flight ends with an error)."""
+    async def unload(self, reason: str, why: str) -> None:
+        """Stop its engine and let its weights and KV pool go (whatever is in flight ends with an
+        error). reason: idle, room, stopped or admin (its /metrics series); why: the log's words."""
         if self.status != LOADED:
             return
         engine, self.engine, self.status = self.engine, None, UNLOADED
         log.info("model %s: unloading (%s)", self.name, why)
+        if self.metrics is not None:
+            self.metrics.model_unloaded(self.name, reason)
         await engine.stop()
         del engine
         await asyncio.to_thread(gc.collect)  # the weights' tensors go now, not at some later collection
@@ -147,7 +170,7 @@ class ServedModel:
         try:
             problem = self.engine.health() if self.status == LOADED and self.reloads else None
             if problem is not None:  # its engine died (a crash, out of memory): load it again
-                await self.unload(f"its engine stopped ({problem})")
+                await self.unload("stopped", f"its engine stopped ({problem})")
             if self.status != LOADED:
                 await self._wait_for_load()
             self.last_used = time.monotonic()
@@ -270,6 +293,9 @@ class ServedModel:
             card["context_length"] = self.entry.model.max_model_len
         if self.load_error is not None:
             card["load_error"] = self.load_error
+        progress = self.load_progress(time.monotonic())
+        if progress is not None:
+            card["load"] = progress
         details = self._details() if self.status == LOADED else {}
         card["chatd"] = {**details, "keep_alive": self.keep_alive, "loads": self.num_loads}
         return card

@@ -78,6 +78,8 @@ class ServerState:
         self.metrics = ServerMetrics(self.model_name, self.model.kv_bytes_per_token, self.model.block_size)
         for served in others:
             self.metrics.declare_model(served.name)
+        for served in (first, *others):
+            served.metrics = self.metrics  # its loads and unloads are counted
         self.fleet = Fleet(self.config, [first, *others], on_alias=self.metrics.alias_picked)
         self.metrics.declare_tiers(self.config.tiers)
         self.limits = Limits(self.config.tiers, self.config.auth.enabled, self.metrics,

@@ -140,7 +140,7 @@ async def health(request: web.Request) -> web.Response:
     if refused is not None:
         return refused
     return web.json_response({"status": "ok", "phase": "serving", "compiled_steps": _compiled_steps(state),
-                              "store": _store_status(state), "models": _model_states(state)})
+                              "store": _store_status(state), "models": _model_states(state), **_loading(state)})
 
 
 async def version(request: web.Request) -> web.Response:
@@ -157,7 +157,7 @@ async def ready(request: web.Request) -> web.Response:
         return refused
     # Steps still compiling (CPU, worker/compile_job.py) serve, eagerly: ready, and it says so.
     return web.json_response({"status": "ready", "compiled_steps": _compiled_steps(state),
-                              "models": _model_states(state)})
+                              "models": _model_states(state), **_loading(state)})
 
 
 def _compiled_steps(state: ServerState) -> str:
@@ -169,6 +169,13 @@ def _compiled_steps(state: ServerState) -> str:
 def _model_states(state: ServerState) -> dict[str, str]:
     """Each chat model's state: loaded, loading or unloaded (one that is unloaded loads on its next request)."""
     return {model.name: model.status for model in state.fleet.models}
+
+
+def _loading(state: ServerState) -> dict:
+    """{"loading": {model: its load's progress}} while some model loads; {} otherwise."""
+    now = time.monotonic()
+    loading = {model.name: progress for model in state.fleet.models if (progress := model.load_progress(now))}
+    return {"loading": loading} if loading else {}
 
 
 def _unavailable(state: ServerState) -> web.Response | None:

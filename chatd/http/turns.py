@@ -243,7 +243,7 @@ class Turns:
                 _fail(started, job.not_found() if isinstance(exc, LookupError) else exc)
                 raise
             results = state.safety.watch(results, tenant, job.endpoint, 1, request_id, assistant.conversation_id,
-                                         assistant.id, job.served.token_text)
+                                         assistant.id, job.served.token_text, job.served.name)
             reply = ReplyStream(assistant.conversation_id, assistant.id, results.request_id, job.named_events,
                                 job.served.engine)
             self._replies[assistant.id] = reply

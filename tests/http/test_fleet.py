@@ -16,8 +16,10 @@ from chatd.config_loader import build_config
 from chatd.engine import EngineStats
 from chatd.http.errors import APIError
 from chatd.http.fleet import Fleet, RequestTraits, request_traits
+from chatd.http.metrics import ServerMetrics
 from chatd.http.served_model import LOADED, UNLOADED, ServedModel, fleet_config
 from tests.factories import make_model_info
+from tests.http.test_metrics import scrape
 
 FLEET = {
     "models": [{"name": "small", "path": "demo"}, {"name": ["large", "big"], "path": "", "keep_alive": "2s"},
@@ -179,6 +181,38 @@ async def test_a_model_loads_once_for_concurrent_first_requests_and_unloads_afte
         assert canary.status == LOADED
     await fleet.unload_idle(time.monotonic())
     assert canary.status == UNLOADED
+
+
+async def test_a_load_shows_its_progress_and_loads_and_unloads_are_counted_by_reason():
+    fleet, _, _ = make_fleet({**FLEET, "server": {"max_loaded_models": 2}}, delay=0.3)
+    metrics = ServerMetrics("small")
+    for served in fleet.models:
+        metrics.declare_model(served.name)
+        served.metrics = metrics
+    large, canary = fleet.by_name("large"), fleet.by_name("canary")
+    assert large.load_progress(time.monotonic()) is None
+    loading = asyncio.get_running_loop().create_task(large.load())
+    await asyncio.sleep(0.15)
+    first = large.card()["load"]  # its first load: how long so far, nothing to compare with
+    assert large.status == "loading" and first["seconds"] > 0 and first["expected_seconds"] is None
+    await loading
+    assert "load" not in large.card() and large.last_load_seconds >= 0.3
+    await large.unload("admin", "a test asked")
+    loading = asyncio.get_running_loop().create_task(large.load())
+    await asyncio.sleep(0.15)
+    again = large.card()["load"]  # its second: the share of the last one's time passed
+    assert again["expected_seconds"] >= 0.3 and 0 < again["progress"] < 1
+    await loading
+    async with canary.in_use():  # large (idle) makes room
+        pass
+    await fleet.unload_idle(time.monotonic())  # canary's keep_alive is 0
+    samples = scrape(metrics)
+    assert samples["chatd:model_loads_total{model_name=large,outcome=loaded}"] == 2
+    assert samples["chatd:model_loads_total{model_name=canary,outcome=loaded}"] == 1
+    assert samples["chatd:model_unloads_total{model_name=large,reason=admin}"] == 1
+    assert samples["chatd:model_unloads_total{model_name=large,reason=room}"] == 1
+    assert samples["chatd:model_unloads_total{model_name=canary,reason=idle}"] == 1
+    assert samples["chatd:model_load_seconds_count{model_name=large}"] == 2
 
 
 async def test_a_model_that_cannot_load_is_a_503_naming_it_and_is_tried_again():

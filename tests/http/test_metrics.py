@@ -55,6 +55,9 @@ REQUEST_FAMILIES = {
     "chatd:request_prompt_tokens": "histogram",
     "chatd:request_generation_tokens": "histogram",
     "chatd:alias_requests": "counter",  # [aliases]: which model each served, and why
+    "chatd:model_loads": "counter",  # [[models]] coming and going
+    "chatd:model_unloads": "counter",
+    "chatd:model_load_seconds": "histogram",
 }
 TIER_FAMILIES = {
     "chatd:tier_requests_admitted": "counter",
@@ -113,7 +116,8 @@ def test_exposed_text_has_vllm_style_names_with_total_suffix():
     lines = [line for line in body.decode().splitlines() if not line.startswith("#")]
     assert all(f'model_name="{MODEL}"' in line for line in lines)
     exposed = {line.split("{")[0] for line in lines}
-    counters = {name.removeprefix("chatd:") for name, kind in ENGINE_FAMILIES.items() if kind == "counter"} | {"request_success"}
+    counters = ({name.removeprefix("chatd:") for name, kind in ENGINE_FAMILIES.items() if kind == "counter"}
+                | {"request_success", "model_loads", "model_unloads"})
     gauges = {name.removeprefix("chatd:") for name, kind in ENGINE_FAMILIES.items() if kind == "gauge"}
     histograms = {name.removeprefix("chatd:") for name, kind in REQUEST_FAMILIES.items() if kind == "histogram"}
     expected = (
@@ -163,6 +167,36 @@ def test_each_model_of_a_fleet_has_its_own_series_and_an_unloaded_one_reads_zero
     assert samples["chatd:alias_requests_total{alias=chat,model_name=canary,why=weight}"] == 1
     metrics.update_engine(None, {}, "canary")  # unloaded
     assert scrape(metrics)["chatd:generation_tokens_total{model_name=canary}"] == 0
+
+
+def test_tier_safety_and_load_series_carry_the_model_that_served():
+    """With several models, a tier's admissions and refusals, a safety decision and a model's loads
+    and unloads are counted under the model they were for, each at 0 from the start."""
+    metrics = ServerMetrics(MODEL)
+    metrics.declare_model("large")
+    metrics.declare_tiers(["free"])
+    metrics.declare_safety(["violence"])
+    samples = scrape(metrics)
+    assert samples["chatd:tier_requests_admitted_total{model_name=large,tier=free}"] == 0
+    assert samples["chatd:safety_actions_total{action=block,category=violence,model_name=large,stage=input}"] == 0
+    assert samples["chatd:model_unloads_total{model_name=large,reason=idle}"] == 0
+    metrics.tier_admitted("free", "large")
+    metrics.tier_refused("free", "tokens", "large")
+    metrics.tier_first_token("free", 0.2, 0.1, "large")
+    metrics.safety_action("violence", "input", "block", "large")
+    metrics.model_loaded("large", 3.0)
+    metrics.model_loaded("large", None)
+    metrics.model_unloaded("large", "idle")
+    samples = scrape(metrics)
+    assert samples["chatd:tier_requests_admitted_total{model_name=large,tier=free}"] == 1
+    assert samples[f"chatd:tier_requests_admitted_total{{model_name={MODEL},tier=free}}"] == 0
+    assert samples["chatd:tier_requests_rate_limited_total{model_name=large,reason=tokens,tier=free}"] == 1
+    assert samples["chatd:tier_time_to_first_token_seconds_count{model_name=large,tier=free}"] == 1
+    assert samples["chatd:safety_actions_total{action=block,category=violence,model_name=large,stage=input}"] == 1
+    assert samples["chatd:model_loads_total{model_name=large,outcome=loaded}"] == 1
+    assert samples["chatd:model_loads_total{model_name=large,outcome=failed}"] == 1
+    assert samples["chatd:model_load_seconds_sum{model_name=large}"] == 3.0
+    assert samples["chatd:model_unloads_total{model_name=large,reason=idle}"] == 1
 
 
 def test_vllm_names_read_the_same_values_with_vllms_labels():
