@@ -374,10 +374,17 @@ class EscalationRules:
     tools: bool = False  # it offers tools
     response_format: bool = False  # it asks for structured output (a JSON schema, json_object, a grammar)
     tiers: tuple[str, ...] = ()  # its tenant's tier is one of these
+    # None holds, and the small model's first `confidence_tokens` greedy tokens are less sure than this (http/escalation.py)
+    min_confidence: float = 0.0
+    confidence_tokens: int = 8
 
     def __post_init__(self) -> None:
         if self.prompt_chars < 0 or self.messages < 0:
             raise ValueError("prompt_chars and messages must be 0 (no such rule) or more")
+        if not 0 <= self.min_confidence < 1:
+            raise ValueError(f"min_confidence must be in [0, 1) (0: no such rule), got {self.min_confidence!r}")
+        if not 1 <= self.confidence_tokens <= 64:
+            raise ValueError(f"confidence_tokens must be in [1, 64], got {self.confidence_tokens!r}")
 
 
 @dataclass(frozen=True)

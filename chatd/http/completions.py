@@ -29,7 +29,7 @@ from chatd.http.errors import REQUEST_ID, APIError, loggable
 from chatd.http.heartbeats import Heartbeat
 from chatd.http.limits import Lease
 from chatd.http.openai_format import ChunkFormat, merged_with, output_usage, whole_response
-from chatd.http.fleet import request_traits
+from chatd.http.escalation import request_traits
 from chatd.http.served_model import ServedModel
 from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion, requested_model
 from chatd.http.request_log import REQUEST_LOG, GenerationRecord
@@ -45,7 +45,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's chat completions: the messages rendered with the chat template."""
     state = request.app[STATE]
     body = await read_json(request)
-    served = state.pick_model(requested_model(body), request[TENANT], traits=request_traits(body))
+    served = await pipeline.pick(state, requested_model(body), request[TENANT], traits=request_traits(body))
     state.take_keep_alive(served, body)
     async with served.in_use():
         gen = await checked(request, parse_chat, body, state.config.server.max_messages, served.info.sampling_defaults)
@@ -56,7 +56,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """OpenAI's (legacy) text completions: a prompt of text or token ids, continued as is."""
     state = request.app[STATE]
     body = await read_json(request)
-    served = state.pick_model(requested_model(body), request[TENANT], traits=request_traits(body))
+    served = await pipeline.pick(state, requested_model(body), request[TENANT], traits=request_traits(body))
     state.take_keep_alive(served, body)
     async with served.in_use():
         gen = await checked(request, parse_completion, body, served.max_model_len, served.info.sampling_defaults)

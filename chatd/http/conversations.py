@@ -16,13 +16,13 @@ import dataclasses
 
 from aiohttp import web
 
-from chatd.http import idempotency
+from chatd.http import idempotency, pipeline
 from chatd.http.auth import TENANT
 from chatd.http.conversation_request import parse_conversation_update, parse_new_conversation
 from chatd.http.errors import REQUEST_ID, APIError, error_body
 from chatd.http.items import Item, item_json, item_page, page_params, parse_items
 from chatd.http.openai_format import ChunkFormat, token_usage
-from chatd.http.fleet import RequestTraits, request_traits
+from chatd.http.escalation import RequestTraits, request_traits
 from chatd.http.served_model import ServedModel
 from chatd.http.protocol import json_body, parse_turn, requested_model, shown
 from chatd.http.request_log import REQUEST_LOG
@@ -136,7 +136,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     # The conversation's model, unless the message names another (an alias keeps it when it can).
     traits = request_traits(body).with_history(await state.store.count_messages(conversation.id))
-    served = state.pick_model(requested_model(body), tenant, conversation.model, traits)
+    served = await pipeline.pick(state, requested_model(body), tenant, conversation.model, traits)
     state.take_keep_alive(served, body)
     async with served.in_use():
         turn = await checked(request, parse_turn, body, state.config.conversations.max_message_chars,

@@ -3,15 +3,15 @@
 Each model is a `ServedModel` (served_model.py): one of config.toml's [[models]] (or the one
 model of [model]), with its own engine, loaded on demand.
 
-`Fleet.pick` decides which model serves a request, in this order:
+`Fleet.choose` decides which model serves a request, in this order:
   1. no `model`, or "default": the tier's `default_model`, else the first model;
   2. an alias split by weight ([aliases.NAME] targets = { stable = 95, canary = 5 }): the model its
      thread already runs on (a conversation's, a Responses chain's) when that is one of its
      targets, else one drawn by weight;
   3. an escalating alias (small = "s", large = "l", escalate_when = { ... }): the large model when
-     its thread is already there or one of the rules holds of the request (`RequestTraits`: its
-     text's length, its thread's messages, tools, a response format, its tenant's tier), else the
-     small one;
+     its thread is already there or one of the rules holds of the request (escalation.py: its
+     text's length, its thread's messages, tools, a response format, its tenant's tier; the small
+     model's confidence is asked by pipeline.pick after this), else the small one;
   4. a model's name: that model.
 An unknown name is a 404 (`model_not_found`) naming it; a model or alias the tenant's tier may
 not use, a 403 naming both.
@@ -20,15 +20,15 @@ Loading: the first model loads at start; the others when a request first needs t
 with `preload = true`). A model idle longer than its keep_alive is unloaded (-1: never; 0: after
 each reply); one with requests in flight, queued or being admitted never is.
 
-It knows nothing of routes: handlers call `pick`, then hold the model with `in_use` while they
-render and start its requests.
+It knows nothing of routes: handlers call pipeline.pick (the generating routes) or
+ServerState.pick_model (the others), then hold the model with `in_use` while they render and start
+its requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import random
 import time
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from chatd.config import DEFAULT_ALIAS, AliasConfig, Config
 from chatd.http.errors import APIError, shown
+from chatd.http.escalation import RequestTraits, escalation
 from chatd.http.served_model import LOADED, ServedModel
 
 log = logging.getLogger("chatd.http")
@@ -45,56 +46,13 @@ IDLE_CHECK_SECONDS = 1.0  # how often idle models are looked for (keep_alive is 
 
 
 @dataclass(frozen=True)
-class RequestTraits:
-    """What an escalation rule reads of a request, before it is parsed (`request_traits`)."""
+class Choice:
+    """The model that serves a request, and the alias that picked it and why (weight, thread, none
+    for an escalating alias's small model, or the rule that sent it up)."""
 
-    prompt_chars: int = 0  # the text of its messages, prompt or input items
-    messages: int = 0  # its messages (or input items), and its thread's stored ones once counted
-    tools: bool = False
-    response_format: bool = False
-
-    def with_history(self, num_stored: int) -> RequestTraits:
-        return dataclasses.replace(self, messages=self.messages + num_stored)
-
-
-def request_traits(body) -> RequestTraits:
-    """A body's traits as it came: chat `messages`, a completion's `prompt`, a conversation
-    message's `content`, a response's `input`; its parser refuses what is malformed."""
-    if not isinstance(body, dict):
-        return RequestTraits()
-    items = body.get("messages") if "messages" in body else body.get("input", body.get("prompt", body.get("content")))
-    items = items if isinstance(items, list) else [items]
-    chars = sum(_text_length(item) for item in items)
-    text = body.get("text")
-    structured = body.get("response_format") or (text.get("format") if isinstance(text, dict) else None)
-    wants_format = isinstance(structured, dict) and structured.get("type") not in (None, "text")
-    return RequestTraits(chars, len(items), bool(body.get("tools")), wants_format)
-
-
-def _text_length(item) -> int:
-    """The text of a message or item: its content as a string, or its parts' texts (one level: a
-    body nested deeper is refused by its parser, and must not cost a recursion here)."""
-    content = item.get("content", item.get("text", item.get("output"))) if isinstance(item, dict) else item
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(part) if isinstance(part, str) else len(part["text"])
-                   if isinstance(part, dict) and isinstance(part.get("text"), str) else 0 for part in content)
-    return 0
-
-
-# The escalation rules in the order they are tried: the first that holds is the one counted.
-ESCALATION_RULES = ("tiers", "tools", "response_format", "prompt_chars", "messages")
-
-
-def escalation(alias: AliasConfig, tier_name: str, traits: RequestTraits) -> str | None:
-    """The first of the alias's rules that holds of a request, or None: it stays on the small model."""
-    rules = alias.escalate_when
-    holds = {"tiers": tier_name in rules.tiers, "tools": rules.tools and traits.tools,
-             "response_format": rules.response_format and traits.response_format,
-             "prompt_chars": 0 < rules.prompt_chars < traits.prompt_chars,
-             "messages": 0 < rules.messages < traits.messages}
-    return next((rule for rule in ESCALATION_RULES if holds[rule]), None)
+    model: ServedModel
+    alias: str | None = None
+    why: str = ""
 
 
 class Fleet:
@@ -133,6 +91,18 @@ class Fleet:
 
     def pick(self, requested: str | None, tier_name: str, allowed: tuple[str, ...], default: str,
              thread_model: str | None = None, traits: RequestTraits = RequestTraits()) -> ServedModel:
+        """`choose`'s model, its alias's choice counted (`told`)."""
+        choice = self.choose(requested, tier_name, allowed, default, thread_model, traits)
+        self.told(choice)
+        return choice.model
+
+    def told(self, choice: Choice) -> None:
+        """Count an alias's choice, once it is final."""
+        if choice.alias is not None:
+            self.on_alias(choice.alias, choice.model.name, choice.why)
+
+    def choose(self, requested: str | None, tier_name: str, allowed: tuple[str, ...], default: str,
+               thread_model: str | None = None, traits: RequestTraits = RequestTraits()) -> Choice:
         """The model that serves a request naming `requested` (None: naming none), for a tenant
         whose tier may use `allowed` (empty: every name) and defaults to `default`; `thread_model`:
         the model its conversation or Responses chain runs on; `traits`: what escalation rules
@@ -141,13 +111,12 @@ class Fleet:
         if name is None:
             thread = self.by_name(thread_model) if thread_model else None
             if thread is not None and _may_use(allowed, thread.name):
-                return thread
+                return Choice(thread)
             name = default or self.primary.name
         if name in self.aliases:
             self._check_tier(name, allowed, tier_name)
             chosen, why = self._through_alias(self.aliases[name], tier_name, thread_model, traits)
-            self.on_alias(name, chosen, why)
-            return self.by_name(chosen)
+            return Choice(self.by_name(chosen), name, why)
         model = self.by_name(name)
         if model is None:
             served = ", ".join(repr(n) for n in self.names)
@@ -156,7 +125,7 @@ class Fleet:
         if not _may_use(allowed, name):
             raise APIError(403, f"your tier ({tier_name}) may not use the model {name!r}; it may use "
                                 f"{', '.join(repr(m) for m in allowed)}", "model", "model_not_allowed")
-        return model
+        return Choice(model)
 
     def _through_alias(self, alias: AliasConfig, tier_name: str, thread_model: str | None,
                        traits: RequestTraits) -> tuple[str, str]:

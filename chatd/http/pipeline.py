@@ -1,9 +1,10 @@
 """The stages every generating route runs, in one order: chat and text completions
 (completions.py), conversation messages and Responses (turns.py).
 
+  pick     the model (`pick`: fleet.py's choice, and an escalating alias's small model asked
+           how sure it is, escalation.py), before the route parses the body against its limits
   check    a store that can bill it, and what its tier refuses whatever the prompt (a refused
-           flood costs no tokenizing); the model was picked by the route (fleet.py) before it
-           parsed the body against that model's limits
+           flood costs no tokenizing)
   screen   the safety pipeline's input check on the texts the model will read (http/safety.py)
   render   the route's own prompts, tokenized: a chat template, a text prompt, a history
   grammar  a structured output compiled for its tenant (errors name the field)
@@ -25,7 +26,10 @@ from typing import Protocol
 
 from chatd.engine import (CacheScope, EngineUnavailable, LimitError, ParamError, Placement, RequestHandle, SamplingParams,
                           StructuredOutput)
+from chatd.http import escalation
 from chatd.http.errors import APIError
+from chatd.http.escalation import RequestTraits
+from chatd.http.fleet import Choice
 from chatd.http.served_model import ServedModel
 from chatd.http.limits import Lease
 from chatd.http.protocol import GenerationRequest
@@ -87,6 +91,29 @@ async def start(state: ServerState, served: ServedModel, tenant: Tenant, route: 
         admitted.lease.release(0)
         raise
     return Started(admitted, prompts, handles)
+
+
+async def pick(state: ServerState, requested: str | None, tenant: Tenant, thread_model: str | None = None,
+               traits: RequestTraits = RequestTraits()) -> ServedModel:
+    """The chat model that serves a generating request (ServerState.choose_model; 404 and 403 for
+    names it may not use). When an escalating alias keeps it on the small model and the alias has
+    a `min_confidence`, the small model answers the request's own messages for a few tokens first
+    (escalation.py), under the tenant's limits as they stand (a refused flood costs no probe), its
+    priority and its prefix-cache scope; too unsure, and the large model serves it."""
+    choice = state.choose_model(requested, tenant, thread_model, traits)
+    alias = state.fleet.aliases.get(choice.alias) if choice.alias is not None else None
+    rules = alias.escalate_when if alias is not None and alias.small else None
+    if rules is not None and rules.min_confidence and choice.why == "none" and (traits.said or traits.prompt):
+        small = choice.model
+        placement = state.limits.placement(tenant, 0)
+        state.limits.precheck(tenant, placement.priority, _drain_rate(small), small.name)
+        async with small.in_use():
+            sure = await escalation.confidence(small, traits, rules.confidence_tokens, placement,
+                                               lambda prompt: cache_scope(state, small, tenant, prompt))
+        if sure is not None and sure < rules.min_confidence:
+            choice = Choice(state.fleet.by_name(alias.large), choice.alias, "confidence")
+    state.fleet.told(choice)
+    return choice.model
 
 
 def check(state: ServerState, served: ServedModel, tenant: Tenant, gen: GenerationRequest) -> None:

@@ -32,12 +32,12 @@ from __future__ import annotations
 from aiohttp import web
 
 from chatd.engine import ParamError
-from chatd.http import idempotency
+from chatd.http import idempotency, pipeline
 from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, APIError
 from chatd.http.items import item_json, item_page, page_params
 from chatd.http.conversations import move_if_needed
-from chatd.http.fleet import request_traits
+from chatd.http.escalation import request_traits
 from chatd.http.protocol import requested_model, shown
 from chatd.http.request_log import REQUEST_LOG
 # The body's parsing. openapi.py (and test_openapi.py) read its fields and limits as responses.X: kept here.
@@ -60,7 +60,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     # The model of the chain or conversation it continues, unless it names another (an alias keeps it when it can).
     thread_model, num_stored = await _thread(state, tenant, body)
-    served = state.pick_model(requested_model(body), tenant, thread_model, request_traits(body).with_history(num_stored))
+    served = await pipeline.pick(state, requested_model(body), tenant, thread_model,
+                                 request_traits(body).with_history(num_stored))
     state.take_keep_alive(served, body)
     async with served.in_use():
         req = await checked(request, parse_response, body, state, served.info.sampling_defaults)

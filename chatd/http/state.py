@@ -17,7 +17,8 @@ from chatd.config import Config, keep_alive_seconds
 from chatd.engine import Embedder, EngineClient, ModelInfo, Tokenizer
 from chatd.http.buckets import shared_buckets
 from chatd.http.errors import APIError
-from chatd.http.fleet import Fleet, RequestTraits
+from chatd.http.escalation import RequestTraits
+from chatd.http.fleet import Choice, Fleet
 from chatd.http.served_model import ServedModel, fleet_config
 from chatd.http.limits import Limits
 from chatd.http.metrics import ServerMetrics
@@ -89,15 +90,23 @@ class ServerState:
 
     def pick_model(self, requested: str | None, tenant: Tenant | None = None, thread_model: str | None = None,
                    traits: RequestTraits = RequestTraits()) -> ServedModel:
-        """The chat model that serves a request naming `requested` (fleet.py's `pick`): the tenant's
-        tier decides the default and, while limits apply, what it may use (404 for an unknown name,
-        403 for one the tier may not use). `thread_model`: its conversation's or chain's model;
-        `traits`: what an escalating alias's rules read of it."""
+        """`choose_model`'s model (generating routes ask pipeline.pick, which may also ask the small
+        model of an escalating alias how sure it is)."""
+        choice = self.choose_model(requested, tenant, thread_model, traits)
+        self.fleet.told(choice)
+        return choice.model
+
+    def choose_model(self, requested: str | None, tenant: Tenant | None = None, thread_model: str | None = None,
+                     traits: RequestTraits = RequestTraits()) -> Choice:
+        """The chat model that serves a request naming `requested` (fleet.py's `choose`): the
+        tenant's tier decides the default and, while limits apply, what it may use (404 for an
+        unknown name, 403 for one the tier may not use). `thread_model`: its conversation's or
+        chain's model; `traits`: what an escalating alias's rules read of it."""
         tier_name = tenant.tier if tenant is not None else self.config.auth.local_tier
         tier = self.config.tiers.get(tier_name)
         allowed = tier.models if tier is not None and self.limits.enabled and tenant is not None else ()
         default = tier.default_model if tier is not None else ""
-        return self.fleet.pick(requested, tier_name, allowed, default, thread_model, traits)
+        return self.fleet.choose(requested, tier_name, allowed, default, thread_model, traits)
 
     def take_keep_alive(self, served: ServedModel, body) -> None:
         """A request's `keep_alive` (Ollama's) becomes its model's, from now on: how long it stays

@@ -7,15 +7,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import math
 import random
 import time
 
 import pytest
 
 from chatd.config_loader import build_config
-from chatd.engine import EngineStats
+from chatd.engine import LLM, AsyncEngine, CacheScope, EngineStats, Placement, SamplingParams
+from chatd.engine.models.demo import build_demo_model
+from chatd.http import escalation
 from chatd.http.errors import APIError
-from chatd.http.fleet import Fleet, RequestTraits, request_traits
+from chatd.http.escalation import RequestTraits, request_traits
+from chatd.http.fleet import Fleet
 from chatd.http.metrics import ServerMetrics
 from chatd.http.served_model import LOADED, UNLOADED, ServedModel, fleet_config
 from tests.factories import make_model_info
@@ -359,3 +363,35 @@ def test_each_model_has_its_own_sections_over_the_servers_and_todays_config_is_o
     one = build_config({"model": {"path": "demo"}, "server": {"model_name": ["m", "m2"]}})
     [only] = one.fleet()
     assert only.names == ("m", "m2") and only.model is one.model and only.keep_alive == -1
+
+
+async def test_the_confidence_probe_is_the_small_models_own_greedy_logprobs(tmp_path):
+    """escalation.confidence: the geometric mean probability of the small model's first greedy
+    tokens for the request's messages, as its offline engine computes it; None with nothing to read."""
+    path = build_demo_model(tmp_path / "demo")
+    engine = AsyncEngine(lambda: LLM(str(path), device="cpu", compile=False).engine)
+    info = await engine.start()
+    try:
+        config = build_config({"models": [{"name": "small", "path": str(path)}]})
+        served = ServedModel(config.fleet()[0], fleet_config(config, config.fleet()[0]), None,
+                             concurrent.futures.ThreadPoolExecutor(1))
+        served.loaded(engine, engine.tokenizer, info)
+        said = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+        body = {"messages": [*said, {"role": "tool", "content": "left out"}]}
+        sure = await escalation.confidence(served, request_traits(body), 6, Placement(), lambda prompt: CacheScope())
+        with LLM(str(path), device="cpu", compile=False) as alone:
+            ids = alone.tokenizer.encode_chat(said, True, None)
+            [out] = alone.generate([ids], SamplingParams(max_tokens=6, temperature=0.0, logprobs=0))
+            logprobs = [lp.logprob for lp in out.outputs[0].logprobs]
+            texts = alone.generate("Once upon", SamplingParams(max_tokens=3, temperature=0.0, logprobs=0))
+        assert sure == pytest.approx(math.exp(sum(logprobs) / len(logprobs)), rel=1e-4)
+        prompt_sure = await escalation.confidence(served, request_traits({"prompt": "Once upon"}), 3, Placement(),
+                                                  lambda prompt: CacheScope())
+        text_logprobs = [lp.logprob for lp in texts[0].outputs[0].logprobs]
+        assert prompt_sure == pytest.approx(math.exp(sum(text_logprobs) / 3), rel=1e-4)
+        for nothing in ({"messages": [{"role": "tool", "content": "x"}]}, {"messages": "not a list"}, {}):
+            assert await escalation.confidence(served, request_traits(nothing), 6, Placement(),
+                                               lambda prompt: CacheScope()) is None
+        assert engine.stats().num_request_streams == 0  # each probe's request has left the engine
+    finally:
+        await engine.stop()

@@ -8,6 +8,7 @@ tenant, and usage and metrics name the model that served."""
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import sqlite3
 import time
@@ -48,6 +49,10 @@ targets = {{ small = 80, qwen = 20 }}
 small = "small"
 large = "smol"
 escalate_when = {{ prompt_chars = 300, tools = true, response_format = true, messages = 5, tiers = ["paid"] }}
+[aliases.sure]
+small = "smol"
+large = "small"
+escalate_when = {{ min_confidence = 0.5, confidence_tokens = 8 }}
 [tiers.free]
 requests_per_minute = 0
 tokens_per_minute = 0
@@ -215,6 +220,35 @@ async def test_an_escalating_alias_sends_each_rule_s_requests_up_and_counts_them
     assert count("none") == 5  # the short chat, the conversation's creation and its first three turns
 
 
+async def test_the_small_model_s_own_confidence_sends_what_it_is_unsure_of_up(fleet):
+    """min_confidence: the small model's geometric mean probability over its first 8 greedy
+    tokens, as the API's own logprobs report it for the same messages, decides each request."""
+    bob = client(fleet, "bob")
+    asked = ["What is the capital of France?", "Continue: 1, 2, 3, 4, 5,", "Xkcd 8 fnord plimp?", "Tell me a story."]
+    expected = {}
+    for text in asked:
+        messages = [{"role": "user", "content": text}]
+        alone = await bob.chat.completions.create(model="smol", messages=messages, max_tokens=8, temperature=0.0,
+                                                  logprobs=True)
+        logprobs = [token.logprob for token in alone.choices[0].logprobs.content]
+        sure = math.exp(sum(logprobs) / len(logprobs))
+        assert abs(sure - 0.5) > 0.05, (text, sure)  # (far enough from the bound that rounding cannot flip it)
+        expected[text] = "smol" if sure >= 0.5 else "small"
+    assert set(expected.values()) == {"smol", "small"}  # some stay, some go up
+    served = {text: (await bob.chat.completions.create(model="sure", messages=[{"role": "user", "content": text}],
+                                                       max_tokens=4)).model for text in asked}
+    assert served == expected
+    async with aiohttp.ClientSession() as session, session.get(f"{fleet['url']}/metrics") as r:
+        metrics = await r.text()
+    up = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+             if line.startswith("chatd:alias_requests_total{") and 'alias="sure"' in line and 'why="confidence"' in line)
+    assert up == list(expected.values()).count("small")
+    # A request the declared rules would refuse to parse is not probed: its parser names the field.
+    with pytest.raises(openai.BadRequestError) as bad:
+        await bob.chat.completions.create(model="sure", messages=[{"role": "wizard", "content": "hi"}], max_tokens=4)
+    assert bad.value.body["param"].startswith("messages")
+
+
 async def test_a_model_loads_on_first_use_and_unloads_after_keep_alive_never_while_in_use(fleet):
     bob = client(fleet, "bob")
     await bob.completions.create(model="qwen", prompt="warm", max_tokens=1)
@@ -320,6 +354,12 @@ async def test_the_admin_key_alone_loads_and_unloads_a_model_and_a_model_in_use_
     status, card = await admin("unload", "qwen")
     assert status == 200 and card["status"] == "unloaded"
     assert (await cards(fleet))["qwen"]["status"] == "unloaded"
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
+        metrics = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in (await r.text()).splitlines()
+                   if line.startswith("chatd:model_")}
+    assert metrics['chatd:model_unloads_total{model_name="qwen",reason="admin"}'] == 1
+    assert metrics['chatd:model_loads_total{model_name="qwen",outcome="loaded"}'] == card["chatd"]["loads"]
+    assert metrics['chatd:model_load_seconds_count{model_name="qwen"}'] == card["chatd"]["loads"]
 
 
 async def test_langchain_picks_a_model_by_name_and_through_an_alias(fleet):
