@@ -16,6 +16,11 @@ holds). Three parts, in one run:
 3. Escalation. `--mixed-requests` requests to "auto" drawn from a mix (short chats, long
    prompts, tools, a JSON response format, long conversations; `MIX`), max_tokens 1: the share
    sent to the large model, by rule, as /metrics counts them and as the replies' `model` says.
+4. Escalation by confidence. `--probe-requests` chats of five kinds (`PROBED`: questions with one
+   answer, arithmetic, poems, stories, nonsense) to "sure" (SmolLM2, or its second engine when
+   its 8-token greedy probe's confidence is under 0.5): the share sent up by kind, and the time to
+   the first token of those that stayed against the same kind of request naming "smol" directly
+   (what the probe adds), medians.
 
     python benchmarks/fleet.py                       # about 4 minutes on 2 cores
     python benchmarks/fleet.py --quick --json f.json # a smoke test (tests/test_bench_fleet.py)
@@ -68,11 +73,71 @@ keep_alive = 0
 small = "small"
 large = "smol"
 escalate_when = {{ prompt_chars = 2000, messages = 12, tools = true, response_format = true }}
+[aliases.sure]
+small = "smol"
+large = "smol-b"
+escalate_when = {{ min_confidence = 0.5, confidence_tokens = 8 }}
 """
 # The mixed workload's share of each kind of request (part 3).
 MIX = {"short chat": 0.60, "long prompt": 0.15, "tools": 0.10, "json format": 0.05, "long conversation": 0.10}
 TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
                                           "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}
+
+
+# Part 4's kinds of chat, each filled in with a random word or number.
+PROBED = {"fact": "What is the capital of {country}?", "sum": "What is {a} plus {b}?",
+          "poem": "Write a poem about {thing}.", "story": "Tell me a story about {thing}.", "nonsense": "{letters}?"}
+COUNTRIES = ("France", "Japan", "Kenya", "Peru", "Norway", "Egypt", "Canada", "India", "Chile", "Spain")
+THINGS = ("a lamp", "the sea", "a fox", "winter", "a clock", "bread", "a bridge", "rain", "a violin", "salt")
+
+
+def probed_request(kind: str, rng: random.Random, model: str) -> dict:
+    """A streamed chat completions body of one of part 4's kinds."""
+    letters = " ".join("".join(rng.choice("bcdfghjklmnpqrstvwxz") for _ in range(rng.randint(2, 6)))
+                       for _ in range(rng.randint(2, 5)))
+    text = PROBED[kind].format(country=rng.choice(COUNTRIES), a=rng.randint(1, 999), b=rng.randint(1, 999),
+                               thing=rng.choice(THINGS), letters=letters)
+    return {"model": model, "max_tokens": 1, "stream": True, "messages": [{"role": "user", "content": text}]}
+
+
+async def confidence_escalation(url: str, num_requests: int, seed: int) -> dict:
+    """Part 4: each kind through "sure" and straight to "smol", one request at a time (so each
+    time to the first token is the request's own)."""
+    rng = random.Random(seed + 1)
+    kinds = [kind for _ in range(num_requests // len(PROBED)) for kind in PROBED]
+    sent_up = {kind: 0 for kind in PROBED}
+    stayed_ttft: dict[str, list[float]] = {kind: [] for kind in PROBED}
+    direct_ttft: dict[str, list[float]] = {kind: [] for kind in PROBED}
+    async with aiohttp.ClientSession() as session:
+        for kind in kinds:
+            model, ttft = await streamed_first_token(session, url, probed_request(kind, rng, "sure"))
+            if model == "smol":
+                stayed_ttft[kind].append(ttft)
+            else:
+                sent_up[kind] += 1
+            direct_ttft[kind].append((await streamed_first_token(session, url, probed_request(kind, rng, "smol")))[1])
+    per_kind = len(kinds) // len(PROBED)
+    stayed = [t for times in stayed_ttft.values() for t in times]
+    direct = [t for times in direct_ttft.values() for t in times]
+    return {"requests": len(kinds), "sent_up_share": sum(sent_up.values()) / len(kinds),
+            "sent_up_by_kind": {kind: count / per_kind for kind, count in sent_up.items()},
+            "stayed_ttft_s": statistics.median(stayed) if stayed else None,
+            "direct_ttft_s": statistics.median(direct)}
+
+
+async def streamed_first_token(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[str, float]:
+    """The model that served a streamed chat, and the seconds to its first event with content."""
+    started = time.perf_counter()
+    first, model = None, ""
+    async with session.post(url + "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            if line.startswith(b"data: {") and first is None:
+                chunk = json.loads(line[6:])
+                model = chunk["model"]
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    first = time.perf_counter() - started
+    return model, first if first is not None else time.perf_counter() - started
 
 
 def mixed_request(kind: str, rng: random.Random) -> dict:
@@ -229,6 +294,12 @@ def report(result: dict) -> None:
           f"large model; by rule: {mixed['by_rule']}")
     for kind, served in mixed["served_by_kind"].items():
         print(f"   {kind:>18}: {served}")
+    probed = result["confidence"]
+    stayed = f"{probed['stayed_ttft_s'] * 1e3:.0f} ms" if probed["stayed_ttft_s"] is not None else "none stayed"
+    print(f"\n4. Escalation by confidence: {probed['requests']} chats to \"sure\", {probed['sent_up_share']:.1%} sent up;"
+          f" by kind: {probed['sent_up_by_kind']}")
+    print(f"   TTFT p50 of those that stayed (probe included) {stayed}, naming smol directly "
+          f"{probed['direct_ttft_s'] * 1e3:.0f} ms")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,15 +310,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds of part 1, alone and shared in turn (3)")
     p.add_argument("--cold-runs", type=int, default=3, help="cold starts per model in part 2 (3)")
     p.add_argument("--mixed-requests", type=int, default=400, help="requests of the mix in part 3 (400)")
+    p.add_argument("--probe-requests", type=int, default=100, help="chats of part 4, of five kinds (100)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a smoke test: 2 streams, 4 requests, 1 round, 1 cold run, "
-                   "40 mixed")
+                   "40 mixed, 10 probed")
     p.add_argument("--json", help="write every number here")
     args = p.parse_args(argv)
     if args.quick:
-        args.concurrency, args.num_requests, args.output_tokens, args.rounds, args.cold_runs, args.mixed_requests = (
-            2, 4, 8, 1, 1, 40)
+        (args.concurrency, args.num_requests, args.output_tokens, args.rounds, args.cold_runs, args.mixed_requests,
+         args.probe_requests) = (2, 4, 8, 1, 1, 40, 10)
     from chatd.engine.models.demo import build_demo_model
     from chatd.engine.models.loader import default_model_path
 
@@ -268,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             result["sharing"] = asyncio.run(sharing(url, args))
             result["cold_start"] = asyncio.run(cold_start(url, args.cold_runs))
             result["escalation"] = asyncio.run(escalation(url, args.mixed_requests, args.seed))
+            result["confidence"] = asyncio.run(confidence_escalation(url, args.probe_requests, args.seed))
         finally:
             server.stop()
     report(result)

@@ -1,5 +1,6 @@
 """benchmarks/fleet.py's quick run: two engines' shared and lone throughput, a cold model's first
-token, and the mixed workload's escalated share, every number present and consistent."""
+token, the mixed workload's escalated share and the share the small model's confidence sends up,
+every number present and consistent."""
 
 from __future__ import annotations
 
@@ -41,3 +42,7 @@ def test_fleet_quick_measures_sharing_cold_starts_and_the_escalated_share(tmp_pa
                     if model == "smol")
     assert mixed["escalated_share"] == escalated / mixed["requests"]
     assert "Escalation:" in run.stdout and "Cold start" in run.stdout
+    probed = result["confidence"]
+    assert probed["requests"] == 10 and 0 <= probed["sent_up_share"] <= 1 and probed["direct_ttft_s"] > 0
+    assert probed["sent_up_share"] == sum(probed["sent_up_by_kind"].values()) * 2 / 10
+    assert "Escalation by confidence" in run.stdout

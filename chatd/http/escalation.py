@@ -89,7 +89,8 @@ def _said(items: list) -> tuple[tuple[str, str], ...]:
     tool calls and their outputs are left out (a template may not render them alone)."""
     said = []
     for item in items:
-        role = "user" if isinstance(item, str) else PROBE_ROLES.get(item.get("role")) if isinstance(item, dict) else None
+        given = item.get("role") if isinstance(item, dict) else None
+        role = "user" if isinstance(item, str) else PROBE_ROLES.get(given) if isinstance(given, str) else None
         text = _text(item)
         if role is not None and text:
             said.append((role, text))
