@@ -73,6 +73,7 @@ class FakeStep:
 
     def __init__(self, draws: list[int], rows: dict[int, int]) -> None:
         self.draws, self.rows = draws, rows
+        self.prompt_logprobs: dict = {}  # a fake computes none
 
     def result(self) -> SamplerOutput:
         return SamplerOutput(self.draws, [None] * len(self.draws))

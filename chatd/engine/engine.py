@@ -83,7 +83,7 @@ class InFlight:
     """A launched step: its plan, the runner's handle, and what the drain rate needs of it."""
 
     plan: SchedulerOutput
-    handle: object  # the runner's StepHandle: `.result()` waits for its draws
+    handle: object  # the runner's StepHandle: `.result()` waits for its draws; `.prompt_logprobs` by sequence
     started: float  # engine clock at launch
     queued: bool  # requests were left waiting when it was planned
 
@@ -290,6 +290,10 @@ class LLMEngine:
         started = self.times.since("wait", started)
         if step.queued:  # requests were left waiting: this step ran at the pace the queue drains
             self.drain_rate.note(step.plan.num_prefill_tokens, self.clock() - step.started)
+        for seq_id, (first, logprobs) in step.handle.prompt_logprobs.items():  # (SamplingParams.prompt_logprobs)
+            seq = next(s.seq for s in step.plan.scheduled if s.seq.seq_id == seq_id)
+            if seq.prompt_logprobs is not None and first == len(seq.prompt_logprobs):
+                seq.prompt_logprobs.extend(logprobs)
         seqs = self.scheduler.postprocess(step.plan, sampled.token_ids)
         if self.speculator is not None:  # what the step cost; guesses for the next (before grammars' mask jobs)
             self.speculator.observe(step.plan, self.clock() - step.started)

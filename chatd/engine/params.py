@@ -87,6 +87,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; k = the sampled token's plus top-k alternatives
+    # None = none; k = each prompt token's logprob (the first's is None) plus top-k alternatives,
+    # computed in the prefill: such a request reads nothing from the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # None = free text
 
@@ -123,6 +126,9 @@ class SamplingParams:
             _check(isinstance(s, str) and s != "", "stop", "stop strings must be non-empty strings")
         if self.logprobs is not None:
             _check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None:
+            _check(isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+                   f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if self.structured is not None:
             self.structured.validate()
 
@@ -181,6 +187,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
+    rank: int | None = None  # its place in the distribution, 1 = the likeliest (prompt tokens; None where not computed)
 
 
 @dataclass(slots=True)
@@ -226,9 +233,13 @@ class RequestOutput:
     # Speculative decoding, over the request so far: tokens proposed and verified, and those accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # SamplingParams.prompt_logprobs: one per prompt token (the first None), on the request's first output.
+    prompt_logprobs: list[Logprob | None] | None = None
 
     def merge(self, later: RequestOutput) -> None:
         """Fold a later delta of the same request into this one (used by streams and LLM)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
         if len(self.outputs) == len(later.outputs) == 1 and self.outputs[0].index == later.outputs[0].index:
             self.outputs[0].merge(later.outputs[0])  # one choice (most requests): a token's worth of work
         else:

@@ -52,7 +52,7 @@ def step_outputs(engine: LLMEngine, seqs: list[tuple[Sequence, range]], token_id
         request = requests.get(seq.request_id)
         if request is None:  # failed earlier in this loop
             continue
-        if len(rows) == 1 and seq.finish_reason is None and len(request.seqs) == 1:
+        if len(rows) == 1 and seq.finish_reason is None and len(request.seqs) == 1 and seq.prompt_logprobs is None:
             row = rows.start
             detokenizer = request.detokenizers[0]
             if logprobs[row] is None and (detokenizer is None or detokenizer.plain):
@@ -79,6 +79,8 @@ def step_outputs(engine: LLMEngine, seqs: list[tuple[Sequence, range]], token_id
         out = deltas.get(seq.request_id)
         if out is None:
             deltas[seq.request_id] = out = RequestOutput(request.request_id, request.prompt_token_ids, [])
+        if seq.prompt_logprobs is not None and len(seq.output_token_ids) == len(rows):  # its first tokens
+            out.prompt_logprobs = seq.prompt_logprobs
         out.outputs.append(delta)
     for request_id, out in deltas.items():
         request = requests.get(request_id)

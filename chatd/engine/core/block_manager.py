@@ -90,11 +90,12 @@ class BlockManager:
         (on the device, and where the device's end, on the host: copied back into fresh blocks).
 
         At least one token is left to compute, because the model must run on the last token to
-        produce the next one. Sets `num_computed_tokens` and `num_cached_tokens`.
+        produce the next one. A sequence still wanting its prompt's logprobs computes every token.
+        Sets `num_computed_tokens` and `num_cached_tokens`.
         """
         assert not seq.block_table, f"{seq} already holds blocks"
         seq.block_hashes = []
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and not seq.wants_prompt_logprobs:
             parent = b""
             max_blocks = (seq.num_tokens - 1) // self.block_size
             for i in range(max_blocks):

@@ -67,9 +67,20 @@ class Sequence:
     # What the sampler needs of it each step once nothing about that changes any more (min_tokens
     # reached): the runner's SamplingRow, built once instead of every step.
     sampling_row: Any = None
+    # params.prompt_logprobs: the prompt tokens' logprobs computed so far, [None] first (nothing
+    # precedes the first token); the prefill's steps add to it (the runner's `prompt_rows`).
+    prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and self.index == 0:  # choices 1..n-1 share the first's prompt
+            self.prompt_logprobs = [None]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether its prompt's logprobs are asked for and not all computed yet: until they are, it
+        reads nothing from the prefix cache (a cached block's positions would have none)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

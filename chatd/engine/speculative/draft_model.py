@@ -20,7 +20,8 @@ import torch
 
 from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.core.sequence import Sequence
-from chatd.engine.worker.runner import ForwardInputs, ModelRunner
+from chatd.engine.worker.forward_inputs import ForwardInputs
+from chatd.engine.worker.runner import ModelRunner
 
 
 @dataclass(eq=False)

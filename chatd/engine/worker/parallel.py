@@ -43,7 +43,8 @@ from chatd.config import Config
 from chatd.engine.core.block_manager import KVCopy
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.worker.parallel_worker import HEARTBEAT_SECONDS, WorkerSpec, leave_group, worker_main
-from chatd.engine.worker.runner import ForwardInputs, ModelRunner, StepHandle, forward_inputs
+from chatd.engine.worker.forward_inputs import ForwardInputs, StepHandle, forward_inputs
+from chatd.engine.worker.runner import ModelRunner
 
 log = logging.getLogger("chatd.engine")
 
@@ -270,7 +271,9 @@ class ParallelRunner:
         except Exception as exc:
             self.workers.raise_failure(wait=True)  # a worker's death, said as such
             raise ParallelError(self.workers.fail(f"rank 0's forward failed: {exc}")) from exc
-        return StepHandle(scheduled, self.local.sample(logits, scheduled))
+        handle = StepHandle(scheduled, self.local.sample(logits, scheduled))
+        handle.prompt_logprobs, self.local.prompt_logprobs = self.local.prompt_logprobs, {}
+        return handle
 
     def copy_kv(self, copies: list[KVCopy]) -> None:
         if self.workers.failure is None:  # else the step's execute fails, with the reason

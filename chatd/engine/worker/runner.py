@@ -11,11 +11,8 @@ back in one (the step's only wait for the GPU), and decode-only steps replay CUD
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,100 +28,17 @@ from chatd.engine.worker.compiled import CompiledDecode, step_cost
 from chatd.engine.worker.compiled_prefill import CompiledPrefill
 from chatd.engine.worker.cuda_graphs import DecodeGraphs
 from chatd.engine.worker.host_kv import HostKVTier
-from chatd.engine.worker.sampler import SampledTokens, Sampler, SamplerOutput, SamplingRow, draw_uniform
+from chatd.engine.worker.forward_inputs import ForwardInputs, StepHandle, fill_pending, forward_inputs
+from chatd.engine.worker.prompt_logprobs import prompt_logprobs
+from chatd.engine.worker.sampler import SampledTokens, Sampler, SamplingRow, draw_uniform
 
 log = logging.getLogger("chatd.engine")
+
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one KV block takes across all layers (keys and values)."""
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-@dataclass(frozen=True)
-class ForwardInputs:
-    """What a step's forward needs, as plain lists: the same on every tensor-parallel rank."""
-
-    token_ids: list[int]  # the new tokens of every sequence, concatenated (one-token rows first)
-    starts: list[int]  # per sequence: tokens already in its KV cache
-    query_lens: list[int]  # per sequence: new tokens this step
-    block_tables: list[list[int]]
-    sampling: list[int]  # the rows whose chunk reaches their end: they get logits
-    # Async scheduling: (index in token_ids, row of the previous step's draws) of each input that
-    # step sampled and has not handed back yet; token_ids holds 0 there until it is filled in.
-    pending: tuple[tuple[int, int], ...] = ()
-
-
-def forward_inputs(scheduled: list[ScheduledSequence], previous: StepHandle | None = None) -> ForwardInputs:
-    """The forward's inputs for a scheduled batch (`previous`: the step in flight, whose draws
-    some of its inputs are). A sequence verifying proposed tokens becomes one decode row per token,
-    its last one and each guess, at consecutive positions over the same blocks: every row's K/V is
-    written before any row attends, so each guess sees the ones before it, and the step stays a
-    decode step (CUDA graphs, compiled CPU steps) with logits for every row."""
-    token_ids: list[int] = []
-    starts: list[int] = []
-    query_lens: list[int] = []
-    block_tables: list[list[int]] = []
-    sampling: list[int] = []
-    pending = []
-    for s in scheduled:
-        seq = s.seq
-        if s.draft_token_ids:
-            assert s.start < len(seq.token_ids), "a verify step follows a step whose tokens are back"
-            rows = 1 + len(s.draft_token_ids)
-            sampling.extend(range(len(starts), len(starts) + rows))
-            token_ids.append(seq.token_ids[s.start])
-            token_ids.extend(s.draft_token_ids)
-            starts.extend(range(s.start, s.start + rows))
-            query_lens.extend([1] * rows)
-            block_tables.extend([seq.block_table] * rows)
-            continue
-        if s.samples:
-            sampling.append(len(starts))
-        known = seq.token_ids[s.start : s.start + s.num_new_tokens]
-        token_ids.extend(known)
-        if len(known) < s.num_new_tokens:  # a decode whose input the step in flight sampled
-            pending.append((len(token_ids), previous.rows[seq.seq_id]))
-            token_ids.append(0)
-        starts.append(s.start)
-        query_lens.append(s.num_new_tokens)
-        block_tables.append(seq.block_table)
-    return ForwardInputs(token_ids, starts, query_lens, block_tables, sampling, tuple(pending))
-
-
-def fill_pending(inputs: ForwardInputs, draws: list[int]) -> ForwardInputs:
-    """`inputs` with its pending tokens filled in from the previous step's draws, known on the host."""
-    token_ids = list(inputs.token_ids)
-    for index, row in inputs.pending:
-        token_ids[index] = draws[row]
-    return dataclasses.replace(inputs, token_ids=token_ids, pending=())
-
-
-class StepHandle:
-    """A launched step: which row of its draws each sampling sequence got, the draws as the device
-    has them, and `result()`, which waits for them on the host."""
-
-    def __init__(self, scheduled: list[ScheduledSequence], sampled: SampledTokens | None) -> None:
-        self.rows = {}  # seq_id -> its (first) row of the draws
-        row = 0
-        for s in scheduled:
-            if s.samples:
-                self.rows[s.seq.seq_id] = row
-                row += s.num_samples
-        self.sampled = sampled
-        self.wait: Callable[[], None] | None = None  # an extra wait before the draws (benchmarks/host.py's device clock)
-
-    @property
-    def token_ids(self) -> torch.Tensor | None:
-        """The draws, [rows], where the device has them (None: no row sampled)."""
-        return self.sampled.token_ids if self.sampled is not None else None
-
-    def result(self) -> SamplerOutput:
-        if self.wait is not None:
-            self.wait()
-        if self.sampled is None:
-            return SamplerOutput(token_ids=[], logprobs=[])
-        return self.sampled.result()
 
 
 def kv_budget_bytes(total: int, used: int, activation_peak: int, utilization: float) -> int:
@@ -158,6 +72,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.sampler = Sampler()
+        # The last forward's prompt logprobs (forward_inputs.py's StepHandle.prompt_logprobs), for its launch to take.
+        self.prompt_logprobs: dict[int, tuple[int, list]] = {}
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own RNG
         self._rewinds: dict[int, torch.Tensor] = {}  # seq_id -> its RNG's state before a verify step's draws
         self._seed_source = torch.Generator().manual_seed(seed)  # seeds requests that bring none
@@ -284,7 +200,9 @@ class ModelRunner:
         started = now
         sampled = self.sample(logits, scheduled)
         times.since("sample", started)
-        return StepHandle(scheduled, sampled)
+        handle = StepHandle(scheduled, sampled)
+        handle.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, {}
+        return handle
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, draws: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -305,6 +223,8 @@ class ModelRunner:
         self.times.since("inputs", started)  # and the forward's own time less this, by launch
         meta = step.meta
         hidden = self.hidden(step)
+        if inputs.prompt_rows:
+            self.prompt_logprobs = prompt_logprobs(self.model, hidden, inputs.prompt_rows)
         if not inputs.sampling:
             return None
         last_token = [meta.query_starts_cpu[i + 1] - 1 for i in inputs.sampling]
