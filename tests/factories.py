@@ -110,7 +110,9 @@ class ScriptedChatEngine:
     (else `default`), sent a word per delta with `pause` seconds before each; an abort ends it
     as the real engine does (a last output with finish_reason abort). With a `tokenizer` set, a
     request that asks for logprobs gets each word's real token ids, with logprobs and, as
-    alternatives, the ids of `alternatives`' texts."""
+    alternatives, the ids of `alternatives`' texts. One that asks for prompt_logprobs k gets, on its
+    first output, made-up ones: each prompt token at -0.5 - position / 100, below its k alternatives
+    at -0.25 - j / 100 (`alternatives`' ids with a tokenizer, else the next k ids, modulo 256)."""
 
     def __init__(self, pause: float = 0.02, default: str = "Hello from the scripted engine.") -> None:
         self.pause, self.default = pause, default
@@ -177,7 +179,24 @@ class ScriptedReply:
                 alternatives = {self.engine.tokenizer.encode(alt, add_special_tokens=False)[0]: -3.0
                                 for alt in self.engine.alternatives}
                 out.logprobs = [Logprob(t, -0.5, {t: -0.5, **alternatives}) for t in out.token_ids]
-            yield RequestOutput(self.request_id, self.prompt, [out], finished=last)
+            prompt_logprobs = self.prompt_logprobs() if i == 0 else None
+            yield RequestOutput(self.request_id, self.prompt, [out], finished=last, prompt_logprobs=prompt_logprobs)
+
+    def prompt_logprobs(self) -> list | None:
+        """Made-up prompt logprobs, when the request asks for them (see ScriptedChatEngine)."""
+        from chatd.engine import Logprob
+
+        k = self.params.prompt_logprobs if self.params is not None else None
+        if k is None:
+            return None
+        tokenizer = self.engine.tokenizer
+        entries = [None][:len(self.prompt)]
+        for position, token in enumerate(self.prompt[1:], 1):
+            others = ([tokenizer.encode(alt, add_special_tokens=False)[0] for alt in self.engine.alternatives]
+                      if tokenizer is not None else [(token + j) % 256 for j in range(1, k + 1)])
+            top = {other: -0.25 - j / 100 for j, other in enumerate(others[:k])}
+            entries.append(Logprob(token, -0.5 - position / 100, top, rank=len(top) + 1))
+        return entries
 
     def abort(self) -> None:
         self.engine.abort(self.request_id)

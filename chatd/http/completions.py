@@ -3,7 +3,8 @@
 A handler parses the body (protocol.py), runs the stages every generating route runs
 (pipeline.py: a chat's texts and template, or a completion's prompts, one engine request each),
 and answers with its merged deltas in OpenAI's shapes
-(openai_format.py). A stream writes one SSE event per delta it receives, from whichever prompt's
+(openai_format.py), with what they show of their prompts (a completion's `echo`, vLLM's
+`prompt_logprobs`). A stream writes one SSE event per delta it receives, from whichever prompt's
 request sent it; a slow reader gets bigger merged deltas and never holds the engine back. When
 the request ends, however it ends, it is observed in the metrics, its counts put on its log line
 (request_log.py) and its usage billed, once.
@@ -22,13 +23,13 @@ from dataclasses import replace
 
 from aiohttp import web
 
-from chatd.engine import RequestHandle, RequestOutput
+from chatd.engine import CompletionOutput, FinishReason, RequestHandle, RequestOutput
 from chatd.http import pipeline
 from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, APIError, loggable
 from chatd.http.heartbeats import Heartbeat
 from chatd.http.limits import Lease
-from chatd.http.openai_format import ChunkFormat, merged_with, output_usage, whole_response
+from chatd.http.openai_format import ChunkFormat, PromptShown, merged_with, output_usage, whole_response
 from chatd.http.escalation import request_traits
 from chatd.http.served_model import ServedModel
 from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion, requested_model
@@ -66,6 +67,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _complete(request: web.Request, state: ServerState, served: ServedModel, gen: GenerationRequest,
                     chat: bool) -> web.StreamResponse:
     tenant = request[TENANT]
+    state.safety.check_prompt_shown(gen.prompt_logprobs, gen.params.logprobs if gen.echo else None)
     record = GenerationRecord("chat" if chat else "completions", request.get(REQUEST_LOG), served.name)
     route = _Chat(served, gen, tenant) if chat else _TextCompletion(served, gen)
     started = await pipeline.start(state, served, tenant, route, request[REQUEST_ID], record.start)
@@ -78,7 +80,8 @@ async def _complete(request: web.Request, state: ServerState, served: ServedMode
         handles = [state.safety.watch(handle, tenant, route.endpoint, admitted.params.n, request[REQUEST_ID],
                                       token_text=served.token_text, model_name=served.name)
                    for handle in started.handles]
-        replies = _Replies(handles, admitted.params.n, admitted.lease)
+        replies = _Replies(handles, admitted.params.n, admitted.lease, gen.prompt_only)
+        shown = await route.shown(admitted.params.n)
     except BaseException:
         for handle in started.handles:
             handle.abort()
@@ -89,7 +92,7 @@ async def _complete(request: web.Request, state: ServerState, served: ServedMode
     try:
         if gen.stream:
             chunks = ChunkFormat(served.name, served.token_text, response_id, created, chat, gen.include_usage, echoed,
-                                 parser)
+                                 parser, shown)
             writer = _ChunkWriter(state, chunks, admitted.params.n, gen.include_usage)
             await writer.stream(request, replies, record)
             return writer.response
@@ -98,7 +101,8 @@ async def _complete(request: web.Request, state: ServerState, served: ServedMode
         failed = next((out for out in replies.outputs if out.error), None)
         if failed is not None:
             raise _failure(failed)
-        return json_response(whole_response(served.name, served.token_text, replies.outputs, response_id, created, chat, echoed, parser))
+        return json_response(whole_response(served.name, served.token_text, replies.outputs, response_id, created, chat,
+                                            echoed, parser, shown))
     finally:
         replies.abort()  # a no-op for those finished; otherwise (disconnect, error, timeout) frees them now
         record.finished(state.metrics, replies.merged, response_id=response_id, **_logged_fields(gen, len(prompts)))
@@ -147,6 +151,10 @@ class _Chat:
             gen.params = replace(gen.params, skip_special_tokens=False)
         return {"messages": prompt}
 
+    async def shown(self, n: int) -> PromptShown | None:
+        """vLLM's prompt_logprobs, over the rendered messages, when asked."""
+        return PromptShown(n, prompt_logprobs=self.gen.prompt_logprobs) if self.gen.prompt_logprobs is not None else None
+
 
 class _TextCompletion:
     """A text completion for the pipeline: its prompts (a batch's, named `prompt[i]`), each judged
@@ -176,6 +184,18 @@ class _TextCompletion:
     async def prompts(self) -> dict[str, list[int]]:
         return {name: await self.served.encode_prompt(prompt, name) for name, prompt in self.gen.prompts.items()}
 
+    async def shown(self, n: int) -> PromptShown | None:
+        """What the choices show of their prompts: with echo, each prompt's text as the model read it
+        (masked where the input check masks; token ids as the text they spell, special tokens too)."""
+        gen, served = self.gen, self.served
+        if not gen.echo and gen.prompt_logprobs is None:
+            return None
+        texts = None
+        if gen.echo:
+            texts = tuple([prompt if isinstance(prompt, str) else await served.off_loop(served.tokenizer.decode, prompt, False)
+                           for prompt in gen.prompts.values()])
+        return PromptShown(n, texts, gen.params.logprobs if gen.echo else None, gen.prompt_logprobs)
+
 
 def _failure(out: RequestOutput) -> APIError:
     """A request that failed: its own fault (400, naming the field: a grammar that could not be
@@ -194,8 +214,8 @@ class _Replies:
     sent or not, is what is billed.
     """
 
-    def __init__(self, streams: list[RequestHandle], n: int, lease: Lease) -> None:
-        self.streams, self.n, self.lease = streams, n, lease
+    def __init__(self, streams: list[RequestHandle], n: int, lease: Lease, prompt_only: bool = False) -> None:
+        self.streams, self.n, self.lease, self.prompt_only = streams, n, lease, prompt_only
         self.merged: list[RequestOutput | None] = [None] * len(streams)
         self._iterators = [stream.__aiter__() for stream in streams]
         self._reads: dict[int, asyncio.Future] = {}  # prompt index -> the read of its next delta
@@ -257,11 +277,20 @@ class _Replies:
         """Prompt k's delta, read or delivered: numbered as OpenAI numbers a batch's choices, and kept."""
         if any(c.token_ids for c in out.outputs):
             self.lease.first_token(out.queue_time)
+        if self.prompt_only:
+            out = replace(out, outputs=[_without_reply(c) for c in out.outputs])
         if k:  # prompt 0's choices keep the engine's numbers
             offset = k * self.n
             out = replace(out, outputs=[replace(c, index=offset + c.index) for c in out.outputs])
         self.merged[k] = merged_with(self.merged[k], out)
         return out
+
+
+def _without_reply(c: CompletionOutput) -> CompletionOutput:
+    """A choice of a `max_tokens: 0` request: the one token generated is neither shown nor billed, and
+    the choice ends as "length" (its budget of 0), unless it was aborted or failed."""
+    finish = c.finish_reason if c.finish_reason in (None, FinishReason.ABORT, FinishReason.ERROR) else FinishReason.LENGTH
+    return replace(c, text="", token_ids=[], logprobs=None, finish_reason=finish, stop_reason=None)
 
 
 class _ChunkWriter:
@@ -299,9 +328,11 @@ class _ChunkWriter:
 
     async def _write_all(self, request: web.Request, replies: _Replies, record: GenerationRecord) -> None:
         sent = False  # the headers go out with the first event; the sink writes only after them
-        for chunk in self.format.role_chunks(self.n):
-            await send(request, self.response, sse_event(chunk))
-            sent = True
+        opening = self.format.opens_after_prefill  # the role chunks then wait for the prompt's logprobs
+        if not opening:
+            for chunk in self.format.role_chunks(self.n):
+                await send(request, self.response, sse_event(chunk))
+                sent = True
         iterator = replies.__aiter__()
         heartbeat = Heartbeat(self.state, request, self.response)
         self._request, self._replies, self._record, self._heartbeat = request, replies, record, heartbeat
@@ -322,6 +353,10 @@ class _ChunkWriter:
                     await send(request, self.response, sse_event(_failure(out).body()))
                     return
                 record.tokens_arrived()
+                if opening:  # the first delta has the prompt's logprobs: the first role chunk carries them
+                    for chunk in self.format.role_chunks(self.n, out):
+                        await send(request, self.response, sse_event(chunk))
+                    opening, sent = False, True
                 event = self.format.delta_json(out)
                 if event is not None:
                     await send(request, self.response, sse_event(event))

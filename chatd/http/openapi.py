@@ -81,19 +81,27 @@ def or_error(schema: Schema) -> Schema:
     return {"anyOf": [schema, ref("Error")]}
 
 
+CHAT_REFUSED = f"{REFUSED} echo is /v1/completions' only."
+# A completion may ask for no tokens only to have its prompt echoed (and scored).
+ECHO_FOR_NO_TOKENS = {"if": {"not": {"properties": {"echo": {"const": True}}, "required": ["echo"]}},
+                      "then": {"properties": {"max_tokens": {"minimum": 1}}}}
+
 CONVERSATION_PATH = "/v1/conversations/{conversation_id}"
 RESPONSE_PATH = "/v1/responses/{response_id}"
 REPLY_CHUNK = or_error(ref("ConversationReplyChunk"))
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
-    ("POST", "/v1/chat/completions"): {"request": Fields(CHAT_FIELDS, ("messages",), description=REFUSED),
+    ("POST", "/v1/chat/completions"): {"request": Fields(CHAT_FIELDS, ("messages",), description=CHAT_REFUSED),
                                        "response": ref("ChatCompletion"), "stream": or_error(ref("ChatCompletionChunk"))},
     ("POST", "/v1/completions"): {
         "request": Fields(COMPLETION_FIELDS, ("prompt",), {
-            "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "description": "alternatives per token"},
-            "max_tokens": {**FIELD_SCHEMAS["max_tokens"], "default": 16},
+            "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                         "description": "alternatives per token; with echo, more than 0 is refused while the server "
+                                        "checks outputs"},
+            "max_tokens": {**FIELD_SCHEMAS["max_tokens"], "minimum": 0, "default": 16,
+                           "description": "the reply's length limit in tokens; 0 (with echo): the prompt alone"},
             "store": {"const": False, "description": "not supported: conversations are stored by /v1/conversations"},
-        }, description=REFUSED),
+        }, description=REFUSED, rules=(ECHO_FOR_NO_TOKENS,)),
         "response": ref("TextCompletion"), "stream": or_error(ref("TextCompletionChunk")),
     },
     ("POST", "/v1/embeddings"): {

@@ -138,6 +138,12 @@ FIELD_SCHEMAS: dict[str, Schema] = {
     "logprobs": {"type": "boolean", "description": "return each token's log-probability"},
     "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
                      "description": "alternatives per token; needs logprobs: true"},
+    "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                        "description": "vLLM's: each prompt token's logprob, rank and this many likeliest alternatives "
+                                       "(the reply's `prompt_logprobs`); more than 0 is refused while the server "
+                                       "checks outputs"},
+    "echo": {"type": "boolean", "description": "give the prompt back before the reply's text, and with logprobs its "
+                                               "tokens' logprobs first (the first token's null)"},
     "response_format": {"anyOf": [
         object_({"type": {"enum": ["text", "json_object"]}}, ["type"]),
         object_({"type": {"const": "json_schema"}, "json_schema": JSON_SCHEMA_FORMAT}, ["type", "json_schema"]),
@@ -218,6 +224,7 @@ class Fields:
     exactly_one_of: tuple[str, ...] = ()
     at_least_one_of: tuple[str, ...] = ()
     description: str = ""
+    rules: tuple[Schema, ...] = ()  # what holds between fields (a completion's max_tokens 0 needs echo)
 
 
 class UndocumentedError(LookupError):
@@ -244,6 +251,8 @@ def body_schema(fields: Fields, model_name: str) -> Schema:
         body["oneOf"] = [{"required": [name]} for name in fields.exactly_one_of]
     if fields.at_least_one_of:
         body["anyOf"] = [{"required": [name]} for name in fields.at_least_one_of]
+    if fields.rules:
+        body["allOf"] = list(fields.rules)
     if fields.description:
         body["description"] = fields.description
     return body

@@ -61,9 +61,16 @@ def _completion(object_name: str, choice: Schema, chunk: bool) -> Schema:
             "description": "a chunk with no choices and the whole usage ends a stream that asked for include_usage"}
 
 
-def _choice(body: Schema, logprobs: str, chunk: bool) -> Schema:
-    return object_({"index": COUNT, **body, "logprobs": nullable(ref(logprobs)),
-                    "finish_reason": nullable(FINISH_REASON) if chunk else FINISH_REASON})
+def _choice(body: Schema, logprobs: str, chunk: bool, optional: Schema | None = None) -> Schema:
+    """A choice: its body, logprobs and finish reason, and `optional` properties it may have."""
+    choice = object_({"index": COUNT, **body, "logprobs": nullable(ref(logprobs)),
+                      "finish_reason": nullable(FINISH_REASON) if chunk else FINISH_REASON})
+    return {**choice, "properties": {**choice["properties"], **(optional or {})}}
+
+
+def _with_prompt_logprobs(schema: Schema) -> Schema:
+    """A chat reply, or its first chunk, with vLLM's prompt_logprobs when asked."""
+    return {**schema, "properties": {**schema["properties"], "prompt_logprobs": nullable(ref("PromptLogprobs"))}}
 
 
 TOKEN_LOGPROB = {"token": {"type": "string"}, "logprob": {"type": "number"}, "bytes": {"type": "array", "items": COUNT}}
@@ -76,7 +83,10 @@ ASSISTANT = object_({"role": {"const": "assistant"}, "content": nullable({"type"
 TOOL_CALL_DELTA = object_({"index": COUNT, "id": STRING, "type": {"const": "function"},
                            "function": {"type": "object", "properties": {"name": STRING, "arguments": STRING}}},
                           ["index", "function"])
-TEXT_CHOICE = {"text": {"type": "string"}}
+TEXT_CHOICE = {"text": {"type": "string", "description": "with echo, the prompt's text first"}}
+# vLLM's prompt_logprobs: per prompt token (the first null), its own token and its likeliest alternatives by id.
+PROMPT_TOKEN = {"type": "object", "additionalProperties": object_({
+    "logprob": {"type": "number"}, "rank": nullable({"type": "integer", "minimum": 1}), "decoded_token": STRING})}
 PHASE = {"enum": ["loading", "warming up", "serving", "draining", "stopped"]}
 STORE_STATUS = object_({"writable": {"type": "boolean"}, "pending_writes": COUNT, "error": nullable({"type": "string"})})
 UNIX_SECONDS = {"type": "integer", "description": "unix seconds"}
@@ -177,17 +187,25 @@ COMPONENTS: dict[str, Schema] = {
                       "prompt_tokens_details": object_({"cached_tokens": COUNT})}),
     "ChatLogprobs": object_({"content": {"type": "array", "items": object_(
         {**TOKEN_LOGPROB, "top_logprobs": {"type": "array", "items": object_(TOKEN_LOGPROB)}})}}),
-    "CompletionLogprobs": object_({
+    "CompletionLogprobs": {**object_({
         "tokens": {"type": "array", "items": {"type": "string"}},
-        "token_logprobs": {"type": "array", "items": {"type": "number"}},
-        "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "number"}}},
-    }),
-    "ChatCompletion": _completion("chat.completion", _choice({"message": ASSISTANT}, "ChatLogprobs", False), False),
-    "ChatCompletionChunk": _completion("chat.completion.chunk", _choice(
+        "token_logprobs": {"type": "array", "items": nullable({"type": "number"})},
+        "top_logprobs": {"type": "array", "items": nullable({"type": "object", "additionalProperties": {"type": "number"}})},
+        "text_offset": {"type": "array", "items": COUNT},
+    }), "description": "with echo, the prompt's tokens first (the first with null logprobs); text_offset: the length "
+                       "of the token texts before each, from the start of `text`"},
+    "PromptLogprobs": {"type": "array", "items": nullable(PROMPT_TOKEN),
+                       "description": "vLLM's: per prompt token (the first null) its own logprob and rank and its "
+                                      "prompt_logprobs likeliest alternatives, by token id"},
+    "ChatCompletion": _with_prompt_logprobs(
+        _completion("chat.completion", _choice({"message": ASSISTANT}, "ChatLogprobs", False), False)),
+    "ChatCompletionChunk": _with_prompt_logprobs(_completion("chat.completion.chunk", _choice(
         {"delta": object_({**ASSISTANT["properties"], "tool_calls": {"type": "array", "items": TOOL_CALL_DELTA}}, ())},
-        "ChatLogprobs", True), True),
-    "TextCompletion": _completion("text_completion", _choice(TEXT_CHOICE, "CompletionLogprobs", False), False),
-    "TextCompletionChunk": _completion("text_completion", _choice(TEXT_CHOICE, "CompletionLogprobs", True), True),
+        "ChatLogprobs", True), True)),
+    "TextCompletion": _completion("text_completion", _choice(
+        TEXT_CHOICE, "CompletionLogprobs", False, {"prompt_logprobs": nullable(ref("PromptLogprobs"))}), False),
+    "TextCompletionChunk": _completion("text_completion", _choice(
+        TEXT_CHOICE, "CompletionLogprobs", True, {"prompt_logprobs": nullable(ref("PromptLogprobs"))}), True),
     "Model": object_({"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
                       "owned_by": {"type": "string"},
                       "root": nullable({"type": "string", "description": "the model this name serves (null: an alias)"}),

@@ -6,9 +6,10 @@ Fields that change nothing chatd computes are accepted and type-checked, as Open
 `prompt_cache_key` (only logged: chatd's prefix cache finds shared prefixes by itself) and, on
 chat, `verbosity` and `store` (chatd keeps no chat completions to retrieve; state lives in
 conversations). Range checks on sampling values live in SamplingParams.validate; this module
-checks types and OpenAI-specific rules (stop lists, logprobs pairing, stream_options). A chat
-body's messages are checked in chat_messages.py; a conversation's own fields (title, metadata)
-in conversation_request.py, with this module's field checks.
+checks types and OpenAI-specific rules (stop lists, logprobs pairing, stream_options, a
+completion's `echo` and `max_tokens: 0`, vLLM's `prompt_logprobs`). A chat body's messages are
+checked in chat_messages.py; a conversation's own fields (title, metadata) in
+conversation_request.py, with this module's field checks.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ UNSUPPORTED = {
     "web_search_options": "web search",
     "reasoning_effort": "reasoning effort",
     "suffix": "suffix (insertion)",
-    "echo": "echo",
     "best_of": "best_of",
 }
 SAMPLING_FIELDS = {
@@ -45,8 +45,8 @@ SAMPLING_FIELDS = {
 SAMPLING_FIELDS |= structured.EXTRA_FIELDS  # chatd's (vLLM's) structured-output extensions
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                                  "prompt_cache_key", "safety_identifier", "verbosity", "tools", "tool_choice",
-                                 "parallel_tool_calls"}
-COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs"}
+                                 "parallel_tool_calls", "prompt_logprobs"}
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs"}
 TURN_FIELDS = (SAMPLING_FIELDS - {"store", "metadata"}) | {"content", "role", "max_completion_tokens", "logprobs", "top_logprobs"}
 MAX_STOP = 4
 # A completion may batch prompts; each is its own engine request (with n choices each).
@@ -76,6 +76,12 @@ class GenerationRequest:
     tools: ToolRequest | None = None  # chat: the functions the model may call
     prompt_cache_key: str | None = None  # logged with the request; chatd's prefix cache needs no hint
     service_tier: str | None = None  # set when the client named one: the reply then says which served it
+    # What the reply shows of its prompt: a completion's `echo` (its text, and its tokens' logprobs
+    # with `logprobs`) and vLLM's `prompt_logprobs`, as the client asked (params.prompt_logprobs is
+    # what the engine computes for both).
+    echo: bool = False
+    prompt_logprobs: int | None = None
+    prompt_only: bool = False  # max_tokens 0 (with echo): the one token the engine generates is dropped
 
 
 @dataclass
@@ -93,6 +99,8 @@ def parse_chat(body: Any, max_messages: int, defaults: Mapping[str, float] = Map
     conversation, /v1/conversations, is where the server keeps state).
     """
     body = _object(body)
+    if "echo" in body:  # refused with a pointer, not as an unknown field
+        raise APIError(400, "echo is not supported on chat completions; /v1/completions echoes a prompt", "echo")
     _check_fields(body, CHAT_FIELDS)
     verbosity = _get(body, "verbosity", str, None)
     if verbosity is not None and verbosity not in VERBOSITIES:
@@ -114,8 +122,10 @@ def parse_chat(body: Any, max_messages: int, defaults: Mapping[str, float] = Map
         raise APIError(400, "messages must be a non-empty list", "messages")
     if len(messages) > max_messages:
         raise APIError(400, f"messages has {len(messages)} entries; the limit is {max_messages}", "messages")
+    prompt_logprobs = _prompt_logprobs(body)
     gen = _request(body, None, _chat_max_tokens(body), _chat_logprobs(body), defaults, store_allowed=True,
-                   output_format=output_format)
+                   output_format=output_format, prompt_logprobs=prompt_logprobs)
+    gen.prompt_logprobs = prompt_logprobs
     gen.messages = parse_messages(messages)
     gen.max_tokens_field = _max_tokens_field(body)
     gen.tools = tool_request
@@ -173,18 +183,41 @@ def _chat_logprobs(body: dict) -> int | None:
 def parse_completion(body: Any, max_model_len: int,
                      defaults: Mapping[str, float] = MappingProxyType({})) -> GenerationRequest:
     """Validate a /v1/completions body. A prompt is text or token ids; `prompt` is one, or a list of
-    them (OpenAI's batched prompts), each its own engine request."""
+    them (OpenAI's batched prompts), each its own engine request.
+
+    `echo` gives each prompt back before its choices' text, and with `logprobs` its tokens' logprobs
+    (the engine computes them in the prefill); `max_tokens: 0` with echo scores the prompt alone:
+    the engine, which always generates, generates one token that the reply drops."""
     body = _object(body)
     _check_fields(body, COMPLETION_FIELDS)
     prompts = _prompts(body.get("prompt"), max_model_len)
     logprobs = _get(body, "logprobs", int, None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+    echo = _get(body, "echo", bool, False)
+    max_tokens = _get(body, "max_tokens", int, 16)
+    if max_tokens == 0 and not echo:
+        raise APIError(400, "max_tokens must be an integer >= 1; 0 (the prompt alone) needs echo: true", "max_tokens")
+    prompt_logprobs = _prompt_logprobs(body)
+    echoed_logprobs = logprobs if echo else None  # the echoed tokens' logprobs, with as many alternatives
+    computed = max((k for k in (prompt_logprobs, echoed_logprobs) if k is not None), default=None)
     _request_metadata(body)
     check_keep_alive(body)
-    gen = _request(body, None, _get(body, "max_tokens", int, 16), logprobs, defaults, output_format=_structured(body, None))
-    gen.prompts = prompts
+    gen = _request(body, None, max_tokens or 1, logprobs, defaults, output_format=_structured(body, None),
+                   prompt_logprobs=computed)
+    if max_tokens == 0 and gen.params.min_tokens > 0:
+        raise APIError(400, f"min_tokens must be 0 when max_tokens is 0, got {gen.params.min_tokens}", "min_tokens")
+    gen.prompts, gen.echo, gen.prompt_logprobs, gen.prompt_only = prompts, echo, prompt_logprobs, max_tokens == 0
     return gen
+
+
+def _prompt_logprobs(body: dict) -> int | None:
+    """vLLM's `prompt_logprobs: k`: each prompt token's logprob and its k likeliest alternatives."""
+    prompt_logprobs = _get(body, "prompt_logprobs", int, None)
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {prompt_logprobs}",
+                       "prompt_logprobs")
+    return prompt_logprobs
 
 
 def _prompts(prompt: Any, max_model_len: int) -> dict[str, str | list[int]]:
@@ -259,11 +292,12 @@ def _structured(body: dict, output_format: StructuredOutput | None) -> Structure
 
 def _request(body: dict, prompt: str | list[int], max_tokens: int | None, logprobs: int | None,
              defaults: Mapping[str, float], store_allowed: bool = False,
-             output_format: StructuredOutput | None = None) -> GenerationRequest:
+             output_format: StructuredOutput | None = None, prompt_logprobs: int | None = None) -> GenerationRequest:
     """The request's generation fields. A sampling field left out takes the model's recommended
     value where it has one (`defaults`, from its generation config), else OpenAI's default.
     `store: true` is refused unless `store_allowed` (chat: keeping no copy changes no answer).
-    `output_format` is the grammar the reply must follow, if any."""
+    `output_format` is the grammar the reply must follow, if any; `prompt_logprobs` the alternatives
+    the engine computes for each prompt token, if any."""
     stream = _get(body, "stream", bool, False)
     stream_options = _get(body, "stream_options", dict, None)
     if stream_options is not None and not stream:
@@ -303,6 +337,7 @@ def _request(body: dict, prompt: str | list[int], max_tokens: int | None, logpro
         stop=tuple(stop),
         ignore_eos=_get(body, "ignore_eos", bool, False),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         structured=output_format,
     )
     params.validate()

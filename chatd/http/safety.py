@@ -6,8 +6,10 @@ categories and an appeal id beside OpenAI's fields), a guard that cannot judge w
 closed is a 503, and what passes comes back masked where a policy redacts. `Safety.watch` wraps
 an engine request so its text is checked as it streams (chatd/safety/stream.py): at a blocked
 match the choice ends with `finish_reason: "content_filter"` and the policy notice, and the
-engine request is stopped at once. Every block, flag and redaction is stored as a moderation
-event (its id is the appeal id: POST /v1/appeals), counted in /metrics and logged.
+engine request is stopped at once; while it checks outputs, `Safety.check_prompt_shown` refuses to
+show alternatives to prompt tokens (text no check judges). Every block, flag and redaction is
+stored as a moderation event (its id is the appeal id: POST /v1/appeals), counted in /metrics and
+logged.
 
 The checks themselves are chatd/safety/; this module only applies them to requests and replies.
 """
@@ -81,6 +83,18 @@ class Safety:
         if decision.guard_failed is not None:
             await record("guard_failed", ())
         return decision.texts
+
+    def check_prompt_shown(self, prompt_logprobs: int | None, echoed_logprobs: int | None) -> None:
+        """While outputs are checked, a reply shows no alternatives to prompt tokens (vLLM's
+        `prompt_logprobs`, or a completion's `logprobs` with `echo`): they are text the model did not
+        write and no check has judged. The prompt's own tokens, which the input check read, it may show."""
+        if not self.config.check_output:
+            return
+        for param, k in (("prompt_logprobs", prompt_logprobs), ("logprobs", echoed_logprobs)):
+            if k:
+                with_echo = " with echo" if param == "logprobs" else ""
+                raise APIError(400, f"{param} must be 0{with_echo} while the output check is on: alternatives to prompt "
+                                    f"tokens are text no check has judged; got {k}", param)
 
     def _count(self, decision: Decision, stage: str, model_name: str | None) -> None:
         for finding in {(f.category, f.action) for f in decision.findings}:
