@@ -14,7 +14,8 @@ import uuid
 
 from aiohttp import web
 
-from chatd.http import admin, completions, conversations, embeddings, moderation, openapi, page, responses, status, tokens
+from chatd.http import (admin, completions, conversations, embeddings, feedback, moderation, openapi, page, responses,
+                        status, tokens)
 from chatd.http.auth import TENANT, auth_middleware
 from chatd.http.cors import Cors
 from chatd.http.request_log import request_log_middleware
@@ -117,6 +118,7 @@ ROUTES = [
     ("POST", "/v1/moderations", moderation.moderations),
     ("POST", "/v1/appeals", moderation.create_appeal),
     ("GET", "/v1/appeals/{appeal_id}", moderation.get_appeal),
+    ("POST", "/v1/feedback", feedback.post_feedback),
     ("POST", "/tokenize", tokens.tokenize),
     ("POST", "/detokenize", tokens.detokenize),
     ("POST", "/admin/models/{model:.+}/load", admin.load_model),

@@ -109,7 +109,7 @@ async def _complete(request: web.Request, state: ServerState, served: ServedMode
         used = output_usage(*replies.outputs) if replies.outputs else None
         admitted.lease.release(used["total_tokens"] if used else sum(map(len, prompts.values())))
         if replies.outputs:  # what was generated, even if the client left before it was sent
-            _record_usage(state, served, tenant, route.endpoint, replies.outputs)
+            _record_usage(state, served, tenant, route.endpoint, replies.outputs, response_id)
 
 
 class _Chat:
@@ -417,11 +417,13 @@ def _logged_fields(gen: GenerationRequest, num_prompts: int) -> dict:
     return fields
 
 
-def _record_usage(state: ServerState, served: ServedModel, tenant, endpoint: str, outputs: list[RequestOutput]) -> None:
+def _record_usage(state: ServerState, served: ServedModel, tenant, endpoint: str, outputs: list[RequestOutput],
+                  response_id: str) -> None:
     """Hand one usage event for the whole API request (every prompt's) to the ledger, billed to the
-    model that served it, which writes it even if the client went away or the store must wait."""
+    model that served it, which writes it even if the client went away or the store must wait; it
+    keeps the reply's id, which a rating of it names (POST /v1/feedback)."""
     usage = output_usage(*outputs)
     prompt, cached, completion = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]
     state.ledger.record_usage(tenant.id, endpoint=endpoint, model=served.name, prompt_tokens=prompt,
                               cached_tokens=cached, completion_tokens=completion,
-                              cost=served.cost(prompt, cached, completion))
+                              cost=served.cost(prompt, cached, completion), message_id=response_id)

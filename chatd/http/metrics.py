@@ -113,7 +113,13 @@ class ServerMetrics:
             ["model_name", "reason"], registry=self.registry)
         self._model_load_seconds = Histogram("chatd:model_load_seconds", "Seconds a chat model took to load.",
                                              ["model_name"], buckets=LOAD_BUCKETS, registry=self.registry)
+        self._feedback = Counter("chatd:feedback_total", "Users' ratings of replies (POST /v1/feedback), by the "
+                                 "model that served the reply and rating (up, down).", ["model_name", "rating"],
+                                 registry=self.registry)
         self.declare_model(model_name, kv_bytes_per_token, block_size)
+
+    def feedback_given(self, model_name: str, rating: str) -> None:
+        self._feedback.labels(model_name=model_name, rating=rating).inc()
 
     def alias_picked(self, alias: str, model_name: str, why: str) -> None:
         self._alias_requests.labels(alias=alias, model_name=model_name, why=why).inc()
@@ -140,6 +146,8 @@ class ServerMetrics:
         for reason in UNLOAD_REASONS:
             self._model_unloads.labels(model_name=model_name, reason=reason)
         self._model_load_seconds.labels(model_name=model_name)
+        for rating in ("up", "down"):
+            self._feedback.labels(model_name=model_name, rating=rating)
         self._declare_tier_series(model_name, self._tiers)
         for route in ROUTES:
             for metric in (self._ttft, self._e2e, self._queue_time, self._prompt_tokens, self._generation_tokens):

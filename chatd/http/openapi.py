@@ -23,12 +23,12 @@ from aiohttp import web
 
 import chatd
 from chatd.engine import MAX_LOGPROBS
-from chatd.http import embeddings, moderation, responses
+from chatd.http import embeddings, feedback, moderation, responses
 from chatd.http.auth import is_guarded
 from chatd.http.items import MAX_PAGE
 from chatd.http.openapi_bodies import (FIELD_SCHEMAS, KEPT_METADATA, NOT_EMPTY_STRING, RESPONSE_TOOL, TOKEN_IDS, Fields,
                                       UndocumentedError, body_schema)
-from chatd.http.openapi_components import COMPONENTS, COUNT, STRING, Schema, object_, ref
+from chatd.http.openapi_components import COMPONENTS, COUNT, STRING, Schema, nullable, object_, ref
 from chatd.http.protocol import CHAT_FIELDS, COMPLETION_FIELDS, TURN_FIELDS, UNSUPPORTED
 from chatd.http.state import STATE
 from chatd.http.tokens import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
@@ -214,6 +214,15 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "response": ref("Appeal"),
     },
     ("GET", "/v1/appeals/{appeal_id}"): {"response": ref("Appeal")},
+    ("POST", "/v1/feedback"): {
+        "request": Fields({"id", "rating", "comment"}, ("id", "rating"), {
+            "id": {"type": "string", "minLength": 1, "maxLength": feedback.MAX_ID_CHARS,
+                   "description": "a reply of yours: a message (msg_), a response (resp_), a completion (chatcmpl-, cmpl-)"},
+            "rating": {"enum": ["up", "down"]},
+            "comment": nullable({"type": "string", "maxLength": feedback.MAX_COMMENT_CHARS}),
+        }),
+        "response": ref("Feedback"),
+    },
     ("POST", "/admin/models/{model}/load"): {"response": ref("Model"), "statuses": {503: ref("Error")}},
     ("POST", "/admin/models/{model}/unload"): {"response": ref("Model"), "statuses": {409: ref("Error")}},
 }

@@ -289,5 +289,11 @@ COMPONENTS: dict[str, Schema] = {
         "categories": {"type": "array", "items": STRING}, "created_at": UNIX_SECONDS,
         "appealed_at": nullable(UNIX_SECONDS), "resolved_at": nullable(UNIX_SECONDS), "resolution_note": nullable(STRING),
     }),
+    "Feedback": object_({
+        "object": {"const": "feedback"}, "id": STRING, "reply_id": STRING,
+        "reply_type": {"enum": ["message", "response", "completion"]}, "model": STRING,
+        "rating": {"enum": ["up", "down"]}, "comment": nullable(STRING), "created_at": UNIX_SECONDS,
+        "updated_at": UNIX_SECONDS,
+    }),
 }
 

@@ -58,6 +58,7 @@ REQUEST_FAMILIES = {
     "chatd:model_loads": "counter",  # [[models]] coming and going
     "chatd:model_unloads": "counter",
     "chatd:model_load_seconds": "histogram",
+    "chatd:feedback": "counter",  # users' ratings of replies
 }
 TIER_FAMILIES = {
     "chatd:tier_requests_admitted": "counter",
@@ -117,7 +118,7 @@ def test_exposed_text_has_vllm_style_names_with_total_suffix():
     assert all(f'model_name="{MODEL}"' in line for line in lines)
     exposed = {line.split("{")[0] for line in lines}
     counters = ({name.removeprefix("chatd:") for name, kind in ENGINE_FAMILIES.items() if kind == "counter"}
-                | {"request_success", "model_loads", "model_unloads"})
+                | {"request_success", "model_loads", "model_unloads", "feedback"})
     gauges = {name.removeprefix("chatd:") for name, kind in ENGINE_FAMILIES.items() if kind == "gauge"}
     histograms = {name.removeprefix("chatd:") for name, kind in REQUEST_FAMILIES.items() if kind == "histogram"}
     expected = (

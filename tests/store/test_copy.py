@@ -21,7 +21,7 @@ from tests.store.factories import START, FakeClock, finish, make_tenant
 async def populate(store: Store, clock: FakeClock) -> None:
     """A store with a row in every table: keys (one revoked), conversations (one deleted) with
     messages, token ids and tool calls, responses, usage, moderation events (appealed, resolved),
-    an idempotency key and a replica's heartbeat."""
+    an idempotency key, a replica's heartbeat and a rating."""
     alice, bob = await make_tenant(store, "alice"), await make_tenant(store, "bob", tier="free")
     await store.local_tenant("paid")
     _, spare = await store.create_key("alice", "paid")
@@ -50,6 +50,7 @@ async def populate(store: Store, clock: FakeClock) -> None:
     await store.resolve_moderation_event(flagged.id, "overturned", note="fine")
     await store.beat("rep_0123456789abcdef")
     assert (await store.claim_key(alice, "key-1", "sha", "rep_0123456789abcdef")).outcome == "new"
+    await store.rate(alice, reply.id, "message", "m", "down", "made up the weather")
 
 
 async def rows_of(store: Store) -> dict[str, list[tuple]]:
@@ -94,7 +95,7 @@ async def test_a_destination_that_holds_rows_is_refused_and_left_as_it_was(tmp_p
         await make_tenant(store, "alice")
     assert await copy_store(str(source), str(destination)) == {
         "tenants": 1, "api_keys": 1, "conversations": 0, "responses": 0, "messages": 0, "usage_events": 0,
-        "moderation_events": 0, "idempotency_keys": 0, "replicas": 0, "write_probe": 0}
+        "moderation_events": 0, "idempotency_keys": 0, "replicas": 0, "feedback": 0, "write_probe": 0}
     with pytest.raises(ValueError, match="destination.db is not empty \\(tenants has 1 rows\\)"):
         await copy_store(str(source), str(destination))
     with pytest.raises(ValueError, match="the same store"):
