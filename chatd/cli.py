@@ -4,7 +4,7 @@ Subcommands: `serve` (the OpenAI-compatible server), `bench` (load-test a server
 (stream one completion to the terminal), `chat` (chat in the terminal, in-process or with a
 server), `demo-model DIR` (build the random-weight demo model), `keys` and `moderation` (the
 store's API keys, and the review of what the safety pipeline blocked: admin_cli.py), `feedback`
-(users' ratings of replies: feedback_cli.py), `store
+(users' ratings of replies: feedback_cli.py), `eval` (a golden set scored and gated: evals/), `store
 copy` (one store into another: store/copy.py), `plan` (a capacity plan: plan/). Each subcommand imports what it runs only when it
 runs: `chatd keys list` loads neither the engine, the HTTP server nor the load generator, and
 `chatd bench`'s flags are declared only when it is the command being run.
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from chatd.admin_cli import add_parsers as add_admin_parsers
+from chatd.evals import add_parser as add_eval_parser
 from chatd.feedback_cli import add_parser as add_feedback_parser
 from chatd.cli_args import non_negative_float, positive_int
 from chatd.config import ASYNC_SCHEDULING, DTYPES, ENGINE_PROCESS, KV_CACHE_DTYPES, LOG_LEVELS, QUANTIZATIONS, TOOL_PARSERS, Config
@@ -234,6 +235,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     add_store_parser(sub)
     add_admin_parsers(sub)
     add_feedback_parser(sub)
+    add_eval_parser(sub)
 
     gen = sub.add_parser("generate", help="generate one reply and stream it to the terminal")
     gen.add_argument("prompt")

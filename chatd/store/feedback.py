@@ -131,6 +131,10 @@ class Feedback:
             reply_id = rows[0][0]
         elif rated.target != "message":
             return None, None
+        return await self.exchange(reply_id)
+
+    async def exchange(self, reply_id: str) -> tuple[str | None, str | None]:
+        """(the user's last message before this assistant message, its text); (None, None) if it is gone."""
         rows = await self._fetch("SELECT conversation_id, response_id, position, content FROM messages WHERE id = ?",
                                  (reply_id,))
         if not rows:
