@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chatd.config_fleet import AliasConfig, EscalationRules, RampConfig  # noqa: F401 (part of config's names)
 from chatd.config_tiers import (DEFAULT_POLICIES, DEFAULT_TIERS, FAILURE_MODES, LIMIT_PER, POLICY_ACTIONS,  # noqa: F401
                                 TIER_NAME, CategoryPolicy, Price, TierConfig)
 
@@ -362,47 +363,6 @@ class FleetModel:
     @property
     def name(self) -> str:
         return self.names[0]
-
-
-@dataclass(frozen=True)
-class EscalationRules:
-    """When an escalating alias sends a request to its large model: any one rule that holds. 0, false
-    and () leave a rule out."""
-
-    prompt_chars: int = 0  # its messages' (or prompt's, or input's) text is longer than this
-    messages: int = 0  # its thread holds more messages than this (the stored history and the new ones)
-    tools: bool = False  # it offers tools
-    response_format: bool = False  # it asks for structured output (a JSON schema, json_object, a grammar)
-    tiers: tuple[str, ...] = ()  # its tenant's tier is one of these
-    # None holds, and the small model's first `confidence_tokens` greedy tokens are less sure than this (http/escalation.py)
-    min_confidence: float = 0.0
-    confidence_tokens: int = 8
-
-    def __post_init__(self) -> None:
-        if self.prompt_chars < 0 or self.messages < 0:
-            raise ValueError("prompt_chars and messages must be 0 (no such rule) or more")
-        if not 0 <= self.min_confidence < 1:
-            raise ValueError(f"min_confidence must be in [0, 1) (0: no such rule), got {self.min_confidence!r}")
-        if not 1 <= self.confidence_tokens <= 64:
-            raise ValueError(f"confidence_tokens must be in [1, 64], got {self.confidence_tokens!r}")
-
-
-@dataclass(frozen=True)
-class AliasConfig:
-    """A name clients send that picks one of several models. Either split by weight ([aliases.NAME]
-    targets = { stable = 95, canary = 5 }: each new thread draws one and keeps it), or escalating
-    (small = "s", large = "l", escalate_when = { ... }: a request goes to the large model when a rule
-    holds, and its thread stays there)."""
-
-    targets: dict[str, float] = field(default_factory=dict)
-    small: str = ""
-    large: str = ""
-    escalate_when: EscalationRules = field(default_factory=EscalationRules)
-
-    @property
-    def models(self) -> tuple[str, ...]:
-        """The models it may pick."""
-        return (self.small, self.large) if self.small else tuple(self.targets)
 
 
 @dataclass(frozen=True)

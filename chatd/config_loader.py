@@ -16,7 +16,7 @@ from typing import Any
 
 from chatd.config import (DEFAULT_ALIAS, DEFAULT_POLICIES, DEFAULT_TIERS, FAILURE_MODES, SECTIONS, SERVED_NAME, TIER_NAME,
                           AliasConfig, CacheConfig, CategoryPolicy, Config, EscalationRules, FleetModel, ModelConfig,
-                          Price, SpeculativeConfig, TierConfig, keep_alive_seconds)
+                          Price, RampConfig, SpeculativeConfig, TierConfig, keep_alive_seconds)
 
 # Settings that take one string or a list of strings; a lone "" means none.
 ONE_OR_MORE = {("server", "model_name")}
@@ -125,8 +125,8 @@ def _build_aliases(values: Any) -> dict[str, AliasConfig]:
 
 
 def _split_alias(where: str, table: dict) -> AliasConfig:
-    if set(table) != {"targets"} or not isinstance(table["targets"], dict) or not table["targets"]:
-        raise ValueError(f"{where} must be a table with only targets = {{ model = weight, ... }}, got {table!r}")
+    if not set(table) <= {"targets", "ramp"} or not isinstance(table["targets"], dict) or not table["targets"]:
+        raise ValueError(f"{where} must be a table of targets = {{ model = weight, ... }} (and a ramp), got {table!r}")
     targets = {}
     for model, weight in table["targets"].items():
         if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
@@ -134,7 +134,15 @@ def _split_alias(where: str, table: dict) -> AliasConfig:
         targets[model] = float(weight)
     if not sum(targets.values()) > 0:
         raise ValueError(f"{where}.targets: at least one weight must be more than 0")
-    return AliasConfig(targets)
+    if "ramp" not in table:
+        return AliasConfig(targets)
+    if not isinstance(table["ramp"], dict):
+        raise ValueError(f"{where}.ramp must be a table like {{ canary = \"v2\", steps = [1, 5, 25, 100] }}")
+    ramp = _replaced(f"{where}.ramp", RampConfig(), RampConfig, table["ramp"])
+    if len(targets) != 2 or ramp.canary not in targets:
+        raise ValueError(f"{where}.ramp.canary must name one of exactly two targets (the other is the stable "
+                         f"version), got {ramp.canary!r} of {sorted(targets)}")
+    return AliasConfig(targets, ramp)
 
 
 def check_names(config: Config) -> None:
@@ -192,9 +200,13 @@ def _checked(where: str, cls: type, values: dict[str, Any]) -> dict[str, Any]:
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         elif expected is tuple:
-            if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
-                raise ValueError(f"setting {where}.{key} must be a list of strings, got {value!r}")
-            value = tuple(value)
+            numbers = isinstance(getattr(cls(), key)[:1] and getattr(cls(), key)[0], float)  # a list of numbers
+            kind = (int, float) if numbers else str
+            if not (isinstance(value, (list, tuple)) and all(isinstance(v, kind) and not isinstance(v, bool)
+                                                             for v in value)):
+                raise ValueError(f"setting {where}.{key} must be a list of {'numbers' if numbers else 'strings'}, "
+                                 f"got {value!r}")
+            value = tuple(float(v) for v in value) if numbers else tuple(value)
         elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise ValueError(f"setting {where}.{key} must be {expected.__name__}, got {value!r}")
         checked[key] = value

@@ -1,4 +1,5 @@
-"""The operator's routes: load or unload one model of the fleet now, by name.
+"""The operator's routes: load or unload one model of the fleet now, by name; see where each canary
+ramp stands, roll one back or start it again (canary.py).
 
 They are off (404) unless `[auth] admin_key` (or CHATD_ADMIN_KEY) is set, and need that key as
 `Authorization: Bearer KEY`, compared in constant time; no tenant's key opens them, and they sit
@@ -37,6 +38,36 @@ async def unload_model(request: web.Request) -> web.Response:
                                 "steps compile); unload it when they are done", "model", "model_in_use")
         await served.unload("admin", "an admin asked")
     return json_response(served.card())
+
+
+async def canaries(request: web.Request) -> web.Response:
+    """Every canary ramp: its step, weight and state, what it measured in this step, its history."""
+    state = _admin(request)
+    ramps = state.canaries.ramps
+    return json_response({"object": "list", "data": [await state.canaries.describe(name) for name in sorted(ramps)]})
+
+
+async def roll_back_canary(request: web.Request) -> web.Response:
+    """Send a canary back to 0% now (an operator's call, logged as theirs)."""
+    state = _admin(request)
+    name = _ramped(state, request.match_info["alias"])
+    await state.canaries.roll_back(name, "rolled back by an operator")
+    return json_response(await state.canaries.describe(name))
+
+
+async def restart_canary(request: web.Request) -> web.Response:
+    """Start a canary's ramp again from its first step."""
+    state = _admin(request)
+    name = _ramped(state, request.match_info["alias"])
+    await state.canaries.restart(name)
+    return json_response(await state.canaries.describe(name))
+
+
+def _ramped(state: ServerState, alias: str) -> str:
+    if alias not in state.canaries.ramps:
+        ramped = ", ".join(repr(name) for name in sorted(state.canaries.ramps)) or "none"
+        raise APIError(404, f"no canary ramp on an alias {alias!r}; ramped aliases: {ramped}", "alias", "not_found")
+    return alias
 
 
 def _admin(request: web.Request) -> ServerState:

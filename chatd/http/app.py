@@ -123,6 +123,9 @@ ROUTES = [
     ("POST", "/detokenize", tokens.detokenize),
     ("POST", "/admin/models/{model:.+}/load", admin.load_model),
     ("POST", "/admin/models/{model:.+}/unload", admin.unload_model),
+    ("GET", "/admin/canaries", admin.canaries),
+    ("POST", "/admin/canaries/{alias}/rollback", admin.roll_back_canary),
+    ("POST", "/admin/canaries/{alias}/restart", admin.restart_canary),
 ]
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from chatd.engine import FinishReason
@@ -104,10 +104,21 @@ class ServerMetrics:
             ["model_name", "reason"], registry=self.registry)
         self._model_load_seconds = Histogram("chatd:model_load_seconds", "Seconds a chat model took to load.",
                                              ["model_name"], buckets=LOAD_BUCKETS, registry=self.registry)
+        self._canary_weight = Gauge("chatd:canary_weight", "A ramped canary's percentage of its alias's new threads.",
+                                    ["alias", "model_name"], registry=self.registry)
+        self._canary_changes = Counter("chatd:canary_changes_total", "Steps of canary ramps, by action: start, "
+                                       "advance, done, rollback, restart.", ["alias", "model_name", "action"],
+                                       registry=self.registry)
         self._feedback = Counter("chatd:feedback_total", "Users' ratings of replies (POST /v1/feedback), by the "
                                  "model that served the reply and rating (up, down).", ["model_name", "rating"],
                                  registry=self.registry)
         self.declare_model(model_name, kv_bytes_per_token, block_size)
+
+    def canary_changed(self, alias: str, model_name: str, weight: float, action: str | None = None) -> None:
+        """A canary's weight in its alias now, and the ramp's step (start, advance, done, rollback, restart)."""
+        self._canary_weight.labels(alias=alias, model_name=model_name).set(weight)
+        if action is not None:
+            self._canary_changes.labels(alias=alias, model_name=model_name, action=action).inc()
 
     def feedback_given(self, model_name: str, rating: str) -> None:
         self._feedback.labels(model_name=model_name, rating=rating).inc()

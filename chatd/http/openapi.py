@@ -225,6 +225,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     },
     ("POST", "/admin/models/{model}/load"): {"response": ref("Model"), "statuses": {503: ref("Error")}},
     ("POST", "/admin/models/{model}/unload"): {"response": ref("Model"), "statuses": {409: ref("Error")}},
+    ("GET", "/admin/canaries"): {"response": {"type": "object", "description": "every canary ramp, with its history"}},
+    ("POST", "/admin/canaries/{alias}/rollback"): {"response": {"type": "object", "description": "the ramp, at 0%"}},
+    ("POST", "/admin/canaries/{alias}/restart"): {"response": {"type": "object", "description": "the ramp, restarted"}},
 }
 ERROR_RESPONSE = {"description": "OpenAI's error shape", "content": {"application/json": {"schema": ref("Error")}}}
 # {name} or aiohttp's {name:regex} in a route's path; OpenAPI's template is {name}.

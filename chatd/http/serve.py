@@ -310,6 +310,7 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
         await _warm_up(async_engine, state)
         site = await listening.hand_over(runner)
         state.fleet.start()  # [[models]] preloaded, idle ones unloaded past their keep_alive
+        await state.canaries.start()  # ramped canaries at their stored step
         state.ready = True
         startup.phase = "serving"
         startup.mark("ready")
@@ -339,6 +340,7 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
         if watch is not None:
             watch.cancel()
         state.stopping = True
+        await state.canaries.stop()
         # Every model's engine (the first one's too, loaded again or not; stopping twice is a no-op):
         # what is left is aborted, streams end with an error event, replies save as partial.
         await state.fleet.stop()
@@ -372,6 +374,7 @@ async def _reload(state: ServerState, reload_config: Callable[[], Config]) -> No
     try:
         config = await asyncio.to_thread(reload_config)
         state.fleet.reload(config)
+        await state.canaries.adopt()  # a ramped canary keeps its measured weight, not the file's
     except ValueError as exc:
         log.error("SIGHUP: the config was not reloaded: %s", exc)
 

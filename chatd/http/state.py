@@ -17,6 +17,7 @@ from chatd.config import Config, keep_alive_seconds
 from chatd.engine import Embedder, EngineClient, ModelInfo, Tokenizer
 from chatd.http.buckets import shared_buckets
 from chatd.http.errors import APIError
+from chatd.http.canary import Canaries
 from chatd.http.escalation import RequestTraits
 from chatd.http.fleet import Choice, Fleet
 from chatd.http.served_model import ServedModel, fleet_config
@@ -59,6 +60,7 @@ class ServerState:
     # Makes the engine of a [[models]] model loaded later (serve.py's; None: only the first model serves).
     make_engine: Callable[[Config], EngineClient] | None = None
     fleet: Fleet = field(init=False)  # the chat models, the first one above among them (fleet.py)
+    canaries: Canaries = field(init=False)  # the aliases whose canary moves by measurement (canary.py)
     metrics: ServerMetrics = field(init=False)
     limits: Limits = field(init=False)  # the tiers' buckets, bounds and load shedding
     safety: Safety = field(init=False)  # input checks, output windows, moderation, the audit trail
@@ -82,6 +84,7 @@ class ServerState:
         for served in (first, *others):
             served.metrics = self.metrics  # its loads and unloads are counted
         self.fleet = Fleet(self.config, [first, *others], on_alias=self.metrics.alias_picked)
+        self.canaries = Canaries(self.fleet, self.store, self.metrics)
         self.metrics.declare_tiers(self.config.tiers)
         self.limits = Limits(self.config.tiers, self.config.auth.enabled, self.metrics,
                              shared_buckets(self.config.tiers_storage), self.config.tiers_on_storage_error == "open")

@@ -21,7 +21,7 @@ from chatd.store.url import open_store, store_location
 # Parents before the rows that point at them. A table not named here (a later schema version's)
 # is copied after these, in name order.
 TABLE_ORDER = ("tenants", "api_keys", "conversations", "responses", "messages", "usage_events", "moderation_events",
-               "idempotency_keys", "replicas", "feedback")
+               "idempotency_keys", "replicas", "feedback", "canary_ramps", "canary_events")
 PAGE_ROWS = 1000  # rows read from the source at a time
 # A copy keeps usage_events' ids; PostgreSQL's identity must then number new rows after them.
 _RESET_USAGE_IDS = ("SELECT setval(pg_get_serial_sequence('usage_events', 'id'), "

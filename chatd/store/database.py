@@ -4,7 +4,7 @@ versions (`schema.sql` is version 1, then the steps in MIGRATIONS, tracked in `P
 `Database` opens, migrates and closes the file and runs every statement: `_fetch` reads, `_write`
 runs one statement, `_transaction` runs several that commit together. Past the migrations it
 reads and writes no table but the write probe's: each family's SQL lives in its own module (keys,
-conversations, messages, responses, usage, moderation, feedback), mixed into `Store` in db.py. All SQL
+conversations, messages, responses, usage, moderation, feedback, canaries), mixed into `Store` in db.py. All SQL
 takes its values as parameters. postgres.py keeps the same contract on a PostgreSQL server, and
 runs the same MIGRATIONS there (postgres_schema.py).
 """
@@ -22,6 +22,7 @@ from typing import Self
 
 import aiosqlite
 
+from chatd.store.canaries import CANARY_MIGRATION
 from chatd.store.feedback import FEEDBACK_MIGRATION
 from chatd.store.moderation import MODERATION_MIGRATION
 
@@ -109,6 +110,8 @@ MIGRATIONS: list[list[str]] = [
     ],
     # 8: users' ratings of replies (feedback.py).
     FEEDBACK_MIGRATION,
+    # 9: where each canary ramp stands, and its steps and rollbacks (canaries.py).
+    CANARY_MIGRATION,
 ]
 SCHEMA_VERSION = 1 + len(MIGRATIONS)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from chatd.store.conversations import Conversations
 from chatd.store.database import (MIGRATIONS, PROBE_PAGES, SCHEMA_FILE, SCHEMA_VERSION, Database, StoreFileError,
                                   StoreUnavailableError)
+from chatd.store.canaries import CanaryLog
 from chatd.store.feedback import Feedback
 from chatd.store.idempotency import Claim, Idempotency
 from chatd.store.keys import KEY_PATTERN, LAST_USED_RESOLUTION_S, LOCAL_TENANT, KeyRing
@@ -39,6 +40,7 @@ __all__ = [
 ]
 
 
-class Store(KeyRing, Conversations, Messages, Responses, UsageLog, ModerationLog, Feedback, Idempotency, Database):
+class Store(KeyRing, Conversations, Messages, Responses, UsageLog, ModerationLog, Feedback, CanaryLog, Idempotency,
+            Database):
     """chatd's SQLite file: Database's one connection, with every table family's methods.
     (Migrations are read from chatd.store.database.MIGRATIONS: a test adding a step patches it there.)"""

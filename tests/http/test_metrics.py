@@ -59,6 +59,8 @@ REQUEST_FAMILIES = {
     "chatd:model_unloads": "counter",
     "chatd:model_load_seconds": "histogram",
     "chatd:feedback": "counter",  # users' ratings of replies
+    "chatd:canary_weight": "gauge",  # ramped canaries
+    "chatd:canary_changes": "counter",
 }
 TIER_FAMILIES = {
     "chatd:tier_requests_admitted": "counter",

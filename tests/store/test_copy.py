@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from chatd.store.canaries import RampState
 from chatd.store.copy import copy_store
 from chatd.store.db import Store
 from chatd.store.messages import Call
@@ -21,7 +22,7 @@ from tests.store.factories import START, FakeClock, finish, make_tenant
 async def populate(store: Store, clock: FakeClock) -> None:
     """A store with a row in every table: keys (one revoked), conversations (one deleted) with
     messages, token ids and tool calls, responses, usage, moderation events (appealed, resolved),
-    an idempotency key, a replica's heartbeat and a rating."""
+    an idempotency key, a replica's heartbeat, a rating and a canary ramp."""
     alice, bob = await make_tenant(store, "alice"), await make_tenant(store, "bob", tier="free")
     await store.local_tenant("paid")
     _, spare = await store.create_key("alice", "paid")
@@ -51,6 +52,7 @@ async def populate(store: Store, clock: FakeClock) -> None:
     await store.beat("rep_0123456789abcdef")
     assert (await store.claim_key(alice, "key-1", "sha", "rep_0123456789abcdef")).outcome == "new"
     await store.rate(alice, reply.id, "message", "m", "down", "made up the weather")
+    await store.save_ramp(RampState("chat", "m2", 1, 5.0, "ramping", clock(), clock()), "advance", "held up")
 
 
 async def rows_of(store: Store) -> dict[str, list[tuple]]:
@@ -95,7 +97,8 @@ async def test_a_destination_that_holds_rows_is_refused_and_left_as_it_was(tmp_p
         await make_tenant(store, "alice")
     assert await copy_store(str(source), str(destination)) == {
         "tenants": 1, "api_keys": 1, "conversations": 0, "responses": 0, "messages": 0, "usage_events": 0,
-        "moderation_events": 0, "idempotency_keys": 0, "replicas": 0, "feedback": 0, "write_probe": 0}
+        "moderation_events": 0, "idempotency_keys": 0, "replicas": 0, "feedback": 0, "canary_ramps": 0, "canary_events": 0,
+        "write_probe": 0}
     with pytest.raises(ValueError, match="destination.db is not empty \\(tenants has 1 rows\\)"):
         await copy_store(str(source), str(destination))
     with pytest.raises(ValueError, match="the same store"):

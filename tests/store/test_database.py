@@ -25,7 +25,7 @@ async def test_a_new_file_gets_its_folder_the_schema_and_the_version(tmp_path):
     async with await Store.open(path):
         tables = {name for (name,) in read_sql(path, "SELECT name FROM sqlite_master WHERE type = 'table'")}
         assert set(TABLES) <= tables
-        assert user_version(path) == SCHEMA_VERSION == 8
+        assert user_version(path) == SCHEMA_VERSION == 9
         assert read_sql(path, "PRAGMA journal_mode") == [("wal",)]
 
 
