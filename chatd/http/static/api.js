@@ -73,6 +73,9 @@ export const api = {
   countTokens: (model, text) => call("POST", "/tokenize", {model, prompt: text}).then((answer) => answer.count),
   /** Stop a reply being generated; resolves to the message as saved (its usage included). */
   cancelReply: (conversationId, messageId) => call("POST", path(conversationId, "messages", messageId, "cancel")),
+  /** Rate a reply (a message's id) "up" or "down", with an optional comment; it replaces the reply's
+   * earlier rating, comment included. Resolves to the rating as kept (POST /v1/feedback). */
+  rate: (replyId, rating, comment) => call("POST", "/v1/feedback", {id: replyId, rating, comment}),
 };
 
 /**

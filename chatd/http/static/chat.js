@@ -3,11 +3,13 @@
 // reply; every message shows its token count. A reload in the middle of a reply picks it up
 // again. Editing a message (or regenerating the last reply) replaces the conversation's tail from
 // that message on: there are no branches. It reaches chatd only through api.js, shows model text
-// only through render.js, and builds messages in messages.js and settings in settings.js.
+// only through render.js, and builds messages in messages.js, settings in settings.js and the
+// thumbs up and down under replies in feedback.js.
 
 import {api, apiKey, resumeReply, sendMessage} from "./api.js";
 import {downloadJson, downloadMarkdown} from "./export.js";
-import {addActions, addMessage, copyText, editInPlace, seconds, shownMessages, tokens} from "./messages.js";
+import {addRatings} from "./feedback.js";
+import {addActions, addMessage, addSaved, copyText, editInPlace, savedEnding, shownMessages, streamEnding, tokens} from "./messages.js";
 import {describe, keyAdvice, showError} from "./notice.js";
 import {markdownPainter} from "./render.js";
 import {invalidSampling, sampling, showSettings, summarize, systemPrompt, withSampling} from "./settings.js";
@@ -20,16 +22,6 @@ const page = {
   current: null, // the open conversation with its messages as opened; null for a new chat
   reply: null, // the reply streaming into the open conversation: {conversationId, messageId, controller, cancelling}
 };
-
-// How a reply that did not end with [DONE] is labelled, by chatd's error code.
-const ENDINGS = {
-  reply_cancelled: "stopped",
-  reply_interrupted: "incomplete: the server stopped before the reply ended",
-  conversation_deleted: "the conversation was deleted",
-  connection_lost: "the connection to the server was lost",
-};
-// How a reply that ended on its own, but not at its natural end, is labelled, by finish_reason.
-const FINISHES = {length: "cut at the token limit", content_filter: "stopped by the content filter"};
 
 // -- starting: the key, the models, the conversations ---------------------------------------
 
@@ -139,10 +131,8 @@ function showConversation(conversation) {
   const shown = conversation.messages.filter((m, i, all) => !(i === all.length - 1 && m.role === "assistant" && m.status === "partial"));
   $("messages").replaceChildren();
   for (const message of shown) {
-    const bubble = message.call ? addMessage("tool", toolText(message)) : addMessage(message.role, message.content);
-    const ending = message.role !== "assistant" ? null
-      : message.status === "error" ? "generation failed"
-        : message.status !== "complete" ? "incomplete" : FINISHES[message.finish_reason] || null;
+    const bubble = addSaved(message);
+    const ending = savedEnding(message);
     // A reply chatd generated has its usage; a message or an item added through the API is counted.
     const generated = message.usage?.completion_tokens;
     if (generated) bubble.setStats([tokens(generated)], ending);
@@ -151,13 +141,6 @@ function showConversation(conversation) {
   refreshActions();
   renderSidebar();
   scrollToEnd(true);
-}
-
-/** A function call or its output (items added through the Responses API) as markdown: the name and a code block. */
-function toolText(message) {
-  const fence = "`".repeat(Math.max(3, ...[...message.content.matchAll(/`+/g)].map((m) => m[0].length + 1)));
-  const title = message.role === "tool" ? "Tool result" : `Called \`${message.call.name}\``;
-  return `**${title}**\n\n${fence}\n${message.content}\n${fence}`;
 }
 
 async function renameConversation(conversation) {
@@ -266,7 +249,7 @@ async function followReply(conversationId, bubble, sentAt, open) {
       signal: reply.controller.signal,
       onChunk(chunk) {
         if (reply.messageId === null) {
-          reply.messageId = chunk.id;
+          reply.messageId = bubble.id = chunk.id;
           $("stop").disabled = false;
         }
         for (const choice of chunk.choices) {
@@ -298,14 +281,7 @@ async function followReply(conversationId, bubble, sentAt, open) {
   if (ended.error?.code === "reply_cancelled" && reply.cancelling) {
     usage = (await reply.cancelling.catch(() => null))?.usage || usage; // the stopped reply's usage, as saved
   }
-  const parts = [];
-  if (sentAt !== null && firstTokenAt !== null) parts.push(`first token ${seconds(firstTokenAt - sentAt)}`);
-  const generated = usage?.completion_tokens;
-  if (generated) parts.push(tokens(generated));
-  if (sentAt !== null && firstTokenAt !== null && generated > 1 && endedAt > firstTokenAt) {
-    parts.push(`${((generated - 1) / ((endedAt - firstTokenAt) / 1000)).toFixed(1)} tokens/s`);
-  }
-  bubble.setStats(parts, ended.error ? ENDINGS[ended.error.code] || `failed: ${ended.error.message}` : FINISHES[finishReason]);
+  bubble.setReplyStats({sentAt, firstTokenAt, endedAt, generated: usage?.completion_tokens}, streamEnding(ended.error, finishReason));
   return ended.error ? "ended" : "done";
 }
 
@@ -337,10 +313,11 @@ function setStreaming(on) {
   $("messages").classList.toggle("streaming", on);
 }
 
-// -- copy, edit, regenerate -------------------------------------------------------------------
+// -- copy, edit, regenerate, rate ---------------------------------------------------------------
 
 function refreshActions() {
   addActions({copy, edit, regenerate});
+  addRatings(shownMessages());
 }
 
 async function copy(bubble) {

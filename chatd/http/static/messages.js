@@ -1,17 +1,29 @@
 // The messages of the open conversation as elements: user text as typed, assistant text as
 // markdown (render.js), a line of stats under each (its token count, and for a reply just
-// generated how fast it came) and its actions: Copy, and Edit (user) or Regenerate (the last
-// reply). It knows nothing of the API: what an action does is the page's (chat.js).
+// generated how fast it came, and what ended it if not its natural end) and its actions: Copy,
+// and Edit (user) or Regenerate (the last reply). It knows nothing of the API: what an action
+// does is the page's (chat.js), and rating a reply is feedback.js's.
 
 import {renderMarkdown} from "./render.js";
 
 const box = () => document.getElementById("messages");
+
+// How a reply that did not end with [DONE] is labelled, by chatd's error code.
+const ENDINGS = {
+  reply_cancelled: "stopped",
+  reply_interrupted: "incomplete: the server stopped before the reply ended",
+  conversation_deleted: "the conversation was deleted",
+  connection_lost: "the connection to the server was lost",
+};
+// How a reply that ended on its own, but not at its natural end, is labelled, by finish_reason.
+const FINISHES = {length: "cut at the token limit", content_filter: "stopped by the content filter"};
 
 /** A message shown: its element, its content and stats elements, its role and its text as written. */
 export class Bubble {
   constructor(role, text) {
     this.role = role;
     this.text = text ?? "";
+    this.id = null; // the message's id on the server, once known (a streaming reply's comes with its first chunk)
     this.element = document.createElement("div");
     this.element.className = `message ${role}`;
     this.content = document.createElement("div");
@@ -41,6 +53,17 @@ export class Bubble {
     }
   }
 
+  /** The stats line of a reply just generated: its time to first token (`sentAt` null: a reply
+   * picked up again, not timed), its token count and tokens/s; times are performance.now()'s. */
+  setReplyStats({sentAt, firstTokenAt, endedAt, generated}, ending) {
+    const timed = sentAt !== null && firstTokenAt !== null;
+    const parts = [timed && `first token ${seconds(firstTokenAt - sentAt)}`, generated && tokens(generated)];
+    if (timed && generated > 1 && endedAt > firstTokenAt) {
+      parts.push(`${((generated - 1) / ((endedAt - firstTokenAt) / 1000)).toFixed(1)} tokens/s`);
+    }
+    this.setStats(parts, ending);
+  }
+
   /** Its position among the conversation's messages on screen. */
   index() {
     return [...box().children].indexOf(this.element);
@@ -55,6 +78,32 @@ export function addMessage(role, text = null) {
   bubbles.set(bubble.element, bubble);
   box().append(bubble.element);
   return bubble;
+}
+
+/** Add a message as the server keeps it (GET /v1/conversations/{id}), with its id; a function call
+ * or its output (items added through the Responses API) is shown as its name and a code block. */
+export function addSaved(message) {
+  const bubble = message.call ? addMessage("tool", toolText(message)) : addMessage(message.role, message.content);
+  bubble.id = message.id;
+  return bubble;
+}
+
+/** What ended a saved reply, when it was not its natural end; null for any other message. */
+export function savedEnding(message) {
+  if (message.role !== "assistant") return null;
+  if (message.status === "error") return "generation failed";
+  return message.status !== "complete" ? "incomplete" : FINISHES[message.finish_reason] || null;
+}
+
+/** What ended a reply just followed: chatd's `error` (by its code), else its finish_reason; null at its natural end. */
+export function streamEnding(error, finishReason) {
+  return error ? ENDINGS[error.code] || `failed: ${error.message}` : FINISHES[finishReason] || null;
+}
+
+function toolText(message) {
+  const fence = "`".repeat(Math.max(3, ...[...message.content.matchAll(/`+/g)].map((m) => m[0].length + 1)));
+  const title = message.role === "tool" ? "Tool result" : `Called \`${message.call.name}\``;
+  return `**${title}**\n\n${fence}\n${message.content}\n${fence}`;
 }
 
 /** The messages on screen, oldest first. */
