@@ -12,8 +12,8 @@ hub download) is scored twice, in one run:
 It prints the accuracy of each, the largest per-choice loglikelihood difference, how many items'
 chosen answer differ, and each side's wall time (chatd's includes HTTP; both exclude loading).
 
-    python benchmarks/lm_eval.py                 # about 2 minutes on 2 cores
-    python benchmarks/lm_eval.py --json out.json
+    python benchmarks/eval_harness.py                 # about 2 minutes on 2 cores
+    python benchmarks/eval_harness.py --json out.json
 """
 
 from __future__ import annotations
