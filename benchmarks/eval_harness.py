@@ -152,16 +152,18 @@ def main(argv: list[str] | None = None) -> int:
             through_chatd, chatd_seconds = evaluate(
                 "local-completions", f"model={folder.name},base_url=http://{HOST}:{port}/v1/completions,"
                 f"tokenizer_backend=huggingface,tokenizer={folder},num_concurrent=1,max_retries=1,"
-                "tokenized_requests=True,add_bos_token=True", tasks)
+                "tokenized_requests=True,add_bos_token=False", tasks)
         finally:
             server.stop()
-        own, hf_seconds = evaluate("hf", f"pretrained={folder},dtype=float32,device=cpu,add_bos_token=True", tasks,
+        own, hf_seconds = evaluate("hf", f"pretrained={folder},dtype=float32,device=cpu,add_bos_token=False", tasks,
                                    batch_size=1)
     ours = {s["doc_id"]: [r[0][0] for r in s["resps"]] for s in through_chatd["samples"]["chatd_bench_mc"]}
     theirs = {s["doc_id"]: [r[0][0] for r in s["resps"]] for s in own["samples"]["chatd_bench_mc"]}
     largest = max(abs(a - b) for doc in theirs for a, b in zip(ours[doc], theirs[doc]))
     differing = sum(max(range(len(ours[d])), key=ours[d].__getitem__) != max(range(len(theirs[d])), key=theirs[d].__getitem__)
                     for d in theirs)
+    worst = max(theirs, key=lambda d: max(abs(a - b) for a, b in zip(ours[d], theirs[d])))
+    print(f"largest difference: item {worst} {ITEMS[worst][0]!r}: chatd {ours[worst]}, hf {theirs[worst]}")
     result = {"items": len(ITEMS), "choices": sum(len(c) for _, c, _ in ITEMS),
               "chatd_acc": through_chatd["results"]["chatd_bench_mc"]["acc,none"],
               "hf_acc": own["results"]["chatd_bench_mc"]["acc,none"], "max_abs_loglikelihood_diff": largest,
