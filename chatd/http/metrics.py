@@ -104,6 +104,20 @@ class ServerMetrics:
             ["model_name", "reason"], registry=self.registry)
         self._model_load_seconds = Histogram("chatd:model_load_seconds", "Seconds a chat model took to load.",
                                              ["model_name"], buckets=LOAD_BUCKETS, registry=self.registry)
+        # Read at scrape time (update_health): what the alerts of deploy/prometheus/ page on.
+        self._store_writable = Gauge("chatd:store_writable", "1 while the store records usage and replies; 0 while "
+                                     "its writes wait (new work is refused meanwhile).", registry=self.registry)
+        self._pending_writes = Gauge("chatd:store_pending_writes", "Usage and reply writes queued for the store.",
+                                     registry=self.registry)
+        self._limit_store_up = Gauge("chatd:limit_store_up", "1 while the shared limit store ([tiers] storage, "
+                                     "Redis) answers, or there is none; 0 while it is unreachable.",
+                                     registry=self.registry)
+        self._engine_failed = Gauge("chatd:engine_failed", "1 while a model's engine has stopped serving (a crash, "
+                                    "out of memory); 0 while it serves or is unloaded.", ["model_name"],
+                                    registry=self.registry)
+        self._tier_objective = Gauge("chatd:tier_ttft_p95_objective_seconds", "A tier's p95 time-to-first-token "
+                                     "objective ([tiers.NAME] ttft_p95_seconds), where it has one.", ["tier"],
+                                     registry=self.registry)
         self._canary_weight = Gauge("chatd:canary_weight", "A ramped canary's percentage of its alias's new threads.",
                                     ["alias", "model_name"], registry=self.registry)
         self._canary_changes = Counter("chatd:canary_changes_total", "Steps of canary ramps, by action: start, "
@@ -189,11 +203,27 @@ class ServerMetrics:
     def guard_failed(self, model_name: str | None = None) -> None:
         self._guard_failures.labels(model_name=model_name or self.model_name).inc()
 
-    def declare_tiers(self, tiers: Iterable[str]) -> None:
-        """Expose each tier's counters at 0 from the start, for every model, so rate() works before the first event."""
+    def declare_tiers(self, tiers: Iterable[str], objectives: dict[str, float] | None = None) -> None:
+        """Expose each tier's counters at 0 from the start, for every model, so rate() works before
+        the first event; and each tier's p95 time-to-first-token objective, where it has one (an
+        alert compares the measured p95 with it: deploy/prometheus/chatd.rules.yml)."""
         self._tiers = list(tiers)
         for model_name in self._model_names:
             self._declare_tier_series(model_name, self._tiers)
+        for tier, seconds in (objectives or {}).items():
+            if seconds > 0:
+                self._tier_objective.labels(tier=tier).set(seconds)
+
+    def update_health(self, store_writable: bool, pending_writes: int, limit_store_up: bool,
+                      failed_models: dict[str, bool]) -> None:
+        """What an alert pages on, read at each scrape: whether the store records usage now (and
+        the writes queued meanwhile), whether the shared limit store answers (1 without one), and
+        each model's engine that stopped serving (1) or serves or is unloaded (0)."""
+        self._store_writable.set(1 if store_writable else 0)
+        self._pending_writes.set(pending_writes)
+        self._limit_store_up.set(1 if limit_store_up else 0)
+        for model_name, failed in failed_models.items():
+            self._engine_failed.labels(model_name=model_name).set(1 if failed else 0)
 
     def _declare_tier_series(self, model_name: str, tiers: Iterable[str]) -> None:
         for tier in tiers:

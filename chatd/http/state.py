@@ -85,7 +85,8 @@ class ServerState:
             served.metrics = self.metrics  # its loads and unloads are counted
         self.fleet = Fleet(self.config, [first, *others], on_alias=self.metrics.alias_picked)
         self.canaries = Canaries(self.fleet, self.store, self.metrics)
-        self.metrics.declare_tiers(self.config.tiers)
+        self.metrics.declare_tiers(self.config.tiers, {name: tier.ttft_p95_seconds
+                                                      for name, tier in self.config.tiers.items()})
         self.limits = Limits(self.config.tiers, self.config.auth.enabled, self.metrics,
                              shared_buckets(self.config.tiers_storage), self.config.tiers_on_storage_error == "open")
         pipeline = SafetyPipeline.build(self.config.safety, self.config.policies, self.guard)

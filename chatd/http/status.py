@@ -221,5 +221,10 @@ async def metrics(request: web.Request) -> web.Response:
                                         info.block_size)
         else:
             state.metrics.update_engine(None, {}, served.name)
+    shared = state.limits.shared
+    failed = {served.name: served.engine is not None and served.engine.health() is not None
+              for served in state.fleet.models}
+    state.metrics.update_health(state.ledger.healthy, state.ledger.num_pending,
+                                shared is None or shared.down_since is None, failed)
     body, content_type = state.metrics.render()
     return web.Response(body=body, headers={"Content-Type": content_type})
