@@ -427,3 +427,4 @@ def _record_usage(state: ServerState, served: ServedModel, tenant, endpoint: str
     state.ledger.record_usage(tenant.id, endpoint=endpoint, model=served.name, prompt_tokens=prompt,
                               cached_tokens=cached, completion_tokens=completion,
                               cost=served.cost(prompt, cached, completion), message_id=response_id)
+    state.metrics.usage(tenant.tier, served.name, prompt, cached, completion, served.cost(prompt, cached, completion))

@@ -67,9 +67,10 @@ async def embeddings(request: web.Request) -> web.Response:
         vectors = await asyncio.wrap_future(embedder.submit(inputs, tenant.id))
     finally:
         lease.release(num_tokens)
+    cost = state.config.price(embedder.name).cost(num_tokens, 0, 0)
     state.ledger.record_usage(tenant.id, endpoint=ENDPOINT, model=embedder.name, prompt_tokens=num_tokens,
-                              cached_tokens=0, completion_tokens=0,
-                              cost=state.config.price(embedder.name).cost(num_tokens, 0, 0))
+                              cached_tokens=0, completion_tokens=0, cost=cost)
+    state.metrics.usage(tenant.tier, embedder.name, num_tokens, 0, 0, cost)
     if parsed.dimensions is not None:
         vectors = embedder.shorten(vectors, parsed.dimensions)
     return web.Response(body=orjson.dumps(response_body(vectors, parsed.encoding_format, embedder.name, num_tokens),

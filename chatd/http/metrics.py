@@ -118,6 +118,11 @@ class ServerMetrics:
         self._tier_objective = Gauge("chatd:tier_ttft_p95_objective_seconds", "A tier's p95 time-to-first-token "
                                      "objective ([tiers.NAME] ttft_p95_seconds), where it has one.", ["tier"],
                                      registry=self.registry)
+        self._usage_tokens = Counter("chatd:usage_tokens_total", "Tokens billed, by tier, model and kind (prompt, "
+                                     "cached: of the prompt, read from the prefix cache; completion).",
+                                     ["tier", "model_name", "kind"], registry=self.registry)
+        self._usage_cost = Counter("chatd:usage_cost_usd_total", "USD billed at the configured prices, by tier and "
+                                   "model.", ["tier", "model_name"], registry=self.registry)
         self._canary_weight = Gauge("chatd:canary_weight", "A ramped canary's percentage of its alias's new threads.",
                                     ["alias", "model_name"], registry=self.registry)
         self._canary_changes = Counter("chatd:canary_changes_total", "Steps of canary ramps, by action: start, "
@@ -133,6 +138,13 @@ class ServerMetrics:
         self._canary_weight.labels(alias=alias, model_name=model_name).set(weight)
         if action is not None:
             self._canary_changes.labels(alias=alias, model_name=model_name, action=action).inc()
+
+    def usage(self, tier: str, model_name: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+              cost: float) -> None:
+        """One request's usage as it is billed (the ledger writes the same to the store)."""
+        for kind, tokens in (("prompt", prompt_tokens), ("cached", cached_tokens), ("completion", completion_tokens)):
+            self._usage_tokens.labels(tier=tier, model_name=model_name, kind=kind).inc(tokens)
+        self._usage_cost.labels(tier=tier, model_name=model_name).inc(cost)
 
     def feedback_given(self, model_name: str, rating: str) -> None:
         self._feedback.labels(model_name=model_name, rating=rating).inc()

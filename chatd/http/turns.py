@@ -336,6 +336,7 @@ class Turns:
         else:
             state.ledger.record_usage(tenant.id, endpoint=job.endpoint, model=job.served.name, cost=fields["cost"],
                                       prompt_tokens=len(prompt), cached_tokens=cached, completion_tokens=completion)
+        state.metrics.usage(tenant.tier, job.served.name, len(prompt), cached, completion, fields["cost"])
         reply.error = error
         for payload in events.closing(message, merged, reply):
             reply.publish(payload)

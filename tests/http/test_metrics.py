@@ -67,6 +67,8 @@ REQUEST_FAMILIES = {
     "chatd:limit_store_up": "gauge",
     "chatd:engine_failed": "gauge",
     "chatd:tier_ttft_p95_objective_seconds": "gauge",
+    "chatd:usage_tokens": "counter",  # billed usage by tier and model
+    "chatd:usage_cost_usd": "counter",
 }
 TIER_FAMILIES = {
     "chatd:tier_requests_admitted": "counter",
