@@ -29,7 +29,10 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                   "--disable-sync", "--no-first-run"]
 DESKTOP, PHONE = {"width": 1280, "height": 800}, {"width": 390, "height": 844}
-WAIT_MS = 5_000  # the longest a step waits for the page (as long as Playwright's expect waits)
+# The longest a step waits for the page, and Playwright's expect too: generous, since a wait ends
+# as soon as its condition holds and these tests share two busy cores.
+WAIT_MS = 20_000
+expect.set_options(timeout=WAIT_MS)
 
 # One browser for the module (starting chromium is most of a test's time), so one event loop too.
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"),
@@ -84,20 +87,20 @@ async def browser():
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def open_chat(browser, tmp_path):
-    """open_chat(viewport, auth, settings) -> a Chat: a server of its own (`settings`: more of its
-    config) and a fresh browser context on it.
+    """open_chat(viewport, auth, settings, **context) -> a Chat: a server of its own (`settings`: more
+    of its config) and a fresh browser context on it (`context`: more of its options, e.g. timezone_id).
     Afterwards the page must have thrown nothing and the CSP refused nothing."""
     opened: list[tuple[Chat, object]] = []
 
-    async def open_chat(viewport: dict = DESKTOP, auth: bool = False, settings: dict | None = None) -> Chat:
+    async def open_chat(viewport: dict = DESKTOP, auth: bool = False, settings: dict | None = None, **context) -> Chat:
         config = build_config({"auth": {"enabled": auth}, **(settings or {})})
         state = await make_server_state(ScriptedChatEngine(pause=0.02), tmp_path / f"server{len(opened)}", config)
         server = TestServer(create_app(state), host="127.0.0.1")
         await server.start_server()
-        context = await browser.new_context(viewport=viewport)
-        page = await context.new_page()
+        browser_context = await browser.new_context(viewport=viewport, **context)
+        page = await browser_context.new_page()
         page.set_default_timeout(WAIT_MS)
-        opened.append((Chat(state, server, page), context))
+        opened.append((Chat(state, server, page), browser_context))
         return opened[-1][0]
 
     yield open_chat
