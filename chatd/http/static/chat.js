@@ -9,9 +9,9 @@
 import {api, apiKey, resumeReply, sendMessage} from "./api.js";
 import {downloadJson, downloadMarkdown} from "./export.js";
 import {addRatings} from "./feedback.js";
-import {addActions, addMessage, addSaved, copyText, editInPlace, savedEnding, shownMessages, streamEnding, tokens} from "./messages.js";
+import {addActions, addMessage, addSaved, editInPlace, savedEnding, shownMessages, streamEnding, tokens} from "./messages.js";
 import {describe, keyAdvice, showError} from "./notice.js";
-import {markdownPainter} from "./render.js";
+import {copyText, markdownPainter} from "./render.js";
 import {invalidSampling, sampling, showSettings, summarize, systemPrompt, withSampling} from "./settings.js";
 
 const $ = (id) => document.getElementById(id);

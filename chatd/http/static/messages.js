@@ -156,16 +156,6 @@ export function editInPlace(bubble) {
   });
 }
 
-/** Copy `text` to the clipboard; false where the browser refuses (no permission, not https). */
-export async function copyText(text) {
-  try {
-    await navigator.clipboard.writeText(text);
-    return true;
-  } catch {
-    return false;
-  }
-}
-
 /** A duration as people read it: 850 ms, 1.25 s, 12 s. */
 export function seconds(ms) {
   return ms < 1000 ? `${Math.round(ms)} ms` : `${(ms / 1000).toFixed(ms < 10_000 ? 2 : 0)} s`;
