@@ -75,8 +75,8 @@ async def test_copy_puts_the_message_as_written_on_the_clipboard(open_chat):
     chat.engine.replies.append("Use **bold** and `code`.")
     await chat.send("How do I write markdown?")
     reply = await chat.reply_done()
-    await reply.locator(".actions .copy").click()
-    await expect(reply.locator(".actions .copy")).to_have_text("Copied")
+    await reply.get_by_role("button", name="Copy message").click()
+    await expect(reply.locator(".actions .copy")).to_have_accessible_name("Copied")
     assert await chat.page.evaluate("navigator.clipboard.readText()") == "Use **bold** and `code`."  # the markdown, not the HTML
     await chat.page.locator(".message.user .actions .copy").click()
     assert await chat.page.evaluate("navigator.clipboard.readText()") == "How do I write markdown?"

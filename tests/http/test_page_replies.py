@@ -31,6 +31,6 @@ async def test_a_code_block_names_its_language_and_copies_its_code_exactly(open_
         await expect(block.locator(".code-copy")).to_have_accessible_name("Copied")
         assert await chat.page.evaluate("navigator.clipboard.readText()") == code
     # The message's own Copy still copies the whole reply as written.
-    await reply.locator(".actions .copy").click()
+    await reply.get_by_role("button", name="Copy message").click()
     assert (await chat.page.evaluate("navigator.clipboard.readText()")).startswith("Two blocks:\n\n```python\n")
     await expect(reply.locator(".code-copy").first).to_have_accessible_name("Copy code")  # back after a moment

@@ -9,7 +9,8 @@
 import {api, apiKey, resumeReply, sendMessage} from "./api.js";
 import {downloadJson, downloadMarkdown} from "./export.js";
 import {addRatings} from "./feedback.js";
-import {addActions, addMessage, addSaved, editInPlace, savedEnding, shownMessages, streamEnding, tokens} from "./messages.js";
+import {showCopied} from "./icons.js";
+import {COPY_LABEL, addActions, addMessage, addSaved, editInPlace, savedEnding, shownMessages, streamEnding, tokens} from "./messages.js";
 import {describe, keyAdvice, showError} from "./notice.js";
 import {copyText, markdownPainter} from "./render.js";
 import {invalidSampling, sampling, showSettings, summarize, systemPrompt, withSampling} from "./settings.js";
@@ -321,8 +322,7 @@ function refreshActions() {
 }
 
 async function copy(bubble) {
-  const copied = await copyText(bubble.text);
-  bubble.actions.querySelector(".copy").textContent = copied ? "Copied" : "Copy failed";
+  showCopied(bubble.actions.querySelector(".copy"), await copyText(bubble.text), COPY_LABEL);
 }
 
 async function edit(bubble) {

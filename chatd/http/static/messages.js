@@ -1,12 +1,16 @@
 // The messages of the open conversation as elements: user text as typed, assistant text as
 // markdown (render.js), a line of stats under each (its token count, and for a reply just
-// generated how fast it came, and what ended it if not its natural end) and its actions: Copy,
-// and Edit (user) or Regenerate (the last reply). It knows nothing of the API: what an action
-// does is the page's (chat.js), and rating a reply is feedback.js's.
+// generated how fast it came, and what ended it if not its natural end) and its actions, icon
+// buttons named for screen readers: Copy, and Edit (user) or Regenerate (the last reply). It knows
+// nothing of the API: what an action does is the page's (chat.js), and rating a reply is feedback.js's.
 
+import {iconButton} from "./icons.js";
 import {renderMarkdown} from "./render.js";
 
 const box = () => document.getElementById("messages");
+
+/** The Copy button's name, as a screen reader says it (and as it comes back after "Copied"). */
+export const COPY_LABEL = "Copy message";
 
 // How a reply that did not end with [DONE] is labelled, by chatd's error code.
 const ENDINGS = {
@@ -116,9 +120,11 @@ export function shownMessages() {
 export function addActions(handlers) {
   const all = shownMessages();
   for (const bubble of all) {
-    const buttons = [actionButton("Copy", () => handlers.copy(bubble))];
-    if (bubble.role === "user") buttons.push(actionButton("Edit", () => handlers.edit(bubble)));
-    if (bubble.role === "assistant" && bubble === all.at(-1)) buttons.push(actionButton("Regenerate", () => handlers.regenerate(bubble)));
+    const buttons = [iconButton("copy", COPY_LABEL, "action copy", () => handlers.copy(bubble))];
+    if (bubble.role === "user") buttons.push(iconButton("edit", "Edit message", "action edit", () => handlers.edit(bubble)));
+    if (bubble.role === "assistant" && bubble === all.at(-1)) {
+      buttons.push(iconButton("regenerate", "Regenerate reply", "action regenerate", () => handlers.regenerate(bubble)));
+    }
     bubble.actions.replaceChildren(...buttons);
   }
 }
