@@ -2,9 +2,10 @@
 // streams in, with a Stop button (or Escape) and the time to first token and tokens/s under each
 // reply; every message shows its token count. A reload in the middle of a reply picks it up
 // again. Editing a message (or regenerating the last reply) replaces the conversation's tail from
-// that message on: there are no branches. It reaches chatd only through api.js, shows model text
-// only through render.js, and builds messages in messages.js, settings in settings.js and the
-// thumbs up and down under replies in feedback.js.
+// that message on: there are no branches. A reply cut at the token limit is continued by a next
+// turn that asks for the rest (the conversations API has no other way). It reaches chatd only
+// through api.js, shows model text only through render.js, and builds messages in messages.js,
+// settings in settings.js and the thumbs up and down under replies in feedback.js.
 
 import {api, apiKey, resumeReply, sendMessage} from "./api.js";
 import {downloadJson, downloadMarkdown} from "./export.js";
@@ -16,6 +17,9 @@ import {copyText, markdownPainter} from "./render.js";
 import {invalidSampling, sampling, showSettings, summarize, systemPrompt, withSampling} from "./settings.js";
 
 const $ = (id) => document.getElementById(id);
+
+// What a continuation asks, as the next user message: the model sees its cut reply just above it.
+const CONTINUE_PROMPT = "Continue from exactly where your last reply stopped.";
 
 const page = {
   conversations: [], // the caller's, newest first, as far as listed
@@ -261,6 +265,7 @@ async function followReply(conversationId, bubble, sentAt, open) {
           finishReason = choice.finish_reason || finishReason;
         }
         usage = chunk.usage || usage;
+        if (!bubble.text) return; // the reply shows that it is awaited until its first text
         const atEnd = nearEnd();
         painter.update(bubble.text);
         scrollToEnd(atEnd);
@@ -282,6 +287,7 @@ async function followReply(conversationId, bubble, sentAt, open) {
   if (ended.error?.code === "reply_cancelled" && reply.cancelling) {
     usage = (await reply.cancelling.catch(() => null))?.usage || usage; // the stopped reply's usage, as saved
   }
+  bubble.finishReason = ended.error ? null : finishReason;
   bubble.setReplyStats({sentAt, firstTokenAt, endedAt, generated: usage?.completion_tokens}, streamEnding(ended.error, finishReason));
   return ended.error ? "ended" : "done";
 }
@@ -314,15 +320,22 @@ function setStreaming(on) {
   $("messages").classList.toggle("streaming", on);
 }
 
-// -- copy, edit, regenerate, rate ---------------------------------------------------------------
+// -- copy, edit, regenerate, continue, rate -----------------------------------------------------
 
 function refreshActions() {
-  addActions({copy, edit, regenerate});
+  addActions({copy, edit, regenerate, continue: continueReply});
   addRatings(shownMessages());
 }
 
 async function copy(bubble) {
   showCopied(bubble.actions.querySelector(".copy"), await copyText(bubble.text), COPY_LABEL);
+}
+
+/** Ask for the rest of the last reply, which the token limit cut: a next turn, with the same settings. */
+async function continueReply() {
+  if (page.reply) return;
+  showError(null);
+  await turn(CONTINUE_PROMPT);
 }
 
 async function edit(bubble) {
