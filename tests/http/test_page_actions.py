@@ -166,12 +166,14 @@ async def test_a_conversation_downloads_as_json_and_markdown(chat):
     await chat.reply_done()
     saved = await chat.api(f"/v1/conversations/{conversation_id(chat)}")
     async with chat.page.expect_download() as download:
-        await chat.page.click("#export-json")
+        await chat.page.get_by_role("button", name="Export", exact=True).click()
+        await chat.page.get_by_role("menuitem", name="Download as JSON").click()
     got = await download.value
     assert got.suggested_filename == "Export me.json"
     assert json.loads(open(await got.path()).read()) == saved
     async with chat.page.expect_download() as download:
-        await chat.page.click("#export-markdown")
+        await chat.page.get_by_role("button", name="Export", exact=True).click()
+        await chat.page.get_by_role("menuitem", name="Download as Markdown").click()
     got = await download.value
     assert got.suggested_filename == "Export me.md"
     assert open(await got.path()).read() == "# Export me\n\nModel: scripted\n\n## User\n\nExport me\n\n## Assistant\n\nA **fine** answer.\n"

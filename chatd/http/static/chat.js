@@ -8,7 +8,7 @@
 // the sidebar's list in sidebar.js, settings in settings.js and the thumbs under replies in feedback.js.
 
 import {api, apiKey, resumeReply, sendMessage} from "./api.js";
-import {downloadJson, downloadMarkdown} from "./export.js";
+import {exportMenu} from "./export.js";
 import {addRatings} from "./feedback.js";
 import {showCopied} from "./icons.js";
 import {COPY_LABEL, addActions, addMessage, addSaved, editInPlace, savedEnding, shownMessages, streamEnding, tokens} from "./messages.js";
@@ -382,8 +382,7 @@ $("menu").addEventListener("click", () => {
 $("scrim").addEventListener("click", closeSidebar);
 $("settings-form").addEventListener("submit", (event) => event.preventDefault());
 $("settings-form").addEventListener("change", saveSettings);
-$("export-json").addEventListener("click", () => exportConversation(downloadJson));
-$("export-markdown").addEventListener("click", () => exportConversation(downloadMarkdown));
+exportMenu(exportConversation);
 onConversation({
   open: (conversation) => openConversation(conversation.id),
   renamed: showRenamed,
