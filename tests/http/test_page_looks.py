@@ -1,9 +1,11 @@
 """How the chat page reads, in headless Chromium (test_page.py's harness): icon buttons a screen
-reader names, and export under one labelled menu.
+reader names, export under one labelled menu, and the Send button readable in the dark scheme.
 
 Every wait here is for a condition (test_page.py's WAIT_MS): these tests share two busy cores."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -11,6 +13,25 @@ from tests.http.test_page import CHROMIUM, browser, chat, expect, open_chat  # n
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no browser at {CHROMIUM} (apt-get install chromium)")]
+
+MIN_CONTRAST = 4.5  # WCAG AA for text of a normal size
+
+
+def luminance(css_color: str) -> float:
+    """WCAG's relative luminance of an `rgb(r, g, b)` colour."""
+    channels = [int(c) / 255 for c in re.findall(r"\d+", css_color)[:3]]
+    r, g, b = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast(first: str, second: str) -> float:
+    lighter, darker = sorted((luminance(first), luminance(second)), reverse=True)
+    return (lighter + 0.05) / (darker + 0.05)
+
+
+async def colours(locator) -> tuple[str, str]:
+    """An element's text colour and background colour, as computed."""
+    return tuple(await locator.evaluate("element => [getComputedStyle(element).color, getComputedStyle(element).backgroundColor]"))
 
 
 async def test_icon_buttons_are_named_for_a_screen_reader_and_export_is_one_menu(chat):
@@ -52,3 +73,19 @@ async def test_icon_buttons_are_named_for_a_screen_reader_and_export_is_one_menu
         await page.keyboard.press("Enter")
     assert (await download.value).suggested_filename == "Name your buttons.json"
     await expect(menu).to_be_hidden()
+
+
+@pytest.mark.parametrize("scheme", ["dark", "light"])
+async def test_the_send_buttons_text_is_readable_in_either_colour_scheme(open_chat, scheme):
+    chat = await open_chat(color_scheme=scheme)
+    page = chat.page
+    await page.goto(chat.url)
+    assert await page.evaluate(f"matchMedia('(prefers-color-scheme: {scheme})').matches")
+    send = page.get_by_role("button", name="Send")
+    assert contrast(*await colours(send)) >= MIN_CONTRAST, await colours(send)
+    # The other filled button, the edited message's Send, too.
+    await chat.send("hello")
+    await chat.reply_done()
+    await page.get_by_role("button", name="Edit message").click()
+    edit_send = page.locator(".message.user button.primary")
+    assert contrast(*await colours(edit_send)) >= MIN_CONTRAST, await colours(edit_send)
