@@ -192,6 +192,7 @@ async def test_html_in_a_reply_or_a_message_never_runs(chat):
 
 async def test_conversations_are_listed_newest_first_opened_renamed_and_deleted(chat):
     page = chat.page
+    await page.click("#settings-summary")  # a new chat's settings are folded away
     await page.fill("#system-prompt", "Answer like a pirate.")
     await chat.send("first chat")
     await chat.reply_done()
@@ -223,7 +224,7 @@ async def test_conversations_are_listed_newest_first_opened_renamed_and_deleted(
     await expect(page.locator("#conversations li")).to_have_count(1)
     await page.locator("#conversations li", has_text="Pirate talk").locator(".delete").click()  # the open one
     await expect(page.locator("#title")).to_have_text("New chat")
-    assert await page.locator("#conversations li").count() == 0 and await page.locator("#system-prompt").is_visible()
+    assert await page.locator("#conversations li").count() == 0 and await page.locator("#welcome").is_visible()
     assert (await chat.api("/v1/conversations"))["data"] == []
 
 

@@ -125,6 +125,7 @@ async def test_a_conversations_system_prompt_and_sampling_follow_it(open_chat):
     generate = chat.engine.generate
     chat.engine.generate = lambda prompt, params, *rest, **named: seen.append(params) or generate(prompt, params, *rest, **named)
     await page.goto(chat.url)
+    await page.click("#settings-summary")  # a new chat's settings are folded away
     await page.fill("#system-prompt", "Be brief.")
     await page.fill("#temperature", "0.3")
     await page.fill("#max-tokens", "40")

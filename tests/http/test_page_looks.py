@@ -1,5 +1,6 @@
 """How the chat page reads, in headless Chromium (test_page.py's harness): icon buttons a screen
-reader names, export under one labelled menu, and the Send button readable in the dark scheme.
+reader names, export under one labelled menu, the Send button readable in the dark scheme, and a
+new chat that opens on a short welcome naming the model, with the keyboard hints whole on a phone.
 
 Every wait here is for a condition (test_page.py's WAIT_MS): these tests share two busy cores."""
 
@@ -9,7 +10,7 @@ import re
 
 import pytest
 
-from tests.http.test_page import CHROMIUM, browser, chat, expect, open_chat  # noqa: F401 (fixtures)
+from tests.http.test_page import CHROMIUM, PHONE, browser, chat, expect, open_chat  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no browser at {CHROMIUM} (apt-get install chromium)")]
@@ -89,3 +90,34 @@ async def test_the_send_buttons_text_is_readable_in_either_colour_scheme(open_ch
     await page.get_by_role("button", name="Edit message").click()
     edit_send = page.locator(".message.user button.primary")
     assert contrast(*await colours(edit_send)) >= MIN_CONTRAST, await colours(edit_send)
+
+
+async def test_on_a_phone_a_new_chat_opens_on_a_short_welcome_and_the_keyboard_hints_fit(open_chat):
+    chat = await open_chat(viewport=PHONE)
+    page = chat.page
+    await page.goto(chat.url)
+    welcome = page.get_by_role("region", name="Chat with scripted")  # the model's name, from GET /v1/models
+    await expect(welcome).to_be_visible()
+    await expect(page.locator("#system-prompt")).to_be_hidden()  # the settings are folded away
+    settings, shown = await page.locator("#settings").bounding_box(), await welcome.bounding_box()
+    assert shown["y"] + shown["height"] < PHONE["height"] / 2, shown
+    assert settings["height"] < 60, settings
+    # The keyboard hints are whole: in the viewport, nothing cut, and named as the message box's description.
+    hints = page.locator("#keys")
+    await expect(hints).to_be_in_viewport(ratio=1)
+    assert await hints.evaluate("e => e.scrollWidth <= e.clientWidth && e.scrollHeight <= e.clientHeight")
+    message = page.get_by_role("textbox", name="Message")
+    await expect(message).to_have_accessible_description("Enter sends · Shift+Enter starts a new line · Escape stops a reply")
+    assert await page.evaluate("document.scrollingElement.scrollWidth <= innerWidth")
+
+    # The settings open when asked; a message replaces the welcome; a new chat brings it back.
+    await page.click("#settings-summary")
+    await expect(page.locator("#system-prompt")).to_be_visible()
+    await chat.send("hello from a phone")
+    await chat.reply_done()
+    await expect(welcome).to_be_hidden()
+    await expect(page.locator("#system-prompt")).to_be_hidden()
+    await page.click("#menu")
+    await page.click("#new-chat")
+    await expect(welcome).to_be_visible()
+    await expect(page.locator("#system-prompt")).to_be_hidden()

@@ -85,6 +85,7 @@ async def test_a_reply_cut_at_the_token_limit_can_be_continued(open_chat):
     replies_as(chat, CutReply)
     page = chat.page
     await page.goto(chat.url)
+    await page.click("#settings-summary")
     await page.fill("#max-tokens", "4")
     chat.engine.replies.extend(["Once upon a time there was a cache.", "there was a cache."])
     await chat.send("Tell me a story")
