@@ -8,6 +8,7 @@ screenshot the README shows.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from pathlib import Path
@@ -241,6 +242,24 @@ async def test_with_auth_on_the_page_asks_for_a_key_and_keeps_it_in_the_browser(
     await chat.reply_done()
     assert await chat.page.evaluate("localStorage.getItem('chatd.apiKey')") == key
     assert [c["title"] for c in (await chat.api("/v1/conversations", key))["data"]] == ["hello with a key"]
+
+
+async def test_a_message_sent_before_the_models_are_listed_goes_to_the_servers_model(open_chat):
+    chat = await open_chat()
+    listed = asyncio.Event()
+
+    async def held(route):  # GET /v1/models answers only once the message is sent
+        await listed.wait()
+        await route.continue_()
+
+    await chat.page.route("**/v1/models", held)
+    await chat.page.goto(chat.url)
+    await chat.send("hello before the models")
+    await chat.reply_done()
+    listed.set()
+    await expect(chat.page.locator("#model option")).to_have_text(["scripted"])
+    assert (await chat.api(f"/v1/conversations/{chat.page.url.split('#')[1]}"))["model"] == "scripted"
+    assert await chat.user_messages() == ["hello before the models"]
 
 
 async def test_on_a_phone_nothing_scrolls_sideways_and_the_sidebar_slides_in(open_chat):

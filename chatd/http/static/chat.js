@@ -51,7 +51,7 @@ async function connect() {
 
 // Chat models and aliases (not an embedding model); one that is not loaded says it loads first.
 function fillModels(models) {
-  const chosen = $("model").value;
+  const chosen = page.current?.model || $("model").value;
   const chat = models.filter((model) => model.chatd?.kind !== "embedding");
   const label = (model) => (model.status === "unloaded" ? `${model.id} (loads on first use)` : model.id);
   $("model").replaceChildren(...chat.map((model) => new Option(label(model), model.id)));
@@ -150,7 +150,8 @@ async function send(event) {
 }
 
 async function startConversation(content) {
-  const fields = {model: $("model").value, title: titleFrom(content), metadata: withSampling({})};
+  // Sent before the models are listed, a message goes to the server's default model (no `model`).
+  const fields = {model: $("model").value || undefined, title: titleFrom(content), metadata: withSampling({})};
   if (systemPrompt()) fields.system_prompt = systemPrompt();
   try {
     const conversation = await api.createConversation(fields);
