@@ -8,6 +8,7 @@ screenshot the README shows.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from pathlib import Path
@@ -29,7 +30,10 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                   "--disable-sync", "--no-first-run"]
 DESKTOP, PHONE = {"width": 1280, "height": 800}, {"width": 390, "height": 844}
-WAIT_MS = 5_000  # the longest a step waits for the page (as long as Playwright's expect waits)
+# The longest a step waits for the page, and Playwright's expect too: generous, since a wait ends
+# as soon as its condition holds and these tests share two busy cores.
+WAIT_MS = 20_000
+expect.set_options(timeout=WAIT_MS)
 
 # One browser for the module (starting chromium is most of a test's time), so one event loop too.
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"),
@@ -84,20 +88,20 @@ async def browser():
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def open_chat(browser, tmp_path):
-    """open_chat(viewport, auth, settings) -> a Chat: a server of its own (`settings`: more of its
-    config) and a fresh browser context on it.
+    """open_chat(viewport, auth, settings, **context) -> a Chat: a server of its own (`settings`: more
+    of its config) and a fresh browser context on it (`context`: more of its options, e.g. timezone_id).
     Afterwards the page must have thrown nothing and the CSP refused nothing."""
     opened: list[tuple[Chat, object]] = []
 
-    async def open_chat(viewport: dict = DESKTOP, auth: bool = False, settings: dict | None = None) -> Chat:
+    async def open_chat(viewport: dict = DESKTOP, auth: bool = False, settings: dict | None = None, **context) -> Chat:
         config = build_config({"auth": {"enabled": auth}, **(settings or {})})
         state = await make_server_state(ScriptedChatEngine(pause=0.02), tmp_path / f"server{len(opened)}", config)
         server = TestServer(create_app(state), host="127.0.0.1")
         await server.start_server()
-        context = await browser.new_context(viewport=viewport)
-        page = await context.new_page()
+        browser_context = await browser.new_context(viewport=viewport, **context)
+        page = await browser_context.new_page()
         page.set_default_timeout(WAIT_MS)
-        opened.append((Chat(state, server, page), context))
+        opened.append((Chat(state, server, page), browser_context))
         return opened[-1][0]
 
     yield open_chat
@@ -189,6 +193,7 @@ async def test_html_in_a_reply_or_a_message_never_runs(chat):
 
 async def test_conversations_are_listed_newest_first_opened_renamed_and_deleted(chat):
     page = chat.page
+    await page.click("#settings-summary")  # a new chat's settings are folded away
     await page.fill("#system-prompt", "Answer like a pirate.")
     await chat.send("first chat")
     await chat.reply_done()
@@ -220,7 +225,7 @@ async def test_conversations_are_listed_newest_first_opened_renamed_and_deleted(
     await expect(page.locator("#conversations li")).to_have_count(1)
     await page.locator("#conversations li", has_text="Pirate talk").locator(".delete").click()  # the open one
     await expect(page.locator("#title")).to_have_text("New chat")
-    assert await page.locator("#conversations li").count() == 0 and await page.locator("#system-prompt").is_visible()
+    assert await page.locator("#conversations li").count() == 0 and await page.locator("#welcome").is_visible()
     assert (await chat.api("/v1/conversations"))["data"] == []
 
 
@@ -237,6 +242,24 @@ async def test_with_auth_on_the_page_asks_for_a_key_and_keeps_it_in_the_browser(
     await chat.reply_done()
     assert await chat.page.evaluate("localStorage.getItem('chatd.apiKey')") == key
     assert [c["title"] for c in (await chat.api("/v1/conversations", key))["data"]] == ["hello with a key"]
+
+
+async def test_a_message_sent_before_the_models_are_listed_goes_to_the_servers_model(open_chat):
+    chat = await open_chat()
+    listed = asyncio.Event()
+
+    async def held(route):  # GET /v1/models answers only once the message is sent
+        await listed.wait()
+        await route.continue_()
+
+    await chat.page.route("**/v1/models", held)
+    await chat.page.goto(chat.url)
+    await chat.send("hello before the models")
+    await chat.reply_done()
+    listed.set()
+    await expect(chat.page.locator("#model option")).to_have_text(["scripted"])
+    assert (await chat.api(f"/v1/conversations/{chat.page.url.split('#')[1]}"))["model"] == "scripted"
+    assert await chat.user_messages() == ["hello before the models"]
 
 
 async def test_on_a_phone_nothing_scrolls_sideways_and_the_sidebar_slides_in(open_chat):

@@ -75,8 +75,8 @@ async def test_copy_puts_the_message_as_written_on_the_clipboard(open_chat):
     chat.engine.replies.append("Use **bold** and `code`.")
     await chat.send("How do I write markdown?")
     reply = await chat.reply_done()
-    await reply.locator(".actions .copy").click()
-    await expect(reply.locator(".actions .copy")).to_have_text("Copied")
+    await reply.get_by_role("button", name="Copy message").click()
+    await expect(reply.locator(".actions .copy")).to_have_accessible_name("Copied")
     assert await chat.page.evaluate("navigator.clipboard.readText()") == "Use **bold** and `code`."  # the markdown, not the HTML
     await chat.page.locator(".message.user .actions .copy").click()
     assert await chat.page.evaluate("navigator.clipboard.readText()") == "How do I write markdown?"
@@ -125,6 +125,7 @@ async def test_a_conversations_system_prompt_and_sampling_follow_it(open_chat):
     generate = chat.engine.generate
     chat.engine.generate = lambda prompt, params, *rest, **named: seen.append(params) or generate(prompt, params, *rest, **named)
     await page.goto(chat.url)
+    await page.click("#settings-summary")  # a new chat's settings are folded away
     await page.fill("#system-prompt", "Be brief.")
     await page.fill("#temperature", "0.3")
     await page.fill("#max-tokens", "40")
@@ -166,12 +167,14 @@ async def test_a_conversation_downloads_as_json_and_markdown(chat):
     await chat.reply_done()
     saved = await chat.api(f"/v1/conversations/{conversation_id(chat)}")
     async with chat.page.expect_download() as download:
-        await chat.page.click("#export-json")
+        await chat.page.get_by_role("button", name="Export", exact=True).click()
+        await chat.page.get_by_role("menuitem", name="Download as JSON").click()
     got = await download.value
     assert got.suggested_filename == "Export me.json"
     assert json.loads(open(await got.path()).read()) == saved
     async with chat.page.expect_download() as download:
-        await chat.page.click("#export-markdown")
+        await chat.page.get_by_role("button", name="Export", exact=True).click()
+        await chat.page.get_by_role("menuitem", name="Download as Markdown").click()
     got = await download.value
     assert got.suggested_filename == "Export me.md"
     assert open(await got.path()).read() == "# Export me\n\nModel: scripted\n\n## User\n\nExport me\n\n## Assistant\n\nA **fine** answer.\n"

@@ -2,23 +2,27 @@
 // streams in, with a Stop button (or Escape) and the time to first token and tokens/s under each
 // reply; every message shows its token count. A reload in the middle of a reply picks it up
 // again. Editing a message (or regenerating the last reply) replaces the conversation's tail from
-// that message on: there are no branches. It reaches chatd only through api.js, shows model text
-// only through render.js, and builds messages in messages.js, settings in settings.js and the
-// thumbs up and down under replies in feedback.js.
+// that message on: there are no branches. A reply cut at the token limit is continued by a next
+// turn that asks for the rest (the conversations API has no other way). It reaches chatd only
+// through api.js, shows model text only through render.js, and builds messages in messages.js,
+// the sidebar's list in sidebar.js, settings in settings.js and the thumbs under replies in feedback.js.
 
 import {api, apiKey, resumeReply, sendMessage} from "./api.js";
-import {downloadJson, downloadMarkdown} from "./export.js";
+import {exportMenu} from "./export.js";
 import {addRatings} from "./feedback.js";
-import {addActions, addMessage, addSaved, copyText, editInPlace, savedEnding, shownMessages, streamEnding, tokens} from "./messages.js";
+import {showCopied} from "./icons.js";
+import {COPY_LABEL, addActions, addMessage, addSaved, editInPlace, savedEnding, shownMessages, streamEnding, tokens} from "./messages.js";
 import {describe, keyAdvice, showError} from "./notice.js";
-import {markdownPainter} from "./render.js";
+import {copyText, markdownPainter} from "./render.js";
 import {invalidSampling, sampling, showSettings, summarize, systemPrompt, withSampling} from "./settings.js";
+import {forgetConversations, listNew, loadConversations, markOpen, onConversation, relist, titleFrom, titleOf} from "./sidebar.js";
 
 const $ = (id) => document.getElementById(id);
 
+// What a continuation asks, as the next user message: the model sees its cut reply just above it.
+const CONTINUE_PROMPT = "Continue from exactly where your last reply stopped.";
+
 const page = {
-  conversations: [], // the caller's, newest first, as far as listed
-  hasMore: false,
   current: null, // the open conversation with its messages as opened; null for a new chat
   reply: null, // the reply streaming into the open conversation: {conversationId, messageId, controller, cancelling}
 };
@@ -47,7 +51,7 @@ async function connect() {
 
 // Chat models and aliases (not an embedding model); one that is not loaded says it loads first.
 function fillModels(models) {
-  const chosen = $("model").value;
+  const chosen = page.current?.model || $("model").value;
   const chat = models.filter((model) => model.chatd?.kind !== "embedding");
   const label = (model) => (model.status === "unloaded" ? `${model.id} (loads on first use)` : model.id);
   $("model").replaceChildren(...chat.map((model) => new Option(label(model), model.id)));
@@ -55,36 +59,7 @@ function fillModels(models) {
   summarize(page.current);
 }
 
-async function loadConversations(older) {
-  try {
-    const list = await api.conversations(older ? page.conversations.at(-1)?.id : undefined);
-    page.conversations = older ? [...page.conversations, ...list.data] : list.data;
-    page.hasMore = list.has_more;
-  } catch (error) {
-    showError(describe(error), () => loadConversations(older));
-  }
-  renderSidebar();
-}
-
-function renderSidebar() {
-  const items = page.conversations.map((conversation) => {
-    const item = document.createElement("li");
-    item.dataset.id = conversation.id;
-    item.classList.toggle("current", conversation.id === page.current?.id);
-    const open = button("open", titleOf(conversation), () => openConversation(conversation.id));
-    open.title = titleOf(conversation);
-    const rename = button("rename", "✎", () => renameConversation(conversation));
-    rename.setAttribute("aria-label", `Rename “${titleOf(conversation)}”`);
-    const remove = button("delete", "✕", () => deleteConversation(conversation));
-    remove.setAttribute("aria-label", `Delete “${titleOf(conversation)}”`);
-    item.append(open, rename, remove);
-    return item;
-  });
-  $("conversations").replaceChildren(...items);
-  $("older").hidden = !page.hasMore;
-}
-
-// -- opening, starting and deleting conversations --------------------------------------------
+// -- opening and starting conversations ----------------------------------------------------
 
 /** Show an empty chat; `clear`: also empty its settings (false at start, where a user may
  * already be typing a system prompt while the page loads its conversations). */
@@ -96,7 +71,7 @@ function newChat(clear = true) {
   $("export").hidden = true;
   showSettings(null, clear);
   $("messages").replaceChildren();
-  renderSidebar();
+  markOpen(null);
   closeSidebar();
   if (clear || document.activeElement === document.body) $("input").focus();
 }
@@ -139,33 +114,8 @@ function showConversation(conversation) {
     else countTokens(bubble, ending);
   }
   refreshActions();
-  renderSidebar();
+  markOpen(conversation.id);
   scrollToEnd(true);
-}
-
-async function renameConversation(conversation) {
-  const title = prompt("Rename the conversation", conversation.title || "");
-  if (title === null || !title.trim()) return;
-  try {
-    const renamed = await api.updateConversation(conversation.id, {title: title.trim()});
-    page.conversations = page.conversations.map((c) => (c.id === renamed.id ? renamed : c));
-    if (page.current?.id === renamed.id) $("title").textContent = titleOf(renamed);
-  } catch (error) {
-    return showError(describe(error));
-  }
-  renderSidebar();
-}
-
-async function deleteConversation(conversation) {
-  if (!confirm(`Delete “${titleOf(conversation)}”?`)) return;
-  try {
-    await api.deleteConversation(conversation.id);
-  } catch (error) {
-    if (error.status !== 404) return showError(describe(error));
-  }
-  page.conversations = page.conversations.filter((c) => c.id !== conversation.id);
-  if (page.current?.id === conversation.id) newChat();
-  else renderSidebar();
 }
 
 /** Save the settings panel into the open conversation (a new chat takes them when it is made). */
@@ -200,12 +150,13 @@ async function send(event) {
 }
 
 async function startConversation(content) {
-  const fields = {model: $("model").value, title: content.split("\n")[0].slice(0, 40), metadata: withSampling({})};
+  // Sent before the models are listed, a message goes to the server's default model (no `model`).
+  const fields = {model: $("model").value || undefined, title: titleFrom(content), metadata: withSampling({})};
   if (systemPrompt()) fields.system_prompt = systemPrompt();
   try {
     const conversation = await api.createConversation(fields);
     page.current = {...conversation, messages: []};
-    page.conversations.unshift(conversation);
+    listNew(conversation);
   } catch (error) {
     showError(describe(error), () => $("composer").requestSubmit());
     return false;
@@ -260,6 +211,7 @@ async function followReply(conversationId, bubble, sentAt, open) {
           finishReason = choice.finish_reason || finishReason;
         }
         usage = chunk.usage || usage;
+        if (!bubble.text) return; // the reply shows that it is awaited until its first text
         const atEnd = nearEnd();
         painter.update(bubble.text);
         scrollToEnd(atEnd);
@@ -281,6 +233,7 @@ async function followReply(conversationId, bubble, sentAt, open) {
   if (ended.error?.code === "reply_cancelled" && reply.cancelling) {
     usage = (await reply.cancelling.catch(() => null))?.usage || usage; // the stopped reply's usage, as saved
   }
+  bubble.finishReason = ended.error ? null : finishReason;
   bubble.setReplyStats({sentAt, firstTokenAt, endedAt, generated: usage?.completion_tokens}, streamEnding(ended.error, finishReason));
   return ended.error ? "ended" : "done";
 }
@@ -313,16 +266,22 @@ function setStreaming(on) {
   $("messages").classList.toggle("streaming", on);
 }
 
-// -- copy, edit, regenerate, rate ---------------------------------------------------------------
+// -- copy, edit, regenerate, continue, rate -----------------------------------------------------
 
 function refreshActions() {
-  addActions({copy, edit, regenerate});
+  addActions({copy, edit, regenerate, continue: continueReply});
   addRatings(shownMessages());
 }
 
 async function copy(bubble) {
-  const copied = await copyText(bubble.text);
-  bubble.actions.querySelector(".copy").textContent = copied ? "Copied" : "Copy failed";
+  showCopied(bubble.actions.querySelector(".copy"), await copyText(bubble.text), COPY_LABEL);
+}
+
+/** Ask for the rest of the last reply, which the token limit cut: a next turn, with the same settings. */
+async function continueReply() {
+  if (page.reply) return;
+  showError(null);
+  await turn(CONTINUE_PROMPT);
 }
 
 async function edit(bubble) {
@@ -340,7 +299,7 @@ async function regenerate(bubble) {
 async function resend(index, text) {
   showError(null);
   try {
-    const {messages} = await api.conversation(page.current.id);
+    const {messages, title} = await api.conversation(page.current.id);
     const onScreen = shownMessages().slice(index);
     if (messages[index]?.role !== "user" || messages[index].content !== onScreen[0]?.text) {
       await openConversation(page.current.id); // changed elsewhere (another tab): show it as it is now
@@ -348,10 +307,31 @@ async function resend(index, text) {
     }
     for (const message of messages.slice(index).reverse()) await api.deleteItem(page.current.id, message.id);
     for (const bubble of onScreen) bubble.element.remove();
+    if (index === 0) retitle(title, messages[0].content, text); // beside the reply: a failure only leaves the title
   } catch (error) {
     return showError(describe(error), () => resend(index, text));
   }
   await turn(text);
+}
+
+/** A conversation titled by its first message takes the title of that message as edited (`title`:
+ * its title now, on the server); one renamed since keeps its name. */
+async function retitle(title, before, after) {
+  if (title !== titleFrom(before) || titleFrom(after) === title) return;
+  try {
+    const renamed = await api.updateConversation(page.current.id, {title: titleFrom(after)});
+    relist(renamed);
+    showRenamed(renamed);
+  } catch (error) {
+    showError(describe(error));
+  }
+}
+
+/** Show the open conversation's new title, if `conversation` is the open one. */
+function showRenamed(conversation) {
+  if (page.current?.id !== conversation.id) return;
+  page.current = {...page.current, title: conversation.title};
+  $("title").textContent = titleOf(conversation);
 }
 
 // -- elements ---------------------------------------------------------------------------------
@@ -364,19 +344,6 @@ async function countTokens(bubble, ending = null) {
   } catch {
     // the count is a nicety: the message stands without it
   }
-}
-
-function button(className, label, onClick) {
-  const element = document.createElement("button");
-  element.type = "button";
-  element.className = className;
-  element.textContent = label;
-  element.addEventListener("click", onClick);
-  return element;
-}
-
-function titleOf(conversation) {
-  return conversation.title || `Chat of ${new Date(conversation.created_at * 1000).toLocaleString()}`;
 }
 
 function nearEnd() {
@@ -410,15 +377,18 @@ document.addEventListener("keydown", (event) => {
 });
 $("stop").addEventListener("click", stop);
 $("new-chat").addEventListener("click", () => newChat());
-$("older").addEventListener("click", () => loadConversations(true));
 $("menu").addEventListener("click", () => {
   $("scrim").hidden = !$("app").classList.toggle("sidebar-open");
 });
 $("scrim").addEventListener("click", closeSidebar);
 $("settings-form").addEventListener("submit", (event) => event.preventDefault());
 $("settings-form").addEventListener("change", saveSettings);
-$("export-json").addEventListener("click", () => exportConversation(downloadJson));
-$("export-markdown").addEventListener("click", () => exportConversation(downloadMarkdown));
+exportMenu(exportConversation);
+onConversation({
+  open: (conversation) => openConversation(conversation.id),
+  renamed: showRenamed,
+  deleted: (conversation) => page.current?.id === conversation.id && newChat(),
+});
 $("key-form").addEventListener("submit", (event) => {
   event.preventDefault();
   apiKey.set($("api-key").value.trim());
@@ -427,7 +397,7 @@ $("key-form").addEventListener("submit", (event) => {
 });
 $("forget-key").addEventListener("click", () => {
   apiKey.set("");
-  page.conversations = [];
+  forgetConversations();
   newChat();
   connect();
 });

@@ -1,6 +1,45 @@
 // Download a conversation as a file: JSON (exactly what GET /v1/conversations/{id} answers, so
-// it can be read back by any client) or Markdown (to read or paste elsewhere). The file is made
-// in the browser; nothing is sent anywhere.
+// it can be read back by any client) or Markdown (to read or paste elsewhere), chosen in the top
+// bar's Export menu. The file is made in the browser; nothing is sent anywhere.
+
+import {icon} from "./icons.js";
+
+const $ = (id) => document.getElementById(id);
+
+/** Make the Export button open its menu of formats; choosing one calls `save` with its download
+ * function (downloadJson or downloadMarkdown). Arrow keys move in the menu, Escape closes it. */
+export function exportMenu(save) {
+  const toggle = $("export-toggle");
+  const menu = $("export-menu");
+  const items = [...menu.querySelectorAll("[role=menuitem]")];
+  const setOpen = (open) => {
+    menu.hidden = !open;
+    toggle.setAttribute("aria-expanded", String(open));
+    if (open) items[0].focus();
+  };
+  toggle.prepend(icon("download"));
+  toggle.addEventListener("click", () => setOpen(menu.hidden));
+  for (const [id, download] of [["export-markdown", downloadMarkdown], ["export-json", downloadJson]]) {
+    $(id).addEventListener("click", () => {
+      setOpen(false);
+      save(download);
+    });
+  }
+  menu.addEventListener("keydown", (event) => {
+    const step = {ArrowDown: 1, ArrowUp: -1}[event.key];
+    if (step) {
+      event.preventDefault();
+      items[(items.indexOf(document.activeElement) + step + items.length) % items.length].focus();
+    } else if (event.key === "Escape") {
+      event.stopPropagation(); // not the page's Escape, which stops a reply
+      setOpen(false);
+      toggle.focus();
+    }
+  });
+  document.addEventListener("click", (event) => {
+    if (!menu.hidden && !$("export").contains(event.target)) setOpen(false);
+  });
+}
 
 /** Save `conversation` (with its messages) as `<title>.json`. */
 export function downloadJson(conversation) {

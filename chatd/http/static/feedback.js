@@ -8,13 +8,11 @@
 // a Bubble (messages.js) and the server only through api.js.
 
 import {api} from "./api.js";
+import {iconButton} from "./icons.js";
 import {describe, showError} from "./notice.js";
 
 const THUMBS = [{rating: "up", label: "Good reply"}, {rating: "down", label: "Bad reply"}];
 const MAX_COMMENT_CHARS = 2000; // the server's limit (chatd/store/feedback.py)
-
-// A thumb drawn for this page: a cuff and a hand, stroked in the button's colour; turned over for down (chat.css).
-const THUMB_PATHS = ["M3 10h4v11H3z", "M7 10l4-7a2 2 0 0 1 3 2l-1 5h6a2 2 0 0 1 2 2.3l-1.4 7A2 2 0 0 1 17.6 21H7"];
 
 const given = new Map(); // message id -> {rating, comment} as the server accepted it, this page session
 
@@ -28,14 +26,7 @@ export function addRatings(bubbles) {
 }
 
 function thumb(bubble, rating, label) {
-  const button = document.createElement("button");
-  button.type = "button";
-  button.className = `action rate ${rating}`;
-  button.title = label;
-  button.setAttribute("aria-label", label);
-  button.append(icon());
-  button.addEventListener("click", () => (rating === "up" ? rateUp(bubble) : rateDown(bubble)));
-  return button;
+  return iconButton("thumb", label, `action rate ${rating}`, () => (rating === "up" ? rateUp(bubble) : rateDown(bubble)));
 }
 
 async function rateUp(bubble) {
@@ -130,16 +121,4 @@ function button(label, onClick) {
   element.textContent = label;
   element.addEventListener("click", onClick);
   return element;
-}
-
-function icon() {
-  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
-  svg.setAttribute("viewBox", "0 0 24 24");
-  svg.setAttribute("aria-hidden", "true");
-  for (const d of THUMB_PATHS) {
-    const path = document.createElementNS("http://www.w3.org/2000/svg", "path");
-    path.setAttribute("d", d);
-    svg.append(path);
-  }
-  return svg;
 }

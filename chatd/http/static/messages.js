@@ -1,12 +1,18 @@
 // The messages of the open conversation as elements: user text as typed, assistant text as
 // markdown (render.js), a line of stats under each (its token count, and for a reply just
-// generated how fast it came, and what ended it if not its natural end) and its actions: Copy,
-// and Edit (user) or Regenerate (the last reply). It knows nothing of the API: what an action
-// does is the page's (chat.js), and rating a reply is feedback.js's.
+// generated how fast it came, and what ended it if not its natural end) and its actions, icon
+// buttons named for screen readers: Copy, and Edit (user) or Regenerate (the last reply), and
+// Continue under a last reply cut at the token limit. A reply not begun shows that it is awaited.
+// It knows nothing of the API: what an action does is the page's (chat.js), and rating a reply is
+// feedback.js's.
 
+import {iconButton} from "./icons.js";
 import {renderMarkdown} from "./render.js";
 
 const box = () => document.getElementById("messages");
+
+/** The Copy button's name, as a screen reader says it (and as it comes back after "Copied"). */
+export const COPY_LABEL = "Copy message";
 
 // How a reply that did not end with [DONE] is labelled, by chatd's error code.
 const ENDINGS = {
@@ -24,6 +30,7 @@ export class Bubble {
     this.role = role;
     this.text = text ?? "";
     this.id = null; // the message's id on the server, once known (a streaming reply's comes with its first chunk)
+    this.finishReason = null; // a reply's, once it has ended on its own: "length" when cut at the token limit
     this.element = document.createElement("div");
     this.element.className = `message ${role}`;
     this.content = document.createElement("div");
@@ -37,7 +44,10 @@ export class Bubble {
     footer.append(this.stats, this.actions);
     this.element.append(this.content, footer);
     if (role === "user") this.content.textContent = this.text;
-    else if (text === null) this.element.classList.add("waiting");
+    else if (text === null) {
+      this.element.classList.add("waiting");
+      this.content.append(awaited()); // until its first text is painted over it
+    }
     else renderMarkdown(this.content, this.text);
   }
 
@@ -85,6 +95,7 @@ export function addMessage(role, text = null) {
 export function addSaved(message) {
   const bubble = message.call ? addMessage("tool", toolText(message)) : addMessage(message.role, message.content);
   bubble.id = message.id;
+  if (message.status === "complete") bubble.finishReason = message.finish_reason;
   return bubble;
 }
 
@@ -112,15 +123,37 @@ export function shownMessages() {
 }
 
 /** Give every message its buttons: Copy on each, Edit on user messages, Regenerate on the last
- * reply; `handlers` has copy, edit and regenerate, each called with the Bubble. */
+ * reply and Continue when it was cut at the token limit; `handlers` has copy, edit, regenerate and
+ * continue, each called with the Bubble. */
 export function addActions(handlers) {
   const all = shownMessages();
   for (const bubble of all) {
-    const buttons = [actionButton("Copy", () => handlers.copy(bubble))];
-    if (bubble.role === "user") buttons.push(actionButton("Edit", () => handlers.edit(bubble)));
-    if (bubble.role === "assistant" && bubble === all.at(-1)) buttons.push(actionButton("Regenerate", () => handlers.regenerate(bubble)));
+    const buttons = [iconButton("copy", COPY_LABEL, "action copy", () => handlers.copy(bubble))];
+    if (bubble.role === "user") buttons.push(iconButton("edit", "Edit message", "action edit", () => handlers.edit(bubble)));
+    if (bubble.role === "assistant" && bubble === all.at(-1)) {
+      buttons.push(iconButton("regenerate", "Regenerate reply", "action regenerate", () => handlers.regenerate(bubble)));
+      if (bubble.finishReason === "length") buttons.unshift(continueButton(() => handlers.continue(bubble)));
+    }
     bubble.actions.replaceChildren(...buttons);
   }
+}
+
+/** Continue shows its word too: it is what a reader of a cut reply looks for. */
+function continueButton(onClick) {
+  const button = iconButton("continue", "Continue", "action continue", onClick);
+  button.title = "Ask for the rest of this reply, which the token limit cut";
+  button.append("Continue");
+  return button;
+}
+
+/** What a reply shows until its first text: three pulsing dots, announced as awaited. */
+function awaited() {
+  const status = document.createElement("div");
+  status.className = "awaited";
+  status.setAttribute("role", "status");
+  status.setAttribute("aria-label", "Waiting for the reply");
+  for (let i = 0; i < 3; i++) status.append(document.createElement("span"));
+  return status;
 }
 
 /** Turn a user message into a text box with Send and Cancel; resolves to the new text, or null. */
@@ -154,16 +187,6 @@ export function editInPlace(bubble) {
     bubble.content.replaceChildren(field, row);
     field.focus();
   });
-}
-
-/** Copy `text` to the clipboard; false where the browser refuses (no permission, not https). */
-export async function copyText(text) {
-  try {
-    await navigator.clipboard.writeText(text);
-    return true;
-  } catch {
-    return false;
-  }
 }
 
 /** A duration as people read it: 850 ms, 1.25 s, 12 s. */

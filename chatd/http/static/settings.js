@@ -1,7 +1,9 @@
 // A conversation's settings panel: its model (chosen once, at the start), its system prompt and
 // its sampling (temperature, top p, max tokens). The sampling is kept in the conversation's
 // metadata, as strings (OpenAI's metadata holds strings), so it follows the conversation to any
-// browser; each message is sent with it. It knows nothing of the API: chat.js saves what it reads.
+// browser; each message is sent with it. The panel stays folded under its one-line summary, and a
+// new chat opens on a short welcome that names its model instead. It knows nothing of the API:
+// chat.js saves what it reads.
 
 const $ = (id) => document.getElementById(id);
 
@@ -12,7 +14,8 @@ const SAMPLING = [
   {input: "max-tokens", key: "max_completion_tokens", label: "max tokens"},
 ];
 
-/** Show `conversation`'s settings (null: a new chat; `clear` also empties what was typed for it). */
+/** Show `conversation`'s settings, folded (null: a new chat, with its welcome; `clear` also empties
+ * what was typed for it, and folds the panel, which is otherwise left as the user has it while the page loads). */
 export function showSettings(conversation, clear = true) {
   $("model").disabled = conversation !== null;
   if (conversation !== null) {
@@ -23,7 +26,8 @@ export function showSettings(conversation, clear = true) {
     $("system-prompt").value = "";
     for (const field of SAMPLING) $(field.input).value = "";
   }
-  $("settings").open = conversation === null;
+  if (clear || conversation !== null) $("settings").open = false;
+  $("welcome").hidden = conversation !== null;
   $("settings-note").textContent = conversation === null
     ? "Kept with the conversation, for each of its messages."
     : "Changes are saved with this conversation and apply from its next message.";
@@ -32,7 +36,9 @@ export function showSettings(conversation, clear = true) {
 
 /** The one-line summary above the panel: the model and what differs from the defaults. */
 export function summarize(conversation) {
-  const parts = [`Model: ${conversation?.model || $("model").value || "…"}`];
+  const model = conversation?.model || $("model").value || "…";
+  $("welcome-model").textContent = model;
+  const parts = [`Model: ${model}`];
   if ($("system-prompt").value.trim()) parts.push("system prompt");
   for (const field of SAMPLING) {
     if ($(field.input).value !== "") parts.push(`${field.label} ${$(field.input).value}`);
