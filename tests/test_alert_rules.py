@@ -90,6 +90,7 @@ def scraped(tmp_path_factory) -> set[str]:
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 
+@pytest.mark.slow  # (a server to scrape: 5 s)
 def test_every_series_the_rules_and_their_tests_name_is_one_chatd_exports(scraped):
     named = set(SERIES_NAME.findall(RULES.read_text()))
     named |= {SERIES_NAME.match(series).group() for firing, _, quiet in FIRING.values() for series in {**firing, **quiet}}
