@@ -129,8 +129,19 @@ class Canaries:
                 self._begin_step(name, alias)
             self.ramps[name] = stored
             self._apply(name, alias, stored.weight)
+            if stored.state == "ramping":
+                self._load(stored.canary)
         for name in set(self.ramps) - set(self._configured()):
             del self.ramps[name]  # its ramp left the config: the config's weights stand
+
+    def _load(self, name: str) -> None:
+        """Load a ramping canary ahead of its traffic: a request that waited for its load would count
+        the load in its time to first token, and a step judged on a few requests would roll back a
+        healthy version for it."""
+        served = self.fleet.by_name(name)
+        if served is not None and served.status == "unloaded":
+            task = asyncio.get_running_loop().create_task(served.load(), name=f"load canary {name}")
+            task.add_done_callback(lambda done: done.cancelled() or done.exception())  # (logged by the load)
 
     async def _check_forever(self) -> None:
         while True:
