@@ -47,6 +47,7 @@ async def test_the_page_picks_a_model_and_its_conversation_stays_on_it(tmp_path)
             await page.goto(url + "/")
             options = page.locator("#model option")
             await expect(options).to_have_text(["small", "qwen (loads on first use)", "chat"])
+            await page.click("#settings-summary")  # a new chat's settings, the model among them, are folded away
             await page.select_option("#model", "qwen")
             for turn, text in enumerate(("first question", "second question"), start=1):
                 await page.fill("#input", text)
