@@ -70,7 +70,9 @@ def prometheus(tmp_path_factory):
     proc, url, _ = start_server(root, demo, config)
     port = free_port()
     scrape = root / "prometheus.yml"
-    scrape.write_text(f"global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nscrape_configs:\n  - job_name: chatd\n"
+    # Every 2 s, with as long to answer: a scrape cut short on a busy machine would leave gaps.
+    scrape.write_text(f"global: {{scrape_interval: 2s, scrape_timeout: 2s, evaluation_interval: 2s}}\n"
+                      f"scrape_configs:\n  - job_name: chatd\n"
                       f"    static_configs: [{{targets: ['{url.removeprefix('http://')}']}}]\n")
     server = subprocess.Popen([PROMETHEUS, f"--config.file={scrape}", f"--storage.tsdb.path={root / 'tsdb'}",
                                f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
@@ -96,10 +98,9 @@ def prometheus(tmp_path_factory):
                                body={"content": "hello", "max_tokens": 4})
             client.post("/feedback", cast_to=dict, body={"id": turn["id"], "rating": "down"})
         deadline = time.monotonic() + 60
-        while not query(prometheus_url, 'chatd:usage_tokens_total{tier="paid"}'):
+        while not query(prometheus_url, 'chatd:feedback_total{model_name="v2",rating="down"} == 2'):  # the last act
             assert time.monotonic() < deadline, "Prometheus never scraped the load"
             time.sleep(0.5)
-        time.sleep(3)  # a few more scrapes, so each rate has points on both sides
         yield prometheus_url
     finally:
         server.terminate()
@@ -111,12 +112,13 @@ def test_every_panel_s_query_returns_data_from_a_real_prometheus(prometheus):
     dashboard = json.loads(DASHBOARD.read_text())
     panels = [panel for panel in dashboard["panels"] if panel["type"] != "row"]
     assert len(panels) >= 20 and all(panel["targets"] for panel in panels)
-    empty = []
-    for panel in panels:
-        for target in panel["targets"]:
-            expr = target["expr"].replace("$__rate_interval", "30s")
-            if not query(prometheus, expr):
-                empty.append(f"{panel['title']}: {target['expr']}")
+    deadline = time.monotonic() + 90  # each rate needs scrapes on both sides of the load
+    while True:
+        empty = [f"{panel['title']}: {target['expr']}" for panel in panels for target in panel["targets"]
+                 if not query(prometheus, target["expr"].replace("$__rate_interval", "30s"))]
+        if not empty or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert empty == []
 
 
