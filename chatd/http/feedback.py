@@ -5,7 +5,8 @@ The reply is named by its id: an assistant message of a conversation or of a Res
 "cmpl-...": chatd keeps no text of those, only their usage row, which names the model). Only the
 caller's own replies can be rated: another tenant's id is a 404 like an unknown one. Rating a
 reply again replaces the rating. Each rating is counted in /metrics under the model that served
-the reply (`chatd:feedback_total{model_name, rating}`); the operator reads them with
+the reply (`chatd:feedback_total{model_name, rating}`), once per reply and rating (sending the same
+rating again adds nothing); the operator reads them with
 `chatd feedback list` and `export`.
 """
 
@@ -40,8 +41,10 @@ async def post_feedback(request: web.Request) -> web.Response:
     if found is None:
         raise APIError(404, f"you have no reply {shown(reply_id)} to rate", "id", "not_found")
     target, model = found
+    before = await state.store.rating_of(tenant.id, reply_id)
     rated = await state.store.rate(tenant.id, reply_id, target, model, rating, comment or None)
-    state.metrics.feedback_given(model, rating)
+    if before != rating:  # the same rating again (a comment added) is not one more: it would inflate
+        state.metrics.feedback_given(model, rating)  # the counts a canary ramp is judged by
     return json_response(feedback_json(rated))
 
 

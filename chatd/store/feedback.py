@@ -88,6 +88,11 @@ class Feedback:
             return ("completion", rows[0][0]) if rows else None
         return None
 
+    async def rating_of(self, tenant_id: str, target_id: str) -> str | None:
+        """The tenant's rating of a reply now (up or down), or None if it has none."""
+        rows = await self._fetch("SELECT rating FROM feedback WHERE tenant_id = ? AND target_id = ?", (tenant_id, target_id))
+        return rows[0][0] if rows else None
+
     async def rate(self, tenant_id: str, target_id: str, target: str, model: str, rating: str,
                    comment: str | None = None) -> Rating:
         """Keep a tenant's rating of a reply (found by `rated_reply`), replacing its earlier one."""

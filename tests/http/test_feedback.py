@@ -60,7 +60,7 @@ async def test_each_kind_of_reply_is_rated_by_its_own_tenant_under_the_model_tha
         metrics = await r.text()
     counted = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith("chatd:feedback_total{")}
-    assert counted['chatd:feedback_total{model_name="demo",rating="up"}'] == 5
+    assert counted['chatd:feedback_total{model_name="demo",rating="up"}'] == 4  # rating chat's reply up again adds none
     assert counted['chatd:feedback_total{model_name="demo",rating="down"}'] == 1
 
     listed = subprocess.run([sys.executable, "-m", "chatd", "feedback", "list", "--config", str(server["config"]),
