@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from chatd.config import AliasConfig, RampConfig
+from chatd.http.errors import APIError
 from chatd.http.fleet import Fleet
 from chatd.http.metrics import ServerMetrics
 from chatd.store.canaries import RampState
@@ -130,18 +131,26 @@ class Canaries:
             self.ramps[name] = stored
             self._apply(name, alias, stored.weight)
             if stored.state == "ramping":
-                self._load(stored.canary)
+                self._load(name, stored.canary)
         for name in set(self.ramps) - set(self._configured()):
             del self.ramps[name]  # its ramp left the config: the config's weights stand
 
-    def _load(self, name: str) -> None:
+    def _load(self, alias: str, name: str) -> None:
         """Load a ramping canary ahead of its traffic: a request that waited for its load would count
         the load in its time to first token, and a step judged on a few requests would roll back a
-        healthy version for it."""
+        healthy version for it. One that cannot be loaded at all is rolled back."""
         served = self.fleet.by_name(name)
         if served is not None and served.status == "unloaded":
-            task = asyncio.get_running_loop().create_task(served.load(), name=f"load canary {name}")
-            task.add_done_callback(lambda done: done.cancelled() or done.exception())  # (logged by the load)
+            asyncio.get_running_loop().create_task(self._load_or_roll_back(alias, served), name=f"load canary {name}")
+
+    async def _load_or_roll_back(self, alias: str, served) -> None:
+        try:
+            await served.load()
+        except APIError:
+            return  # no room under the memory budget now: tried again at the next check
+        except Exception as exc:  # (the load logged it)
+            if self.ramps.get(alias) is not None and self.ramps[alias].state == "ramping":
+                await self.roll_back(alias, f"{served.name} could not be loaded: {type(exc).__name__}: {exc}")
 
     async def _check_forever(self) -> None:
         while True:

@@ -5,6 +5,8 @@ check after it has served enough; every step is kept, and a restart goes on from
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from chatd.http.canary import Canaries, Window, verdict
@@ -113,3 +115,27 @@ def test_the_verdict_names_the_measure_and_leaves_out_a_bound_of_zero():
     assert "error rate 10.0%" in verdict(RampConfig(canary="c"), canary, stable)
     assert verdict(RampConfig(canary="c", max_error_rate_increase=0), canary, stable) is None
     assert verdict(RampConfig(canary="c", max_error_rate_increase=0.1), canary, stable) is None
+
+
+async def test_a_canary_that_cannot_be_loaded_is_rolled_back(tmp_path):
+    clock = Clock()
+    store = await Store.open(tmp_path / "chatd.db", clock=clock)
+    fleet, _, _ = make_fleet(RAMPED)
+    canary = fleet.by_name("canary")
+
+    def broken(_):
+        raise RuntimeError("no such weights")
+
+    canary._make_engine = broken
+    canaries = Canaries(fleet, store, ServerMetrics("small"), clock)
+    try:
+        await canaries.adopt()  # the ramp starts, and its canary is loaded ahead of its traffic
+        for _ in range(50):
+            if canaries.ramps["chat"].state != "ramping":
+                break
+            await asyncio.sleep(0.02)
+        assert (canaries.ramps["chat"].state, fleet.aliases["chat"].targets["canary"]) == ("rolled_back", 0.0)
+        [*_, rollback] = await store.ramp_events("chat")
+        assert "canary could not be loaded: RuntimeError: no such weights" in rollback.reason
+    finally:
+        await store.close()
