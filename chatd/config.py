@@ -340,6 +340,20 @@ class SafetyConfig:
             raise ValueError(f"setting safety.guard_max_model_len must be at least 64 tokens, got {self.guard_max_model_len}")
 
 
+@dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry traces over OTLP/HTTP (http/tracing.py), off while no endpoint is named here or in
+    OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT; needs the `tracing` extra (pip install 'chatd[tracing]')."""
+
+    otlp_endpoint: str = ""  # the collector's base URL (http://localhost:4318): spans go to its /v1/traces
+    sample_ratio: float = 1.0  # the share of other traces kept; errors and refusals are always kept
+    service_name: str = ""  # empty: $OTEL_SERVICE_NAME, else "chatd"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ValueError(f"setting tracing.sample_ratio must be from 0 to 1, got {self.sample_ratio}")
+
+
 # A model's or an alias's name as clients send it in `model`.
 SERVED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 # What a request may send as `model` to mean its tier's default.
@@ -379,6 +393,7 @@ class Config:
     safety: SafetyConfig = field(default_factory=SafetyConfig)
     embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     prices: dict[str, Price] = field(default_factory=dict)  # served model name -> its price
     tiers: dict[str, TierConfig] = field(default_factory=lambda: dict(DEFAULT_TIERS))  # tier name -> its limits
     tiers_storage: str = ""  # [tiers] storage: the buckets' store, "" (each replica's own) or "redis://host:6379/0"
@@ -402,7 +417,7 @@ class Config:
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig, "store": StoreConfig,
     "auth": AuthConfig, "conversations": ConversationsConfig, "safety": SafetyConfig, "embeddings": EmbeddingsConfig,
-    "speculative": SpeculativeConfig}
+    "speculative": SpeculativeConfig, "tracing": TracingConfig}
 
 
 def chatd_home() -> Path:

@@ -19,6 +19,7 @@ from chatd.http import (admin, completions, conversations, embeddings, feedback,
 from chatd.http.auth import TENANT, auth_middleware
 from chatd.http.cors import Cors
 from chatd.http.request_log import request_log_middleware
+from chatd.http.tracing import add_traceparent
 from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware, error_response
 from chatd.http.state import STATE, ServerState
 from chatd.http.turns import TURNS, Turns
@@ -134,12 +135,16 @@ def create_app(state: ServerState, max_body_bytes: int = 4 * 2**20) -> web.Appli
     cors = Cors(state.config.server.allowed_origins)
     middlewares = [request_id_middleware, request_log_middleware, draining_middleware, error_middleware,
                    *cors.middlewares, store_middleware, auth_middleware]
+    if state.tracing.enabled:  # off by default; then nothing of it runs
+        middlewares.insert(1, state.tracing.middleware(lambda request: request.get(TENANT)))
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[STATE] = state
     app[TURNS] = Turns(state)
     app[MAX_BODY_BYTES] = max_body_bytes
     app[page.STATIC] = page.load_static()
     app.on_response_prepare.append(_echo_request_id)
+    if state.tracing.enabled:
+        app.on_response_prepare.append(add_traceparent)
     if state.limits.enabled:
         app.on_response_prepare.append(_rate_limit_headers)
     if cors.enabled:  # off by default, and then nothing of it runs

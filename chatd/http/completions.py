@@ -34,6 +34,7 @@ from chatd.http.escalation import request_traits
 from chatd.http.served_model import ServedModel
 from chatd.http.protocol import GenerationRequest, parse_chat, parse_completion, requested_model
 from chatd.http.request_log import REQUEST_LOG, GenerationRecord
+from chatd.http.tracing import usage_attributes
 from chatd.http.safety import input_strings
 from chatd.http.state import STATE, ServerState
 from chatd.http.tools import ToolUse
@@ -68,10 +69,11 @@ async def _complete(request: web.Request, state: ServerState, served: ServedMode
                     chat: bool) -> web.StreamResponse:
     tenant = request[TENANT]
     state.safety.check_prompt_shown(gen.prompt_logprobs, gen.params.logprobs if gen.echo else None)
-    record = GenerationRecord("chat" if chat else "completions", request.get(REQUEST_LOG), served.name)
+    record = GenerationRecord("chat" if chat else "completions", request.get(REQUEST_LOG), served.name, state.tracing)
     route = _Chat(served, gen, tenant) if chat else _TextCompletion(served, gen)
     started = await pipeline.start(state, served, tenant, route, request[REQUEST_ID], record.start)
     admitted, prompts = started.admitted, started.prompts
+    record.launched(admitted.params)
     parser = route.tools.parser if chat else None
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -424,7 +426,8 @@ def _record_usage(state: ServerState, served: ServedModel, tenant, endpoint: str
     keeps the reply's id, which a rating of it names (POST /v1/feedback)."""
     usage = output_usage(*outputs)
     prompt, cached, completion = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]
-    state.ledger.record_usage(tenant.id, endpoint=endpoint, model=served.name, prompt_tokens=prompt,
-                              cached_tokens=cached, completion_tokens=completion,
-                              cost=served.cost(prompt, cached, completion), message_id=response_id)
+    written = state.ledger.record_usage(tenant.id, endpoint=endpoint, model=served.name, prompt_tokens=prompt,
+                                        cached_tokens=cached, completion_tokens=completion,
+                                        cost=served.cost(prompt, cached, completion), message_id=response_id)
+    state.tracing.until_done("chatd.usage", written, usage_attributes(prompt, cached, completion))
     state.metrics.usage(tenant.tier, served.name, prompt, cached, completion, served.cost(prompt, cached, completion))

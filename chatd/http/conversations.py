@@ -27,7 +27,8 @@ from chatd.http.served_model import ServedModel
 from chatd.http.protocol import json_body, parse_turn, requested_model, shown
 from chatd.http.request_log import REQUEST_LOG
 from chatd.http.state import STATE, ServerState
-from chatd.http.turns import ROUTING_KEY_HEADER, TURNS, MessageTurn, ReplyStream, conversation_not_found
+from chatd.http.message_turn import MessageTurn
+from chatd.http.turns import ROUTING_KEY_HEADER, TURNS, ReplyStream, conversation_not_found
 from chatd.http.wire import DONE, checked, json_response, read_json, stream_events
 from chatd.store.db import Conversation, Message, Tenant
 

@@ -28,6 +28,7 @@ from chatd.engine import Embedder
 from chatd.http.auth import TENANT
 from chatd.http.errors import APIError, shown
 from chatd.http.state import STATE, ServerState
+from chatd.http.tracing import usage_attributes
 from chatd.http.wire import checked, read_json
 from chatd.store.db import Tenant
 
@@ -54,22 +55,30 @@ async def embeddings(request: web.Request) -> web.Response:
     tenant = request[TENANT]
     parsed = await checked(request, parse_request, await read_json(request), embedder, state.config.embeddings.max_inputs)
     check_model(state, embedder, parsed.model, tenant)
-    state.check_store_writable()
-    priority = state.limits.placement(tenant, 0).priority
-    state.limits.precheck(tenant, priority, _drain_rate(state))  # a refused flood costs no tokenizing
-    inputs = parsed.token_ids if parsed.token_ids is not None else await state.off_loop(embedder.encode, parsed.texts)
-    check_lengths(inputs, embedder.max_input_tokens)
+    stage = state.tracing.stage  # the same stages as a generating request's, where they apply (tracing.py)
+    with stage("chatd.check"):
+        state.check_store_writable()
+        priority = state.limits.placement(tenant, 0).priority
+        state.limits.precheck(tenant, priority, _drain_rate(state))  # a refused flood costs no tokenizing
+    with stage("chatd.render"):
+        inputs = parsed.token_ids if parsed.token_ids is not None else await state.off_loop(embedder.encode, parsed.texts)
+        check_lengths(inputs, embedder.max_input_tokens)
     num_tokens = sum(map(len, inputs))
-    check_tier_size(state, tenant, num_tokens)
-    lease = await state.limits.admit_async(tenant, num_tokens, num_tokens, priority, _drain_rate(state), "input")
+    with stage("chatd.admit"):
+        check_tier_size(state, tenant, num_tokens)
+        lease = await state.limits.admit_async(tenant, num_tokens, num_tokens, priority, _drain_rate(state), "input")
     try:
-        # In the tenant's turn: its passes alternate with other tenants' (engine/embedding_queue.py).
-        vectors = await asyncio.wrap_future(embedder.submit(inputs, tenant.id))
+        with stage(f"embeddings {embedder.name}", {"gen_ai.operation.name": "embeddings", "gen_ai.provider.name": "chatd",
+                                                   "gen_ai.request.model": embedder.name,
+                                                   "gen_ai.usage.input_tokens": num_tokens}):
+            # In the tenant's turn: its passes alternate with other tenants' (engine/embedding_queue.py).
+            vectors = await asyncio.wrap_future(embedder.submit(inputs, tenant.id))
     finally:
         lease.release(num_tokens)
     cost = state.config.price(embedder.name).cost(num_tokens, 0, 0)
-    state.ledger.record_usage(tenant.id, endpoint=ENDPOINT, model=embedder.name, prompt_tokens=num_tokens,
-                              cached_tokens=0, completion_tokens=0, cost=cost)
+    written = state.ledger.record_usage(tenant.id, endpoint=ENDPOINT, model=embedder.name, prompt_tokens=num_tokens,
+                                        cached_tokens=0, completion_tokens=0, cost=cost)
+    state.tracing.until_done("chatd.usage", written, usage_attributes(num_tokens, 0, 0))
     state.metrics.usage(tenant.tier, embedder.name, num_tokens, 0, 0, cost)
     if parsed.dimensions is not None:
         vectors = embedder.shorten(vectors, parsed.dimensions)

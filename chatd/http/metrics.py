@@ -38,6 +38,8 @@ SHED_REASONS = ("overloaded", "queue_full", "limit_store")
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))
 LOAD_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 UNLOAD_REASONS = ("idle", "room", "stopped", "admin")
+# What becomes of a finished trace's spans (tracing.py, trace_export.py).
+TRACE_OUTCOMES = ("exported", "sampled_out", "dropped_queue_full", "dropped_export_failed", "dropped_too_many_pending")
 class ServerMetrics:
     """The server's Prometheus metrics."""
 
@@ -131,7 +133,16 @@ class ServerMetrics:
         self._feedback = Counter("chatd:feedback_total", "Users' ratings of replies (POST /v1/feedback), by the "
                                  "model that served the reply and rating (up, down).", ["model_name", "rating"],
                                  registry=self.registry)
+        self._trace_spans = Counter("chatd:trace_spans_total", "Spans of finished traces ([tracing] on), by outcome: "
+                                    "exported, sampled_out, dropped_queue_full, dropped_export_failed, "
+                                    "dropped_too_many_pending.", ["outcome"], registry=self.registry)
+        for outcome in TRACE_OUTCOMES:  # at 0 from the start (and while tracing is off), for rates and alerts
+            self._trace_spans.labels(outcome=outcome)
         self.declare_model(model_name, kv_bytes_per_token, block_size)
+
+    def trace_spans(self, outcome: str, count: int) -> None:
+        """Spans a finished trace had, by what became of them (from the export thread too)."""
+        self._trace_spans.labels(outcome=outcome).inc(count)
 
     def canary_changed(self, alias: str, model_name: str, weight: float, action: str | None = None) -> None:
         """A canary's weight in its alias now, and the ramp's step (start, advance, done, rollback, restart)."""
@@ -196,6 +207,11 @@ class ServerMetrics:
             ["model_name", "check"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self._guard_failures = Counter("chatd:safety_guard_failures_total", "Guard model checks that failed or "
                                        "timed out (each policy's `failure` decided).", ["model_name"], registry=self.registry)
+        self._appeals = Counter("chatd:safety_appeals_total", "Appeals users filed against the safety pipeline's "
+                                "decisions about them (POST /v1/appeals), by the decision's stage.", ["stage"],
+                                registry=self.registry)
+        for stage in ("input", "output", "moderations"):
+            self._appeals.labels(stage=stage)
         for model_name in self._model_names:
             self._guard_failures.labels(model_name=model_name)
             for category in categories:
@@ -211,6 +227,9 @@ class ServerMetrics:
 
     def safety_check(self, check: str, seconds: float, model_name: str | None = None) -> None:
         self._safety_seconds.labels(model_name=model_name or self.model_name, check=check).observe(seconds)
+
+    def appeal_filed(self, stage: str) -> None:
+        self._appeals.labels(stage=stage).inc()
 
     def guard_failed(self, model_name: str | None = None) -> None:
         self._guard_failures.labels(model_name=model_name or self.model_name).inc()

@@ -103,6 +103,7 @@ async def create_appeal(request: web.Request) -> web.Response:
         raise _not_found(appeal_id) from None
     except ValueError as exc:
         raise APIError(409, f"appeal {appeal_id!r} cannot be appealed again: {exc}", "appeal_id", "appeal_closed") from None
+    state.metrics.appeal_filed(event.stage)
     return json_response(appeal_json(event))
 
 

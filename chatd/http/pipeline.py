@@ -12,6 +12,8 @@
            the buckets, a place among the engine's requests
   launch   one engine request per prompt; a refusal names the client's own fields
 
+With [tracing] on, each stage that runs is a span (tracing.py): chatd.pick, chatd.check, and so on.
+
 A route says what differs (a `Generation`: its texts and its prompts); `start` runs the stages
 and hands back a `Started`: the request as admitted, passed whole from here on. What follows is
 the route's own: rows (a turn), the output watch, streaming, billing.
@@ -77,14 +79,23 @@ async def start(state: ServerState, served: ServedModel, tenant: Tenant, route: 
                 arrived_at: float | None = None, conversation_id: str | None = None) -> Started:
     """Run every stage for one request on the model `served`; an error (APIError, ParamError)
     leaves nothing held."""
-    check(state, served, tenant, route.gen)
+    stage = state.tracing.stage  # each stage's span (tracing.py); off, a null context
+    with stage("chatd.check"):
+        check(state, served, tenant, route.gen)
     if state.safety.config.check_input:
-        texts = await route.input_texts()
-        route.use_input_texts(await state.safety.check_input(tenant, route.endpoint, texts, request_id,
-                                                             conversation_id, served.name))
-    prompts = await route.prompts()
-    await check_structured(served, route.gen.params.structured, tenant)
-    admitted = await admit(state, served, tenant, route.gen, list(prompts.values()), arrived_at)
+        with stage("chatd.screen"):
+            texts = await route.input_texts()
+            route.use_input_texts(await state.safety.check_input(tenant, route.endpoint, texts, request_id,
+                                                                 conversation_id, served.name))
+    with stage("chatd.render") as span:
+        prompts = await route.prompts()
+        if span is not None:
+            span.set_attribute("gen_ai.usage.input_tokens", sum(map(len, prompts.values())))
+    if route.gen.params.structured is not None:
+        with stage("chatd.grammar"):
+            await check_structured(served, route.gen.params.structured, tenant)
+    with stage("chatd.admit"):
+        admitted = await admit(state, served, tenant, route.gen, list(prompts.values()), arrived_at)
     try:
         handles = launch(state, served, admitted, prompts)
     except BaseException:
@@ -100,6 +111,15 @@ async def pick(state: ServerState, requested: str | None, tenant: Tenant, thread
     a `min_confidence`, the small model answers the request's own messages for a few tokens first
     (escalation.py), under the tenant's limits as they stand (a refused flood costs no probe), its
     priority and its prefix-cache scope; too unsure, and the large model serves it."""
+    with state.tracing.stage("chatd.pick") as span:
+        served = await _pick(state, requested, tenant, thread_model, traits)
+        if span is not None:
+            span.set_attribute("gen_ai.request.model", served.name)
+        return served
+
+
+async def _pick(state: ServerState, requested: str | None, tenant: Tenant, thread_model: str | None,
+                traits: RequestTraits) -> ServedModel:
     choice = state.choose_model(requested, tenant, thread_model, traits)
     alias = state.fleet.aliases.get(choice.alias) if choice.alias is not None else None
     rules = alias.escalate_when if alias is not None and alias.small else None

@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from chatd.engine import RequestOutput
+from chatd.engine import RequestOutput, SamplingParams
 from chatd.http.auth import TENANT
 from chatd.http.errors import REQUEST_ID, loggable
 from chatd.http.metrics import ServerMetrics
 from chatd.http.openai_format import output_usage
+from chatd.http.tracing import Tracing
 
 log = logging.getLogger("chatd.http")
 
@@ -104,14 +105,21 @@ class GenerationRecord:
     route: str
     request_log: RequestLog | None = None  # None: a request nobody logs (an app without the middleware)
     model_name: str | None = None  # the model that served it (None: the server's first)
+    tracing: Tracing | None = None  # draws its span when it ends (None or off: none)
     clock: Callable[[], float] = time.perf_counter
     start: float = field(init=False)
+    launched_at: float | None = None  # when its engine requests were queued (`launched`)
+    params: SamplingParams | None = None  # what they were queued with
     first_token: float | None = None
     last_token: float | None = None
     inter_token: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.start = self.clock()
+
+    def launched(self, params: SamplingParams) -> None:
+        """Its engine requests are queued now, with `params`."""
+        self.launched_at, self.params = self.clock(), params
 
     def tokens_arrived(self) -> None:
         now = self.clock()
@@ -149,6 +157,8 @@ class GenerationRecord:
             queue_time=min(queue_times, default=None),  # when the first of its requests started, as ttft
             inter_token_latencies=self.inter_token, model_name=self.model_name,
         )
+        if self.tracing is not None:
+            self.tracing.generation(self, outputs, reason, usage, fields)
         if self.request_log is not None:
             if self.model_name is not None:
                 self.request_log.fields["model"] = self.model_name

@@ -26,6 +26,7 @@ from chatd.config import SafetyConfig
 from chatd.engine import CompletionOutput, FinishReason, Logprob, RequestHandle, RequestOutput
 from chatd.http.errors import APIError
 from chatd.http.metrics import ServerMetrics
+from chatd.http.tracing import Tracing
 from chatd.safety.pipeline import SafetyPipeline
 from chatd.safety.policy import Decision
 from chatd.safety.rules import ALL_CATEGORIES
@@ -41,9 +42,11 @@ class Safety:
     """The safety pipeline as the server applies it: checks, refusals, the audit trail, metrics."""
 
     def __init__(self, pipeline: SafetyPipeline, store: Store, metrics: ServerMetrics,
-                 token_text: Callable[[int], str] = str) -> None:
-        """token_text: a token id's text (the served tokenizer's), to judge logprobs' alternatives."""
+                 token_text: Callable[[int], str] = str, tracing: Tracing = Tracing()) -> None:
+        """token_text: a token id's text (the served tokenizer's), to judge logprobs' alternatives;
+        tracing: where each choice's last output check is a span."""
         self.pipeline, self.store, self.metrics, self.token_text = pipeline, store, metrics, token_text
+        self.tracing = tracing
         self.config: SafetyConfig = pipeline.config
         metrics.declare_safety(ALL_CATEGORIES)
 
@@ -115,13 +118,18 @@ class Safety:
             record = _Recorder(self, tenant, "output", endpoint, window.text, request_id, conversation_id, message_id)
             for finding in {(f.category, f.action) for f in window.findings}:
                 self.metrics.safety_action(finding[0], "output", finding[1], model_name)
-            if window.violation is not None:  # as for inputs, a refusal is the one record of its text
-                await record("blocked", sorted({f.category for f in window.findings if f.action == "block"}))
-                return
-            for action in ("flag", "redact"):
-                found = sorted({f.category for f in window.findings if f.action == action})
-                if found:
-                    await record(ACTION_EVENTS[action], found)
+            with self.tracing.stage("chatd.output_check") as span:
+                if span is not None:  # what was found, by category: never the text
+                    span.set_attribute("chatd.safety.categories", sorted({f.category for f in window.findings}))
+                if window.violation is not None:  # as for inputs, a refusal is the one record of its text
+                    if span is not None:
+                        span.set_attribute("chatd.refused", True)
+                    await record("blocked", sorted({f.category for f in window.findings if f.action == "block"}))
+                    return
+                for action in ("flag", "redact"):
+                    found = sorted({f.category for f in window.findings if f.action == action})
+                    if found:
+                        await record(ACTION_EVENTS[action], found)
 
         return WatchedReply(handle, lambda: self.pipeline.output_window(tenant.tier), num_choices,
                             self.config.output_notice, on_end, token_text or self.token_text)

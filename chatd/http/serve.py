@@ -348,6 +348,7 @@ async def _serve_with(config: Config, store: Store, ledger: Ledger, listening: L
         await runner.cleanup()  # handlers finish their last writes, or are cancelled after SHUTDOWN_WRITE_SECONDS
         await state.wait_background(timeout=10.0)
         await state.limits.close()  # the last give-backs to the shared buckets, and their connections
+        await asyncio.to_thread(state.tracing.close)  # the spans still queued, for a few seconds at most
         state.tokenizing.shutdown(wait=False, cancel_futures=True)
         log.info("stopped")
 

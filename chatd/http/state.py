@@ -24,6 +24,7 @@ from chatd.http.served_model import ServedModel, fleet_config
 from chatd.http.limits import Limits
 from chatd.http.metrics import ServerMetrics
 from chatd.http.safety import Safety
+from chatd.http.tracing import Tracing
 from chatd.safety.guard import GuardModel
 from chatd.safety.pipeline import SafetyPipeline
 from chatd.store.db import Store, StoreUnavailableError, Tenant
@@ -64,6 +65,7 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
     limits: Limits = field(init=False)  # the tiers' buckets, bounds and load shedding
     safety: Safety = field(init=False)  # input checks, output windows, moderation, the audit trail
+    tracing: Tracing = field(init=False)  # spans of requests and their stages; off unless [tracing] names a collector
     # Rendering and tokenizing run here, off the event loop. Two threads: a huge prompt does not
     # hold up everyone else's, and the loop competes for the GIL with few threads.
     tokenizing: concurrent.futures.ThreadPoolExecutor = field(
@@ -90,7 +92,8 @@ class ServerState:
         self.limits = Limits(self.config.tiers, self.config.auth.enabled, self.metrics,
                              shared_buckets(self.config.tiers_storage), self.config.tiers_on_storage_error == "open")
         pipeline = SafetyPipeline.build(self.config.safety, self.config.policies, self.guard)
-        self.safety = Safety(pipeline, self.store, self.metrics, self.fleet.primary.token_text)
+        self.tracing = Tracing.start(self.config.tracing, self.metrics.trace_spans)
+        self.safety = Safety(pipeline, self.store, self.metrics, self.fleet.primary.token_text, self.tracing)
 
     def pick_model(self, requested: str | None, tenant: Tenant | None = None, thread_model: str | None = None,
                    traits: RequestTraits = RequestTraits()) -> ServedModel:

@@ -22,7 +22,8 @@ When a reply ends it is observed in the metrics under its job's route, and its c
 log line of the request that started it; that line waits for the reply (request_log.py), so a
 reply that outlives its client is still logged once, whole.
 
-It knows nothing of routes or of writing to a client: conversations.py does both.
+It knows nothing of routes or of writing to a client: conversations.py does both. The two kinds
+of turn are message_turn.py's and response_turn.py's.
 """
 
 from __future__ import annotations
@@ -40,15 +41,15 @@ from chatd.engine import CompletionOutput, EngineClient, FinishReason, RequestOu
 from chatd.http import pipeline
 from chatd.http.errors import APIError, error_body
 from chatd.http.served_model import ServedModel
-from chatd.http.history import render_turn
 from chatd.http.limits import Lease
-from chatd.http.openai_format import ChunkFormat, finish_reason, merged_with
+from chatd.http.openai_format import finish_reason, merged_with
 from chatd.http.pipeline import Generation
-from chatd.http.protocol import GenerationRequest, TurnRequest
+from chatd.http.protocol import GenerationRequest
 from chatd.http.request_log import GenerationRecord, RequestLog
 from chatd.http.state import ServerState
-from chatd.http.wire import DONE, sse_event
-from chatd.store.db import Conversation, Message, Tenant
+from chatd.http.tracing import usage_attributes
+from chatd.http.wire import sse_event
+from chatd.store.db import Message, Tenant
 from chatd.store.messages import Call, call_rows
 
 log = logging.getLogger("chatd.http")
@@ -194,9 +195,9 @@ class Turns:
                                     "finished", None, "conversation_busy")
             self._busy.add(job.busy_key)  # released by the turn task; no await between the check and this
         started: asyncio.Future = asyncio.get_running_loop().create_future()
-        record = GenerationRecord(job.route, request_log, job.served.name)
+        record = GenerationRecord(job.route, request_log, job.served.name, self.state.tracing)
         record.hold_log()  # released by the turn task, however it ends
-        self.state.spawn(self._run(tenant, job, started, request_id, record),
+        self.state.spawn(self._traced_run(tenant, job, started, request_id, record),
                          name=f"turn {job.busy_key or job.endpoint}")
         # Shielded: a client that leaves now does not stop the turn; it finishes and is saved.
         return await asyncio.shield(started)
@@ -222,6 +223,12 @@ class Turns:
 
     # -- the turn task ----------------------------------------------------------------------------
 
+    async def _traced_run(self, tenant: Tenant, job: TurnJob, started: asyncio.Future, request_id: str | None,
+                          record: GenerationRecord) -> None:
+        """The turn task, as one span (tracing.py): it outlives its request when the client leaves."""
+        with self.state.tracing.stage("chatd.turn", {"chatd.route": job.route}):
+            await self._run(tenant, job, started, request_id, record)
+
     async def _run(self, tenant: Tenant, job: TurnJob, started: asyncio.Future, request_id: str | None,
                    record: GenerationRecord) -> None:
         """Check, render, start and run one turn; `started` gets (reply, omitted) or the error that stopped it."""
@@ -235,9 +242,11 @@ class Turns:
                 _fail(started, exc)
                 raise
             lease, results = launched.admitted.lease, launched.handles[0]
+            record.launched(launched.admitted.params)
             [prompt] = launched.prompts.values()
             try:
-                assistant = await job.begin()
+                with state.tracing.stage("chatd.store_write", {"chatd.store.rows": "turn_start"}):
+                    assistant = await job.begin()
             except BaseException as exc:
                 results.abort()
                 _fail(started, job.not_found() if isinstance(exc, LookupError) else exc)
@@ -328,14 +337,19 @@ class Turns:
         # The reply and its usage are written together before its stream ends, so a client that reads
         # the conversation next sees it. If the store cannot write now (a full disk) the ledger keeps
         # it and writes it later; the stream ends at once, with the message as it will be saved.
+        billed = usage_attributes(len(prompt), cached, completion)
         if job.stored:
             # A reply that called tools is rendered from its calls next turn: its ids would not be exact.
             reply_ids = _reply_token_ids(job.served, job.gen, output) if status != "error" and not calls else None
-            await state.ledger.finish_turn(tenant.id, assistant.id, model=job.served.name, endpoint=job.endpoint,
-                                           token_ids=reply_ids, calls=calls, **fields)
+            written = state.ledger.finish_turn(tenant.id, assistant.id, model=job.served.name, endpoint=job.endpoint,
+                                               token_ids=reply_ids, calls=calls, **fields)
+            state.tracing.until_done("chatd.usage", written, {**billed, "chatd.store.rows": "reply_and_usage"})
+            await written
         else:
-            state.ledger.record_usage(tenant.id, endpoint=job.endpoint, model=job.served.name, cost=fields["cost"],
-                                      prompt_tokens=len(prompt), cached_tokens=cached, completion_tokens=completion)
+            written = state.ledger.record_usage(tenant.id, endpoint=job.endpoint, model=job.served.name,
+                                                cost=fields["cost"], prompt_tokens=len(prompt), cached_tokens=cached,
+                                                completion_tokens=completion)
+            state.tracing.until_done("chatd.usage", written, billed)
         state.metrics.usage(tenant.tier, job.served.name, len(prompt), cached, completion, fields["cost"])
         reply.error = error
         for payload in events.closing(message, merged, reply):
@@ -343,72 +357,6 @@ class Turns:
         reply.finish(message)
         loop = asyncio.get_running_loop()
         loop.call_later(state.config.conversations.stream_replay_seconds, self._replies.pop, assistant.id, None)
-
-
-class MessageTurn:
-    """A conversation's next user message (`POST /v1/conversations/{id}/messages`), told as chat-completion chunks."""
-
-    stored, named_events, endpoint, route = True, False, "conversations", "conversation"
-
-    def __init__(self, state: ServerState, served: ServedModel, tenant: Tenant, conversation: Conversation,
-                 turn: TurnRequest, idempotency_key: str | None = None) -> None:
-        self.state, self.served, self.tenant, self.conversation, self.turn = state, served, tenant, conversation, turn
-        self.idempotency_key = idempotency_key  # claimed by the route; the turn's rows are bound to it
-        self.gen = turn.gen
-        self.busy_key = conversation.id
-        self.omitted = 0
-
-    async def input_texts(self) -> list[str]:
-        return [self.turn.content]
-
-    def use_input_texts(self, texts: list[str]) -> None:
-        self.turn.content = texts[0]
-
-    async def prompts(self) -> dict[str, list[int]]:
-        history = await self.state.store.list_messages(self.conversation.id)
-        # Rendering a long history and tokenizing it is CPU work: off the event loop.
-        prompt, self.omitted = await self.state.off_loop(render_turn, self.served, self.conversation, history, self.turn)
-        return {"content": prompt}
-
-    async def begin(self) -> Message:
-        _, assistant = await self.state.store.start_turn(self.tenant.id, self.conversation.id, self.turn.content,
-                                                         self.idempotency_key)
-        return assistant
-
-    def events(self, assistant: Message, omitted: int) -> ReplyEvents:
-        return ChatEvents(self.served, assistant, self.gen, omitted)
-
-    def not_found(self) -> APIError:
-        return conversation_not_found(self.conversation.id)
-
-
-class ChatEvents:
-    """A conversation reply as chat-completion chunks, ended by `[DONE]` or an error event."""
-
-    def __init__(self, served: ServedModel, assistant: Message, gen: GenerationRequest, omitted: int) -> None:
-        self.gen, self.omitted = gen, omitted
-        self.format = ChunkFormat(served.name, served.token_text, assistant.id, int(assistant.created_at), True,
-                                  gen.include_usage, {"conversation_id": assistant.conversation_id})
-
-    def opening(self) -> list[dict]:
-        first = self.format.role_chunks(1)[0]
-        first["chatd"] = {"messages_omitted": self.omitted}
-        return [first]
-
-    def delta(self, out: RequestOutput) -> list[dict]:
-        chunk = self.format.delta_chunk(out)
-        return [] if chunk is None else [chunk]
-
-    def saved(self, output: CompletionOutput | None, finish: str | None) -> tuple[str, list[Call]]:
-        return (output.text if output is not None else ""), []
-
-    def closing(self, message: Message, merged: RequestOutput | None, reply: ReplyStream) -> list[dict | bytes]:
-        if message.status == "error":
-            return [reply.failure().body()]
-        if message.status == "partial":
-            return [reply.interruption().body()]
-        usage = [self.format.usage_chunk(merged)] if self.gen.include_usage else []
-        return [*usage, DONE]
 
 
 TURNS = web.AppKey("turns", Turns)

@@ -74,10 +74,11 @@ ttft_p95_seconds = 0
 
 @contextlib.contextmanager
 def tenants_server(root: Path, config_text: str = "", names: tuple[str, ...] = ("alice", "bob"),
-                   tiers: dict[str, str] | None = None):
+                   tiers: dict[str, str] | None = None, environment: dict[str, str | None] | None = None):
     """chatd serve on the demo model with auth on, its store at root/chatd.db and a key per tenant
     in `names`, of its tier in `tiers` (else paid, unlimited unless `config_text` has [tiers.paid]);
-    yields {"url", "keys", "db", "model_dir", "log", "config"}. `config_text` adds sections."""
+    yields {"url", "keys", "db", "model_dir", "log", "config"}. `config_text` adds sections;
+    `environment`, variables of the server's (as start_server's)."""
     from chatd.engine.models.demo import build_demo_model
 
     model_dir = build_demo_model(root / "demo")
@@ -87,7 +88,7 @@ def tenants_server(root: Path, config_text: str = "", names: tuple[str, ...] = (
     config = f'[store]\ndb_path = "{db}"\n[auth]\nenabled = true\n{config_text}'
     (root / "config.toml").write_text(config)
     keys = {name: create_key(root / "config.toml", name, (tiers or {}).get(name, "paid")) for name in names}
-    proc, url, log_path = start_server(root, model_dir, config)
+    proc, url, log_path = start_server(root, model_dir, config, environment)
     try:
         yield {"url": url, "keys": keys, "db": db, "model_dir": model_dir, "log": log_path, "config": root / "config.toml"}
     finally:

@@ -59,6 +59,7 @@ REQUEST_FAMILIES = {
     "chatd:model_unloads": "counter",
     "chatd:model_load_seconds": "histogram",
     "chatd:feedback": "counter",  # users' ratings of replies
+    "chatd:trace_spans": "counter",  # spans exported, sampled out and dropped ([tracing] on)
     "chatd:canary_weight": "gauge",  # ramped canaries
     "chatd:canary_changes": "counter",
     # What the alerts page on (deploy/prometheus/chatd.rules.yml), read at scrape time.
@@ -125,8 +126,9 @@ def test_exposed_text_has_vllm_style_names_with_total_suffix():
     body, content_type = ServerMetrics(MODEL).render()
     assert content_type.startswith("text/plain")
     lines = [line for line in body.decode().splitlines() if not line.startswith("#")]
-    server_wide = {"chatd:store_writable", "chatd:store_pending_writes", "chatd:limit_store_up"}  # no model's
-    assert all(f'model_name="{MODEL}"' in line for line in lines if line.split(" ")[0] not in server_wide)
+    server_wide = {"chatd:store_writable", "chatd:store_pending_writes", "chatd:limit_store_up",
+                   "chatd:trace_spans_total"}  # no model's
+    assert all(f'model_name="{MODEL}"' in line for line in lines if line.split("{")[0].split(" ")[0] not in server_wide)
     exposed = {line.split("{")[0].split(" ")[0] for line in lines}
     counters = ({name.removeprefix("chatd:") for name, kind in ENGINE_FAMILIES.items() if kind == "counter"}
                 | {"request_success", "model_loads", "model_unloads", "feedback"})

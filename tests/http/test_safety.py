@@ -87,7 +87,10 @@ async def test_a_blocked_input_is_refused_with_its_categories_and_an_appeal_only
         assert again.status_code == 409 and again.json()["error"]["code"] == "appeal_closed"
         empty = await http.post("/v1/appeals", json={"appeal_id": appeal_id, "reason": " "}, headers=as_alice)
         assert empty.status_code == 400 and empty.json()["error"]["param"] == "reason"
+        metrics = (await http.get("/metrics")).text
     assert (await state.store.get_moderation_event(appeal_id)).appeal_reason == "It was a quote from a film."
+    # Counted once: bob's attempt, the second appeal and the empty one were refused.
+    assert 'chatd:safety_appeals_total{stage="input"} 1.0' in metrics
 
 
 async def test_personal_data_is_masked_before_the_model_sees_it_and_the_masking_is_recorded(serve):
