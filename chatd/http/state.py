@@ -92,7 +92,7 @@ class ServerState:
         self.limits = Limits(self.config.tiers, self.config.auth.enabled, self.metrics,
                              shared_buckets(self.config.tiers_storage), self.config.tiers_on_storage_error == "open")
         pipeline = SafetyPipeline.build(self.config.safety, self.config.policies, self.guard)
-        self.tracing = Tracing.start(self.config.tracing, self.metrics.trace_spans)
+        self.tracing = Tracing.start(self.config.tracing, self.metrics.trace_spans, self.replica)
         self.safety = Safety(pipeline, self.store, self.metrics, self.fleet.primary.token_text, self.tracing)
 
     def pick_model(self, requested: str | None, tenant: Tenant | None = None, thread_model: str | None = None,

@@ -163,11 +163,12 @@ class SpanShipper:
             self.counted("exported" if sent else "dropped_export_failed", len(batch))
 
 
-def start(endpoint: str | None, ratio: float, service_name: str, version: str,
+def start(endpoint: str | None, ratio: float, service_name: str, version: str, instance: str,
           counted: Callable[[str, int], None]) -> tuple[Tracer, SpanShipper]:
     """A tracer whose spans reach `endpoint` (the collector's /v1/traces URL; None: as the
-    OTEL_EXPORTER_OTLP_* variables say), and the shipper to close at shutdown."""
-    attributes = {"service.version": version}
+    OTEL_EXPORTER_OTLP_* variables say), and the shipper to close at shutdown. `instance`: this
+    process among the replicas (service.instance.id)."""
+    attributes = {"service.version": version, "service.instance.id": instance}
     if service_name:
         attributes["service.name"] = service_name
     elif not os.environ.get("OTEL_SERVICE_NAME"):

@@ -64,10 +64,11 @@ class Tracing:
             self._propagator = TraceContextTextMapPropagator()
 
     @classmethod
-    def start(cls, config: TracingConfig, counted) -> Tracing:
+    def start(cls, config: TracingConfig, counted, instance: str = "") -> Tracing:
         """Tracing as configured: on when [tracing] otlp_endpoint or OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT
         names a collector (and neither OTEL_SDK_DISABLED nor OTEL_TRACES_EXPORTER=none says no).
-        `counted(outcome, spans)`: told of spans exported, sampled out and dropped (from any thread)."""
+        `counted(outcome, spans)`: told of spans exported, sampled out and dropped (from any thread);
+        `instance`: this replica's id, on every span it exports."""
         endpoint = config.otlp_endpoint.rstrip("/")
         from_env = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         disabled = (os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true"
@@ -84,7 +85,7 @@ class Tracing:
                         "(pip install 'chatd[tracing]'): no traces")
             return cls()
         tracer, shipper = trace_export.start(endpoint + "/v1/traces" if endpoint else None, config.sample_ratio,
-                                             config.service_name, chatd.__version__, counted)
+                                             config.service_name, chatd.__version__, instance, counted)
         log.info("tracing: spans to %s, %g of traces kept beside errors and refusals",
                  endpoint or from_env, config.sample_ratio)
         return cls(tracer, shipper)
