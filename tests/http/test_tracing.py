@@ -6,10 +6,7 @@ spans, counted, and nothing else; no prompt or reply text in any span. Two tenan
 
 from __future__ import annotations
 
-import gzip
-import http.server
-import json
-import threading
+import asyncio
 import time
 
 import aiohttp
@@ -17,8 +14,8 @@ import openai
 import pytest
 
 pytest.importorskip("opentelemetry.proto")
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 
+from tests.http.otlp_collector import FAST_EXPORT, Collector, children, no_text, one, trace_id_of  # noqa: E402
 from tests.http.serving import tenants_server  # noqa: E402
 
 SECRET = "zebra-lantern-4471"  # in every prompt here: it must be in no span
@@ -30,88 +27,6 @@ sample_ratio = {ratio}
 check_input = true
 check_output = true
 """
-# Batches leave every 0.1 s; a collector that fails is given up on within a second.
-FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_EXPORTER_OTLP_TIMEOUT": "1"}
-
-
-class Collector:
-    """An OTLP/HTTP trace receiver on a loopback port: every span it is sent, decoded; `failing`
-    answers 400 (not retried), as a collector that rejects what it is sent."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict] = []
-        self.failing = False
-        collector = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                assert self.path == "/v1/traces" and self.headers["Content-Type"] == "application/x-protobuf"
-                if collector.failing:
-                    self.send_response(400)
-                    self.end_headers()
-                    return
-                collector.received(ExportTraceServiceRequest.FromString(body))
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def received(self, request: ExportTraceServiceRequest) -> None:
-        for resource in request.resource_spans:
-            service = {a.key: _value(a.value) for a in resource.resource.attributes}
-            for scope in resource.scope_spans:
-                for span in scope.spans:
-                    self.spans.append({
-                        "name": span.name, "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
-                        "parent": span.parent_span_id.hex() or None, "kind": span.kind, "start": span.start_time_unix_nano,
-                        "end": span.end_time_unix_nano, "status": span.status.code, "service": service,
-                        "attributes": {a.key: _value(a.value) for a in span.attributes}})
-
-    def trace(self, trace_id: str, until: str, timeout: float = 15.0) -> list[dict]:
-        """The spans of one trace, once one named `until` has arrived."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            spans = [s for s in self.spans if s["trace_id"] == trace_id]
-            if any(s["name"] == until for s in spans):
-                time.sleep(0.3)  # the rest of its batch
-                return [s for s in self.spans if s["trace_id"] == trace_id]
-            time.sleep(0.05)
-        raise AssertionError(f"no {until!r} span in trace {trace_id}: {[s['name'] for s in self.spans]}")
-
-    def close(self) -> None:
-        self.server.shutdown()
-
-
-def _value(value):
-    kind = value.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(v) for v in value.array_value.values]
-    return getattr(value, kind)
-
-
-def children(spans: list[dict], parent: dict) -> list[str]:
-    """The names of a span's children, in the order they started."""
-    return [s["name"] for s in sorted(spans, key=lambda s: s["start"]) if s["parent"] == parent["span_id"]]
-
-
-def one(spans: list[dict], name: str) -> dict:
-    [span] = [s for s in spans if s["name"] == name]
-    return span
-
-
-def no_text(spans: list[dict], *texts: str) -> None:
-    dumped = json.dumps([s["attributes"] for s in spans])
-    for text in texts:
-        assert text not in dumped
 
 
 @pytest.fixture(scope="module")
@@ -125,12 +40,6 @@ def traced(tmp_path_factory):
 
 def client(server, who: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{server['url']}/v1", api_key=server["keys"][who], max_retries=0)
-
-
-def trace_id_of(headers) -> str:
-    version, trace_id, span_id, flags = headers["traceparent"].split("-")
-    assert (version, len(span_id), int(flags, 16) & 1) == ("00", 16, 1)  # sampled (and, level 2, a random id)
-    return trace_id
 
 
 async def test_a_chat_request_is_one_trace_with_a_span_per_stage_and_no_text(traced):
@@ -272,3 +181,37 @@ async def test_with_a_ratio_of_0_only_errors_and_refusals_are_kept(sampled_out):
         metrics = await r.text()
     sampled = next(l for l in metrics.splitlines() if l.startswith('chatd:trace_spans_total{outcome="sampled_out"}'))
     assert float(sampled.split()[-1]) >= 8
+
+
+async def test_an_embeddings_request_is_traced_with_its_stages(tmp_path, monkeypatch):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from chatd.config_loader import build_config
+    from chatd.engine import Embedder
+    from chatd.http.app import create_app
+    from tests.engine.embedding_models import build_bert
+    from tests.factories import ScriptedChatEngine, close_server_state, make_server_state
+
+    for name, value in FAST_EXPORT.items():
+        monkeypatch.setenv(name, value)
+    collector = Collector()
+    embedder = Embedder.load(str(build_bert(tmp_path / "bert")), device="cpu", name="tiny-embed")
+    config = build_config({"embeddings": {"model": "tiny-embed"}, "tracing": {"otlp_endpoint": collector.url}})
+    state = await make_server_state(ScriptedChatEngine(pause=0.0), tmp_path, config, embedder=embedder)
+    http = TestClient(TestServer(create_app(state)))
+    await http.start_server()
+    try:
+        response = await http.post("/v1/embeddings", json={"model": "tiny-embed", "input": [SECRET, "two"]})
+        assert response.status == 200
+        tokens = (await response.json())["usage"]["prompt_tokens"]
+        # Waited for off the loop: the usage span ends when the server's ledger, on this loop, writes it.
+        spans = await asyncio.to_thread(collector.trace, trace_id_of(response.headers), "chatd.usage")
+    finally:
+        await http.close()
+        await close_server_state(state)
+        embedder.stop()
+        collector.close()
+    root = one(spans, "POST /v1/embeddings")
+    assert children(spans, root) == ["chatd.check", "chatd.render", "chatd.admit", "embeddings tiny-embed", "chatd.usage"]
+    assert one(spans, "embeddings tiny-embed")["attributes"]["gen_ai.usage.input_tokens"] == tokens
+    no_text(spans, SECRET)

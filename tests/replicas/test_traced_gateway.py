@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from chatd.engine.models.demo import build_demo_model
-from tests.http.test_tracing import FAST_EXPORT, Collector, one, trace_id_of
+from tests.http.otlp_collector import FAST_EXPORT, Collector, one, trace_id_of
 from tests.replicas import cluster
 
 pytestmark = pytest.mark.slow
