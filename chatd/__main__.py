@@ -1,8 +1,6 @@
 """`python -m chatd` runs the `chatd` command."""
 
-import sys
-
-from chatd.cli import main
+from chatd.cli import run
 
 if __name__ == "__main__":  # not when a spawned process (--engine-process) imports this module
-    sys.exit(main())
+    run()
