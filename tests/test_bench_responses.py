@@ -13,6 +13,9 @@ from chatd.bench.options import BenchOptions
 from chatd.engine.models.demo import build_demo_model
 from tests.http.serving import start_server, stop_server
 
+# Slow: the load generator's other modes are tested fast (test_bench.py); this adds a server.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def server(tmp_path):

@@ -97,8 +97,9 @@ def server_folder(server):
     return server["config"].read_text().split('model = "')[1].split('"')[0]
 
 
+@pytest.mark.slow  # LangChain is installed for the slow tests only (the `slow` extra)
 def test_langchain_openai_embeddings(server, reference):
-    from langchain_openai import OpenAIEmbeddings
+    OpenAIEmbeddings = pytest.importorskip("langchain_openai").OpenAIEmbeddings
 
     # check_embedding_ctx_length=False: LangChain then sends the texts; by default it sends
     # tiktoken's ids for them, which mean nothing to another model's vocabulary.

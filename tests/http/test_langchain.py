@@ -12,6 +12,10 @@ import pytest
 from chatd.engine.models.demo import build_demo_model
 from tests.http.serving import start_server, stop_server
 
+# Slow: LangChain is installed for the slow tests only (the `slow` extra); chatd's OpenAI shapes are
+# the SDK tests' in the fast suite.
+pytestmark = pytest.mark.slow
+
 langchain_openai = pytest.importorskip("langchain_openai")
 
 SETTINGS = dict(model="demo", api_key="unused", max_tokens=8, temperature=0, max_retries=0)

@@ -197,11 +197,11 @@ def test_bad_tools_are_refused_by_their_responses_field(server):
         assert error.value.param == param, (fields, error.value.body)
 
 
-langchain_openai = pytest.importorskip("langchain_openai")
-from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402  (langchain-openai's own dependency)
-
-
+@pytest.mark.slow  # LangChain is installed for the slow tests only (the `slow` extra)
 def test_langchain_binds_tools_on_the_responses_api_and_gets_the_round_trip(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage  # langchain-openai's own dependency
+
     def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:
         """The weather now in a city."""
         return "18 C"
@@ -220,6 +220,9 @@ def test_langchain_binds_tools_on_the_responses_api_and_gets_the_round_trip(serv
 @pytest.mark.slow
 def test_the_real_default_model_round_trips_a_call_with_the_sdk_its_stream_and_langchain(real_model):
     """SmolLM2-135M-Instruct (its template takes no tools: they are described to it), under required."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+
     sdk = openai.OpenAI(base_url=f"{real_model}/v1", api_key="unused", max_retries=0)
     model = sdk.models.list().data[0].id
     first = sdk.responses.create(model=model, input=ASK, temperature=0, max_output_tokens=60, **ONE_CALL)

@@ -20,6 +20,10 @@ import pytest
 from chatd.engine.models.demo import build_demo_model, build_model_dir
 from chatd.http.structured import MAX_SCHEMA_DEPTH
 from tests.http.serving import start_server, stop_server
+
+# Slow (two servers): the fast suite checks the same limits in process (test_structured_output.py,
+# test_tool_calling.py); these prove them end to end.
+pytestmark = pytest.mark.slow
 from tests.http.test_isolation import engine_is_empty
 from tests.http.test_tool_calling import SCHEMAS, TOOLS
 

@@ -93,6 +93,12 @@ class VocabParallelEmbedding(nn.Embedding):
         self.tp = tp
         self.shard = tp.vocab_shard(vocab_size)
 
+    def reset_parameters(self) -> None:
+        # Built on "meta" (loader.py), the checkpoint fills it: a random init there is waste, and
+        # through torch's reference decompositions it imports dynamo (half a second of each start).
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def checkpoint_shard(self, param_name: str) -> Shard | None:
         return self.shard if self.tp.size > 1 else None
 

@@ -36,7 +36,7 @@ from chatd.engine.models.layers import FusedLinear, RMSNorm, RowParallelLinear, 
 from chatd.engine.models.matvec import dense
 from chatd.engine.models.packed import PackedLinear, can_pack
 from chatd.engine.models.quant import ConcatLinear, Int4Linear, Int8Linear, quantize_linear
-from chatd.engine.models.rope import apply_rope, build_rope_cache
+from chatd.engine.models.rope import apply_rope, build_rope_cache, max_positions
 from chatd.engine.models.tensor_parallel import HeadLayout, Shard, TPGroup
 
 
@@ -214,8 +214,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, tp.padded_vocab(config.vocab_size), bias=False)
         self.quantized_head: nn.Module | None = None  # the LM head as quant.py computes it (quantize())
         self.quantization = "none"  # what quantize() was asked for
-        # Built on the current default device: on "meta" it costs nothing and load_model rebuilds it.
-        self.register_buffer("rope_cache", build_rope_cache(config, self.head_dim), persistent=False)
+        # On "meta" (load_model builds there, then calls reset_rope_cache on the device) only its
+        # shape: computing it there would import dynamo (torch's reference decompositions).
+        if torch.get_default_device().type == "meta":
+            rope_cache = torch.empty(max_positions(config), self.head_dim)
+        else:
+            rope_cache = build_rope_cache(config, self.head_dim)
+        self.register_buffer("rope_cache", rope_cache, persistent=False)
 
     def reset_rope_cache(self) -> None:
         """Recompute the cos/sin table on the model's device (after `to_empty()` left it uninitialized)."""

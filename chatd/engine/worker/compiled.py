@@ -45,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -71,11 +72,19 @@ def unavailable_reason(model: nn.Module, device: torch.device) -> str | None:
         return "only CPU decode steps are compiled (CUDA replays CUDA graphs)"
     if getattr(getattr(model, "tp", None), "size", 1) > 1:
         return "tensor-parallel ranks run eagerly"
-    if torch._dynamo.config.disable:
+    if _compile_disabled():
         return "torch.compile is disabled in this process (TORCH_COMPILE_DISABLE=1)"
     if not hasattr(torch.compiler, "load_compiled_function"):
         return f"torch {torch.__version__} cannot save a compiled step (it has no torch.compiler.load_compiled_function)"
     return None
+
+
+def _compile_disabled() -> bool:
+    """Dynamo's own `disable` setting, read without importing dynamo (half a second) where it was
+    not imported yet: the setting comes from TORCH_COMPILE_DISABLE, as dynamo reads it."""
+    if "torch._dynamo" in sys.modules:
+        return bool(torch._dynamo.config.disable)
+    return os.environ.get("TORCH_COMPILE_DISABLE", "0") == "1"
 
 
 def keep_compiled_in(folder: Path) -> None:
