@@ -3,11 +3,12 @@
 A real `chatd serve` (the demo model, on the CPU) runs in this process; once it is ready, one
 chat completion (non-streamed, 4 tokens) is sent to it, and while it is in flight a profiler
 (sys.setprofile and threading.setprofile) notes, per thread, the chatd file of every function
-called and of every caller returned to. Consecutive notes in one file are one visit. It prints,
+that starts. Consecutive starts in one file are one visit. It prints,
 for the event loop's thread (the front end) and the engine's thread:
 
     files entered   how many of chatd's files the request's code ran in
-    returns         visits to a file the path had already left (A -> B -> A counts one)
+    returns         visits to a file the path had already left (A -> B -> A counts one: a
+                    function of A starts again after one of B did)
 
 and the visits in order, so a reader can follow the trip.
 
@@ -37,12 +38,9 @@ visits: dict[str, list[str]] = defaultdict(list)  # thread name -> files, one en
 
 
 def note(frame, event, arg) -> None:
-    if not recording or event not in ("call", "return"):
+    if not recording or event != "call" or not frame.f_code.co_filename.startswith(PACKAGE):
         return
-    where = frame if event == "call" else frame.f_back
-    if where is None or not where.f_code.co_filename.startswith(PACKAGE):
-        return
-    path = where.f_code.co_filename[len(PACKAGE) - len("chatd/"):]
+    path = frame.f_code.co_filename[len(PACKAGE) - len("chatd/"):]
     thread = threading.current_thread().name
     trail = visits[thread]
     if not trail or trail[-1] != path:

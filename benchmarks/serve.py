@@ -159,6 +159,18 @@ def silence_special_and_byte_tokens(model_dir: Path) -> list[int]:
     return ids
 
 
+def started_and_warm(server: Server, port: int, timeout: float) -> str:
+    """Wait for a `chatd serve` to be ready, send it one untimed request through the whole path,
+    and return its /v1 URL."""
+    server.wait_until(lambda: "start timeline:" in server.log_path.read_text(errors="replace"), timeout)
+    url = f"http://{HOST}:{port}/v1"
+    status, text = http_json(url + "/chat/completions", {
+        "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0})
+    if status != 200:
+        raise RuntimeError(f"{server.name} warm-up answered {status}: {text[:300]}")
+    return url
+
+
 def run_chatd(args, model_dir: Path, config_path: Path, work: Path) -> dict:
     port = free_port()
     server = Server(
@@ -168,13 +180,7 @@ def run_chatd(args, model_dir: Path, config_path: Path, work: Path) -> dict:
         work / "chatd.log",
     )
     try:
-        server.wait_until(lambda: "start timeline:" in server.log_path.read_text(errors="replace"), args.start_timeout)
-        url = f"http://{HOST}:{port}/v1"
-        # Warm-up (untimed): one short request through the whole path.
-        status, text = http_json(url + "/chat/completions", {
-            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0})
-        if status != 200:
-            raise RuntimeError(f"chatd warm-up answered {status}: {text[:300]}")
+        url = started_and_warm(server, port, args.start_timeout)
         options = bench_options(args, url, None, True, args.num_requests)
         result = asyncio.run(run_bench(options, on_level=lambda level: print_level("chatd", level)))
         return {"ignore_eos": True, "levels": [level.summary() for level in result.levels]}

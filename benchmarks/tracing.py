@@ -36,7 +36,8 @@ BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS.parent))  # run from a checkout, installed or not
 sys.path.insert(0, str(BENCHMARKS))  # serve.py's helpers
 
-from serve import HOST, Server, add_common_arguments, bench_options, build_bench_model, free_port, http_json  # noqa: E402
+from serve import (HOST, Server, add_common_arguments, bench_options, build_bench_model, free_port,  # noqa: E402
+                   started_and_warm)
 
 from chatd.bench.load import run_bench  # noqa: E402
 
@@ -86,12 +87,7 @@ def run_once(args, model_dir: Path, work: Path, traced: bool, collector: Collect
                            "--host", HOST, "--port", str(port)], work / f"{name}.log",
                     env={"OTEL_BSP_SCHEDULE_DELAY": "1000"})
     try:
-        server.wait_until(lambda: "start timeline:" in server.log_path.read_text(errors="replace"), args.start_timeout)
-        base = f"http://{HOST}:{port}"
-        status, text = http_json(base + "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0})
-        if status != 200:
-            raise RuntimeError(f"warm-up answered {status}: {text[:300]}")
+        base = started_and_warm(server, port, args.start_timeout).removesuffix("/v1")
         options = bench_options(args, base + "/v1", None, True, args.num_requests)
         result = asyncio.run(run_bench(options))
         summary = result.levels[0].summary()

@@ -231,3 +231,19 @@ def test_cpu_matmul_times_every_product_each_way_at_each_row_count(tmp_path):
     results = json.loads(path.read_text())["results"]
     assert [r["rows"] for r in results] == [1, 3]
     assert all(set(r["ms"]) == {"mkl", "onednn", "onednn packed"} and min(r["ms"].values()) > 0 for r in results)
+
+
+@pytest.mark.slow
+def test_tracing_compares_chatd_with_tracing_off_and_on(tmp_path):
+    """benchmarks/tracing.py's smoke run: both servers answer every request, and the traced one
+    exported every span of every request (10 each, the warm-up's too) and dropped none."""
+    path = tmp_path / "tracing.json"
+    run = subprocess.run([sys.executable, "benchmarks/tracing.py", "--runs", "1", "--streams", "4", "--num-requests", "8",
+                          "--output-tokens", "8", "8", "--json", str(path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    [round_] = json.loads(path.read_text())["rounds"]
+    assert round_["off"]["ok"] == round_["on"]["ok"] == 8 and round_["ratio"] > 0
+    spans = round_["on"]["spans"]
+    assert spans["exported"] == 10 * 9 and not any(v for k, v in spans.items() if k.startswith("dropped"))
+    assert "tracing on / off, output tok/s at 4 streams: median" in run.stdout

@@ -29,13 +29,17 @@ check_output = true
 """
 
 
-@pytest.fixture(scope="module")
-def traced(tmp_path_factory):
+def traced_server(root, ratio: float):
+    """A server tracing to a collector of its own, keeping `ratio` of traces: (server, collector)."""
     collector = Collector()
-    config = TRACING.format(url=collector.url, ratio=1.0)
-    with tenants_server(tmp_path_factory.mktemp("traced"), config, environment=FAST_EXPORT) as server:
+    with tenants_server(root, TRACING.format(url=collector.url, ratio=ratio), environment=FAST_EXPORT) as server:
         yield server, collector
     collector.close()
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    yield from traced_server(tmp_path_factory.mktemp("traced"), 1.0)
 
 
 def client(server, who: str) -> openai.AsyncOpenAI:
@@ -154,11 +158,7 @@ def test_a_failing_collector_costs_dropped_spans_counted_and_nothing_else(traced
 
 @pytest.fixture(scope="module")
 def sampled_out(tmp_path_factory):
-    collector = Collector()
-    config = TRACING.format(url=collector.url, ratio=0.0)
-    with tenants_server(tmp_path_factory.mktemp("sampled"), config, environment=FAST_EXPORT) as server:
-        yield server, collector
-    collector.close()
+    yield from traced_server(tmp_path_factory.mktemp("sampled"), 0.0)
 
 
 @pytest.mark.slow  # a second server; test_trace_export.py checks the sampler itself in the fast suite
