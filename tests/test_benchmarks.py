@@ -247,3 +247,15 @@ def test_tracing_compares_chatd_with_tracing_off_and_on(tmp_path):
     spans = round_["on"]["spans"]
     assert spans["exported"] == 10 * 9 and not any(v for k, v in spans.items() if k.startswith("dropped"))
     assert "tracing on / off, output tok/s at 4 streams: median" in run.stdout
+
+
+@pytest.mark.slow
+def test_request_path_counts_the_files_one_chat_request_runs_in():
+    """benchmarks/request_path.py (issue 58's measure of how a request's trip reads): the front end's
+    and the engine's threads each enter several of chatd's files, and the path names them."""
+    run = subprocess.run([sys.executable, "benchmarks/request_path.py"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = dict(re.findall(r"^(MainThread|chatd-engine): (\d+) files entered", run.stdout, re.M))
+    assert int(counts["MainThread"]) >= 10 and int(counts["chatd-engine"]) >= 5, run.stdout[:2000]
+    assert "chatd/http/" in run.stdout and "chatd/engine/" in run.stdout
