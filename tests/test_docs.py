@@ -15,7 +15,8 @@ What happens to a fenced block depends on its language:
 model under the default model's name, so examples name the model a reader runs. A block that cannot
 run here (it installs something, starts servers, needs a GPU or other machines) has
 `<!-- not tested: why -->` on the line above its fence; each shows as a skipped test with its
-reason, so what is not run stays visible (`pytest -rs`).
+reason, so what is not run stays visible (`pytest -rs`). A block that needs an optional extra has
+`<!-- needs: module -->` instead: it runs where the module imports, and shows as a skip elsewhere.
 
 docs/tour.md's paths are checked too: every `chatd/...py` it names must exist.
 """
@@ -38,6 +39,7 @@ DOC_URL = "http://127.0.0.1:8000"
 RUN = {"python", "sh", "bash"}
 CHECKED = {"toml", "json", "yaml"}
 NOT_TESTED = re.compile(r"^\s*<!--\s*not tested:\s*(.+?)\s*-->\s*$")
+NEEDS = re.compile(r"^\s*<!--\s*needs:\s*([\w.]+)\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
 
 
@@ -50,6 +52,7 @@ class Block:
     language: str
     code: str
     not_tested: str | None
+    needs: str | None  # a module of an optional extra; the block runs only where it imports
 
     @property
     def name(self) -> str:
@@ -68,9 +71,10 @@ def blocks_of(page: Path) -> list[Block]:
         indent, language = opening.groups()
         end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
         previous = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-        marker = NOT_TESTED.match(previous)
+        marker, needs = NOT_TESTED.match(previous), NEEDS.match(previous)
         code = "\n".join(line[len(indent):] if line.startswith(indent) else line for line in lines[i + 1:end])
-        found.append(Block(page, i + 1, language, textwrap.dedent(code) + "\n", marker.group(1) if marker else None))
+        found.append(Block(page, i + 1, language, textwrap.dedent(code) + "\n", marker.group(1) if marker else None,
+                           needs.group(1) if needs else None))
         i = end + 1
     return found
 
@@ -86,7 +90,7 @@ def test_every_block_has_a_language_the_test_knows():
     """A ```py or ```shell block would escape the run; a marker on a block that is never run says nothing."""
     unknown = [b.name for b in BLOCKS if b.language and b.language not in RUN | CHECKED]
     assert not unknown, f"use python, sh, bash, toml, json or yaml (or no language for shown text): {unknown}"
-    idle_markers = [b.name for b in BLOCKS if b.not_tested and b.language not in RUN]
+    idle_markers = [b.name for b in BLOCKS if (b.not_tested or b.needs) and b.language not in RUN]
     assert not idle_markers, f"only python and shell blocks run; drop the marker: {idle_markers}"
 
 
@@ -102,6 +106,13 @@ def merged(base: dict, over: dict) -> dict:
     for key, value in over.items():
         out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.needs], ids=lambda b: b.name)
+def test_needs_its_extra(block):
+    """A block that needs an optional extra (LangChain is in the slow suite's) is run by its page's
+    test only where the module imports; here it shows as a skip where it does not."""
+    pytest.importorskip(block.needs, reason=f"{block.name} needs {block.needs}; not installed, so not run")
 
 
 @pytest.mark.parametrize("block", DATA_BLOCKS, ids=lambda b: b.name)
@@ -188,11 +199,17 @@ def docs_server(tmp_path_factory):
         stop_server(proc)
 
 
+def importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 @pytest.mark.parametrize("page", PYTHON_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_python_examples_run(page, docs_server):
     namespace = {"__name__": "__doc_example__"}
     for block in blocks_of(page):
-        if block.language != "python" or block.not_tested:
+        if block.language != "python" or block.not_tested or (block.needs and not importable(block.needs)):
             continue
         code = block.code.replace(DOC_URL, docs_server)
         try:
