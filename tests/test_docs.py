@@ -17,6 +17,8 @@ run here (it installs something, starts servers, needs a GPU or other machines) 
 `<!-- not tested: why -->` on the line above its fence; each shows as a skipped test with its
 reason, so what is not run stays visible (`pytest -rs`). A block that needs an optional extra has
 `<!-- needs: module -->` instead: it runs where the module imports, and shows as a skip elsewhere.
+A block marked `<!-- server: keys -->` runs, with the others so marked on its page, against a
+second server with API keys on, `chatd_<id>_<secret>` replaced by a free-tier key (a slow test).
 
 docs/tour.md's paths are checked too: every `chatd/...py` it names must exist.
 """
@@ -40,6 +42,8 @@ RUN = {"python", "sh", "bash"}
 CHECKED = {"toml", "json", "yaml"}
 NOT_TESTED = re.compile(r"^\s*<!--\s*not tested:\s*(.+?)\s*-->\s*$")
 NEEDS = re.compile(r"^\s*<!--\s*needs:\s*([\w.]+)\s*-->\s*$")
+SERVER = re.compile(r"^\s*<!--\s*server:\s*(keys)\s*-->\s*$")
+KEY_PLACEHOLDER = "chatd_<id>_<secret>"
 FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
 
 
@@ -53,6 +57,7 @@ class Block:
     code: str
     not_tested: str | None
     needs: str | None  # a module of an optional extra; the block runs only where it imports
+    server: str | None = None  # "keys": run against a server with API keys on, not the page's main one
 
     @property
     def name(self) -> str:
@@ -71,17 +76,18 @@ def blocks_of(page: Path) -> list[Block]:
         indent, language = opening.groups()
         end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
         previous = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-        marker, needs = NOT_TESTED.match(previous), NEEDS.match(previous)
+        marker, needs, server = NOT_TESTED.match(previous), NEEDS.match(previous), SERVER.match(previous)
         code = "\n".join(line[len(indent):] if line.startswith(indent) else line for line in lines[i + 1:end])
         found.append(Block(page, i + 1, language, textwrap.dedent(code) + "\n", marker.group(1) if marker else None,
-                           needs.group(1) if needs else None))
+                           needs.group(1) if needs else None, server.group(1) if server else None))
         i = end + 1
     return found
 
 
 BLOCKS = [block for page in PAGES for block in blocks_of(page)]
 UNTESTED = [b for b in BLOCKS if b.not_tested]
-PYTHON_PAGES = sorted({b.page for b in BLOCKS if b.language == "python" and not b.not_tested})
+PYTHON_PAGES = sorted({b.page for b in BLOCKS if b.language == "python" and not b.not_tested and not b.server})
+KEYS_PAGES = sorted({b.page for b in BLOCKS if b.language == "python" and b.server == "keys"})
 SHELL_BLOCKS = [b for b in BLOCKS if b.language in ("sh", "bash") and not b.not_tested]
 DATA_BLOCKS = [b for b in BLOCKS if b.language in CHECKED]
 
@@ -90,7 +96,7 @@ def test_every_block_has_a_language_the_test_knows():
     """A ```py or ```shell block would escape the run; a marker on a block that is never run says nothing."""
     unknown = [b.name for b in BLOCKS if b.language and b.language not in RUN | CHECKED]
     assert not unknown, f"use python, sh, bash, toml, json or yaml (or no language for shown text): {unknown}"
-    idle_markers = [b.name for b in BLOCKS if (b.not_tested or b.needs) and b.language not in RUN]
+    idle_markers = [b.name for b in BLOCKS if (b.not_tested or b.needs or b.server) and b.language not in RUN]
     assert not idle_markers, f"only python and shell blocks run; drop the marker: {idle_markers}"
 
 
@@ -205,17 +211,42 @@ def importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-@pytest.mark.parametrize("page", PYTHON_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_python_examples_run(page, docs_server):
+def run_python_blocks(page: Path, server: str | None, url: str, key: str = "") -> None:
+    """The page's runnable python blocks for that server, in order, in one fresh namespace."""
     namespace = {"__name__": "__doc_example__"}
     for block in blocks_of(page):
-        if block.language != "python" or block.not_tested or (block.needs and not importable(block.needs)):
+        if block.language != "python" or block.not_tested or block.server != server:
             continue
-        code = block.code.replace(DOC_URL, docs_server)
+        if block.needs and not importable(block.needs):
+            continue
+        code = block.code.replace(DOC_URL, url).replace(KEY_PLACEHOLDER, key)
         try:
             exec(compile(code, block.name, "exec", dont_inherit=True), namespace)  # not this file's __future__ imports
         except Exception as exc:
             raise AssertionError(f"the example at {block.name} failed: {exc!r}") from exc
+
+
+@pytest.mark.parametrize("page", PYTHON_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_python_examples_run(page, docs_server):
+    run_python_blocks(page, None, docs_server)
+
+
+@pytest.fixture(scope="module")
+def keys_server(tmp_path_factory):
+    """The demo model under the default model's name, with API keys on and alice on the free tier."""
+    from tests.http.serving import tenants_server
+
+    config = '[server]\nmodel_name = ["SmolLM2-135M-Instruct.Q4_1"]\n'
+    with tenants_server(tmp_path_factory.mktemp("docs-keys"), config, names=("alice",), tiers={"alice": "free"}) as server:
+        yield server
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", KEYS_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_python_examples_with_keys_run(page, keys_server):
+    """Blocks marked `<!-- server: keys -->`, against a server with keys on; `chatd_<id>_<secret>`
+    in them is a free-tier key."""
+    run_python_blocks(page, "keys", keys_server["url"], keys_server["keys"]["alice"])
 
 
 @pytest.mark.parametrize("block", SHELL_BLOCKS, ids=lambda b: b.name)
