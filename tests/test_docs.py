@@ -74,7 +74,8 @@ def blocks_of(page: Path) -> list[Block]:
             i += 1
             continue
         indent, language = opening.groups()
-        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
+        assert end is not None, f"{page.relative_to(ROOT)}:{i + 1}: a fence that is never closed"
         previous = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         marker, needs, server = NOT_TESTED.match(previous), NEEDS.match(previous), SERVER.match(previous)
         code = "\n".join(line[len(indent):] if line.startswith(indent) else line for line in lines[i + 1:end])
@@ -90,6 +91,12 @@ PYTHON_PAGES = sorted({b.page for b in BLOCKS if b.language == "python" and not 
 KEYS_PAGES = sorted({b.page for b in BLOCKS if b.language == "python" and b.server == "keys"})
 SHELL_BLOCKS = [b for b in BLOCKS if b.language in ("sh", "bash") and not b.not_tested]
 DATA_BLOCKS = [b for b in BLOCKS if b.language in CHECKED]
+
+
+def test_the_examples_are_found():
+    """A parser that found nothing would pass everything: the pages hold this many runnable blocks."""
+    runnable = [b for b in BLOCKS if b.language in RUN and not b.not_tested]
+    assert sum(b.language == "python" for b in runnable) >= 10 and len(SHELL_BLOCKS) >= 3, [b.name for b in runnable]
 
 
 def test_every_block_has_a_language_the_test_knows():
