@@ -20,7 +20,9 @@ reason, so what is not run stays visible (`pytest -rs`). A block that needs an o
 A block marked `<!-- server: keys -->` runs, with the others so marked on its page, against a
 second server with API keys on, `chatd_<id>_<secret>` replaced by a free-tier key (a slow test).
 
-docs/tour.md's paths are checked too: every `chatd/...py` it names must exist.
+Links are checked too: a relative link must name a file that exists, and its #anchor a heading of
+that page (GitHub's anchors). docs/tour.md must have a section "## The core path", and every
+`chatd/...py` it names must exist.
 """
 
 from __future__ import annotations
