@@ -19,6 +19,7 @@ import torch
 from chatd.config import Config, ModelConfig, chatd_home
 from chatd.engine.models.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
 from chatd.engine.models.matvec import MAX_ROWS_AS_REDUCTIONS
+from chatd.engine.models.quantized.quantize_model import int8_blocks_per_row
 from chatd.engine.models.loader import (
     DEFAULT_MODEL_INSTALL,
     default_model_path,
@@ -299,7 +300,7 @@ def compile_steps(runner: ModelRunner, config: Config, background: bool = False)
 def _eager_steps(runner: ModelRunner) -> None:
     """Eager steps take int8 layers with a scale per row only: a GGUF file's blocks (Q8_0, Q6_K,
     Q5_*) are quantized again per row."""
-    requantized = runner.model.int8_blocks_per_row()
+    requantized = int8_blocks_per_row(runner.model)
     if requantized:
         log.info("%d int8 layers of GGUF blocks get a scale per row: eager decode steps have no kernel "
                  "for a scale per block (compiled steps keep the file's blocks)", requantized)

@@ -19,7 +19,8 @@ import torch
 from chatd.engine import SamplingParams
 from chatd.engine.attention import SdpaBackend, build_step, quantize_kv
 from chatd.engine.attention.decode import DecodeAttention, DecodeContext
-from chatd.engine.models.quant import Int8Linear
+from chatd.engine.models.quantized.quant import Int8Linear
+from chatd.engine.models.quantized.quantize_model import quantized_layers
 from chatd.engine.worker.compiled import DYNAMIC_BATCH, CompiledDecode, compile_count
 from chatd.engine.worker.compiled_prefill import PREFILL_TOKENS, CompiledPrefill
 from tests.engine.conftest import make_llm
@@ -118,7 +119,7 @@ def test_compiled_quantized_decode_stays_close_to_eager(model_dirs, q8_gguf, q5_
         want = generate(eager_llm)
     with make_llm(model, quantization=quantization) as llm:
         assert llm.engine.runner.compiled is not None
-        assert llm.engine.runner.model.quantized_layers() == {kind: 9}
+        assert quantized_layers(llm.engine.runner.model) == {kind: 9}
         before = compile_count()
         got = generate(llm)
         assert compile_count() == before, "a decode step compiled after start"
