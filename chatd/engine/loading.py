@@ -43,7 +43,8 @@ from chatd.engine.worker.parallel_worker import (
 )
 from chatd.engine.speculative import Speculator, build_speculator, flat_cost
 from chatd.engine.speculative.draft_model import DraftModelProposer
-from chatd.engine.worker.runner import ModelRunner, kv_block_bytes
+from chatd.engine.worker.kv_memory import kv_block_bytes
+from chatd.engine.worker.runner import ModelRunner
 
 log = logging.getLogger("chatd.engine")
 
