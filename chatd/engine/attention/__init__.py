@@ -13,13 +13,10 @@ from chatd.engine.attention.common import (
     KVCache,
     StepInputs,
     build_step,
-    dequantize_kv,
-    is_fp8,
-    quantize_kv,
-    resolve_kv_dtype,
     to_device,
     triton_available,
 )
+from chatd.engine.attention.kv_dtypes import dequantize_kv, is_fp8, quantize_kv, resolve_kv_dtype
 from chatd.engine.attention.gpu import FlashAttnBackend, TorchVarlenBackend, TritonBackend
 from chatd.engine.attention.sdpa import SdpaBackend
 from chatd.engine.attention.select import BACKENDS, AttentionShape, select_backend
