@@ -2,7 +2,8 @@
 
 The sampler knows nothing of sequences, blocks or the model: the runner hands it a [B, V]
 logits tensor and one SamplingRow per row, and gets back a token (and maybe logprobs) per
-row. Everything that is cheap to batch is batched, and work no row asks for is skipped.
+row. Everything that is cheap to batch is batched, and work no row asks for is skipped. A
+structured output's grammar masks its row's logits (grammar_masks.py) before any draw.
 
 Reproducibility: each row draws one uniform number a step from its own generator, and what it
 may draw is worked out for it alone, so a seeded sequence gets the same tokens whether it is
@@ -18,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-import numpy as np
 import torch
 
-from chatd.engine.core.grammar_matcher import GrammarMatcher, fill_masks
+from chatd.engine.core.grammar_matcher import GrammarMatcher
 from chatd.engine.core.ragged import pad_ragged
 from chatd.engine.params import Logprob, SamplingParams
+from chatd.engine.worker.grammar_masks import apply_grammars
 from chatd.engine.worker.host_sampling import host_choices, host_draw
 
 # Below this, dividing logits by the temperature can overflow float32; the limit T -> 0 is
@@ -189,24 +190,6 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         frequency_t = torch.tensor(frequency, device=device).unsqueeze(1)
         logits = logits - frequency_t * output_counts - presence_t * (output_counts > 0)
     return logits
-
-
-def apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Keep only the tokens each constrained row's grammar allows; other rows are not touched."""
-    # logits: [B, V]; never modified in place (they may be the raw logits kept for logprobs).
-    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
-    if not constrained:
-        return logits
-    vocab_size = logits.shape[1]
-    device = logits.device
-    # Computed ahead, off the engine thread (grammar_threads.MaskWorkers): uint32 bits -> [C, V] booleans.
-    words = fill_masks([rows[i].grammar for i in constrained], vocab_size)  # [C, words] uint32
-    words = torch.from_numpy(words.view(np.int32)).to(device)
-    bits = torch.arange(32, dtype=torch.int32, device=device)
-    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab_size]  # [C, V]
-    index = torch.tensor(constrained, device=device)
-    masked = logits[index].masked_fill(~allowed, float("-inf"))
-    return logits.index_put((index,), masked)
 
 
 # A row that truncates (top-k, top-p) is worked out over its most likely tokens only. Sorting
