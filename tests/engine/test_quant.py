@@ -21,10 +21,10 @@ from chatd.engine import SamplingParams
 from chatd.engine.models.loader import Checkpoint, default_model_path, load_model, open_checkpoint
 from chatd.engine.models.matvec import block_products
 from chatd.engine.models.quantized.gguf_quant import BLOCK_BYTES, INT8_TYPES, file_blocks, int4_parts, int8_parts
-from chatd.engine.models.quantized.quant import (DEQUANTIZED_CHUNK, DEQUANTIZED_ROWS, FP8, FP8_MAX, GROUP_SIZE, INT4_UNPACKED_ROWS,
+from chatd.engine.models.quantized.quant import (DEQUANTIZED_CHUNK, DEQUANTIZED_ROWS, FP8, FP8_MAX, GROUP_SIZE,
+                                                 INT4_UNPACKED_ROWS, NATIVE_BFLOAT16, ConcatLinear, Fp8Linear, Int4Linear,
+                                                 Int8Linear, can_quantize, kernel_layout_unpacks, quantize_linear)
 from chatd.engine.models.quantized.quantize_model import quantize_model, quantized_layers, resolve_quantization
-                                       NATIVE_BFLOAT16, ConcatLinear, Fp8Linear, Int4Linear, Int8Linear, can_quantize,
-                                       kernel_layout_unpacks, quantize_linear)
 from tests.engine.conftest import make_llm
 from tests.engine.test_gguf import write_gguf
 
