@@ -31,8 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from chatd.config import SchedulerConfig
-from chatd.engine.core.block_manager import BlockManager, KVCopy
+from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.core.fairness import FairShare, WaitQueue
+from chatd.engine.core.host_tier import KVCopy
 from chatd.engine.core.sequence import Sequence, SequenceStatus
 from chatd.engine.params import FinishReason
 
@@ -188,14 +189,14 @@ class Scheduler:
 
     @property
     def num_host_kv_blocks(self) -> int:
-        return self.block_manager.num_host_blocks
+        return self.block_manager.host.num_blocks
 
     def kv_blocks_needed(self, num_tokens: int) -> int:
         return self.block_manager.blocks_needed(num_tokens)
 
     def stats(self) -> EngineStats:
         """A snapshot of the queues, the KV pool and the counters."""
-        blocks = self.block_manager
+        blocks, host = self.block_manager, self.block_manager.host
         return EngineStats(
             num_running=self.num_running, num_waiting=self.num_waiting, num_preemptions=self.num_preemptions,
             kv_cache_usage=blocks.usage, num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
@@ -203,9 +204,8 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
             num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
-            num_host_blocks=blocks.num_host_blocks, num_host_blocks_used=len(blocks.host_slots),
-            host_cache_hits=blocks.num_host_hits, num_blocks_to_host=blocks.num_blocks_to_host,
-            num_blocks_from_host=blocks.num_blocks_from_host,
+            num_host_blocks=host.num_blocks, num_host_blocks_used=len(host.slots), host_cache_hits=host.num_hits,
+            num_blocks_to_host=host.num_blocks_to_host, num_blocks_from_host=host.num_blocks_from_host,
         )
 
     def add(self, seq: Sequence) -> None:
@@ -307,7 +307,7 @@ class Scheduler:
         # The runner wants one-token rows (decodes, and verify steps, which it runs as decode rows)
         # first: attention batches them in one call.
         out.scheduled.sort(key=lambda s: s.num_new_tokens - s.num_draft_tokens != 1)
-        out.kv_copies = self.block_manager.take_copies()
+        out.kv_copies = self.block_manager.host.take_copies()
         self._plan(out)
         return out
 

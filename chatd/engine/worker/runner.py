@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from chatd.engine.attention import AttentionBackend, KVCache, StepInputs, build_step
-from chatd.engine.core.block_manager import KVCopy
+from chatd.engine.core.host_tier import KVCopy
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.core.sequence import Sequence
 from chatd.engine.core.stage_times import StageTimes
