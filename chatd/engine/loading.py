@@ -30,8 +30,8 @@ from chatd.engine.models.loader import (
 from chatd.engine.models.tensor_parallel import TPGroup, check_head_layout
 from chatd.engine.tokenizer import Tokenizer
 from chatd.engine.worker.build import build_runner, resolve_device
-from chatd.engine.worker.compile_job import CompileJob
-from chatd.engine.worker.compiled import keep_compiled_in, unavailable_reason
+from chatd.engine.worker.fast_steps.compile_job import CompileJob
+from chatd.engine.worker.fast_steps.compiled import keep_compiled_in, unavailable_reason
 from chatd.engine.worker.parallel import ParallelError, ParallelRunner, Workers, check_gpus
 from chatd.engine.worker.parallel_worker import (
     cpu_threads_per_rank,
@@ -277,7 +277,7 @@ def size_kv_pool(config: Config, runner, block_bytes: int, context: int) -> int:
 
 
 def compile_steps(runner: ModelRunner, config: Config, background: bool = False) -> CompileJob | None:
-    """On CPU, compile decode and large prefill steps when configured (worker/compiled.py, compiled_prefill.py):
+    """On CPU, compile decode and large prefill steps when configured (worker/fast_steps/compiled.py, compiled_prefill.py):
     now, or with `background` on a thread while the engine serves eagerly (the job, started; the
     caller keeps the pool's last block from the block manager). A failed compile serves eagerly."""
     if not config.model.compile:

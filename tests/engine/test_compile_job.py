@@ -1,4 +1,4 @@
-"""The compile job's life (worker/compile_job.py): compiling while eager steps serve, the steps
+"""The compile job's life (worker/fast_steps/compile_job.py): compiling while eager steps serve, the steps
 handed to the runner once made, and a failure leaving every step eager with the reason logged.
 Compiling for real through a server is tests/http/test_compiled_serve.py (slow: a minute of
 inductor); here the runner's compile is stood in for, so the job's own rules run in milliseconds."""
@@ -9,7 +9,7 @@ import logging
 import threading
 from types import SimpleNamespace
 
-from chatd.engine.worker.compile_job import COMPILED, COMPILING, FAILED, CompileJob
+from chatd.engine.worker.fast_steps.compile_job import COMPILED, COMPILING, FAILED, CompileJob
 
 
 class Runner:

@@ -1,4 +1,4 @@
-"""Compiled decode steps (worker/compiled.py) and prefill steps (compiled_prefill.py): the same
+"""Compiled decode steps (worker/fast_steps/compiled.py) and prefill steps (compiled_prefill.py): the same
 tokens as eager steps, no compile after start.
 
 The suite runs with torch.compile off (tests/conftest.py); these tests turn it on. Decode-only
@@ -21,8 +21,8 @@ from chatd.engine.attention import SdpaBackend, build_step, quantize_kv
 from chatd.engine.attention.decode import DecodeAttention, DecodeContext
 from chatd.engine.models.quantized.quant import Int8Linear
 from chatd.engine.models.quantized.quantize_model import quantized_layers
-from chatd.engine.worker.compiled import DYNAMIC_BATCH, CompiledDecode, compile_count
-from chatd.engine.worker.compiled_prefill import PREFILL_TOKENS, CompiledPrefill
+from chatd.engine.worker.fast_steps.compiled import DYNAMIC_BATCH, CompiledDecode, compile_count
+from chatd.engine.worker.fast_steps.compiled_prefill import PREFILL_TOKENS, CompiledPrefill
 from tests.engine.conftest import make_llm
 from tests.engine.test_attention import make_problem
 
@@ -246,7 +246,7 @@ def test_compile_is_off_when_configured_or_disabled(model_dirs):
 def test_compiled_code_is_kept_under_chatd_home_unless_the_user_named_a_place(tmp_path, monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from chatd.engine.worker.compiled import keep_compiled_in
+    from chatd.engine.worker.fast_steps.compiled import keep_compiled_in
 
     for before in (None, default_cache_dir()):  # unset, or the default importing torch._dynamo set
         if before is None:

@@ -131,7 +131,7 @@ class DecoderLayer(nn.Module):
         q, k, v = self.before_attention(x, cos, sin)
         return self.after_attention(x, self.self_attn.attend(q, k, v, kv_cache, meta, backend))
 
-    # The layer in two halves around attention, which a compiled prefill (worker/compiled_prefill.py)
+    # The layer in two halves around attention, which a compiled prefill (worker/fast_steps/compiled_prefill.py)
     # compiles apart from the attention backend's own kernels between them.
     def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The norm, then the new tokens' queries, keys and values (Attention.project)."""

@@ -23,9 +23,9 @@ from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.core.sequence import Sequence
 from chatd.engine.core.stage_times import StageTimes
 from chatd.engine.models.matvec import ROWS_AS_REDUCTIONS
-from chatd.engine.worker.compiled import CompiledDecode, step_cost
-from chatd.engine.worker.compiled_prefill import CompiledPrefill
-from chatd.engine.worker.cuda_graphs import DecodeGraphs
+from chatd.engine.worker.fast_steps.compiled import CompiledDecode, step_cost
+from chatd.engine.worker.fast_steps.compiled_prefill import CompiledPrefill
+from chatd.engine.worker.fast_steps.cuda_graphs import DecodeGraphs
 from chatd.engine.worker.forward_inputs import ForwardInputs, StepHandle, fill_pending, forward_inputs
 from chatd.engine.worker.host_kv import HostKVTier
 from chatd.engine.worker.kv_memory import profile_kv_blocks

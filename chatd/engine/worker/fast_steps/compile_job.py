@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from chatd.engine.models.quantized.quantize_model import int8_blocks_per_row
-from chatd.engine.worker.compiled_prefill import CompiledPrefill
+from chatd.engine.worker.fast_steps.compiled_prefill import CompiledPrefill
 
 log = logging.getLogger("chatd.engine")
 
