@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 from chatd.config import CacheConfig, Config, SchedulerConfig
 from chatd.engine.core.block_manager import BlockManager
-from chatd.engine.core.scheduler import EngineStats, Scheduler, SchedulerOutput
+from chatd.engine.core.engine_stats import EngineStats
+from chatd.engine.core.scheduler import Scheduler, SchedulerOutput
 from chatd.engine.core.sequence import Sequence, SequenceStatus
 from chatd.engine.core.stage_times import StageTimes
 from chatd.engine.drain_rate import DrainRate

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from chatd.config import SchedulerConfig
 from chatd.engine.core.block_manager import BlockManager
+from chatd.engine.core.engine_stats import EngineStats
 from chatd.engine.core.fairness import FairShare, WaitQueue
 from chatd.engine.core.host_tier import KVCopy
 from chatd.engine.core.sequence import Sequence, SequenceStatus
@@ -83,35 +84,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass
-class EngineStats:
-    """Counters for metrics; totals count since the engine started."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of KV blocks held by sequences
-    num_blocks: int
-    num_free_blocks: int
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of those, tokens found
-    num_preemptions: int
-    num_prompt_tokens: int  # tokens computed in prefill (including recompute after preemption)
-    num_generation_tokens: int  # tokens sampled
-    num_draft_tokens: int = 0  # speculative decoding: proposed tokens verified
-    num_accepted_tokens: int = 0  # of those, accepted
-    num_drafts: int = 0  # verify steps of a sequence (proposals of one or more tokens)
-    num_request_streams: int = 0  # AsyncEngine only: requests whose output stream is still open
-    # Prompt tokens computed per second in recent steps that left requests waiting: how fast a
-    # queue drains (LLMEngine measures it; None until a queue has formed).
-    queued_prefill_rate: float | None = None
-    # The host KV tier (0 blocks: off).
-    num_host_blocks: int = 0
-    num_host_blocks_used: int = 0
-    host_cache_hits: int = 0  # prompt tokens copied back from the host instead of recomputed
-    num_blocks_to_host: int = 0  # blocks copied out to the host
-    num_blocks_from_host: int = 0  # blocks copied back to the device
 
 
 def _scheduled(seq: Sequence, num_new: int, prefill: bool, drafts: tuple[int, ...] = ()) -> ScheduledSequence:
