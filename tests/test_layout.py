@@ -232,7 +232,7 @@ CORE_PATH = (
     "chatd/engine/models/rope.py",
     "chatd/engine/models/loader.py",
 )
-# Issue 58 aims at 3,000 lines; the core stands at 3,516 now (4,066 in these files and their
+# Issue 58 aims at 3,000 lines; the core stands at 3,517 now (4,066 in these files and their
 # predecessors before the split). Lower it as the core shrinks; never raise it to fit a change.
 CORE_PATH_LINES = 3520
 

@@ -120,7 +120,7 @@ def load_engine_parts(config: Config, background_compile: bool = False) -> Engin
         else:
             compile_job = compile_steps(local, config, background=background_compile and size == 1)
             if compile_job is not None:
-                num_blocks -= 1  # the job's dummy steps write the pool's last block (compile_job.py)
+                num_blocks -= 1  # the job's dummy steps write the pool's last block (worker/fast_steps/compile_job.py)
     except BaseException as exc:
         if runner is not None and hasattr(runner, "close"):
             runner.close()

@@ -11,7 +11,7 @@ is recomputed later, which the prefix cache makes cheap. A waiting sequence of a
 than some running ones does not wait for them: when the batch or the pool is full, they are
 preempted to make room for it (a paid request never queues behind free ones). A sequence
 with structured output samples only once its grammar's mask for the next token is ready (masks
-are computed off the engine thread, grammar_threads.py); until then it computes all but its last token,
+are computed off the engine thread, structured/grammar_threads.py); until then it computes all but its last token,
 so a costly grammar slows its own reply and nobody else's.
 
 The scheduler is the only user of the block manager, and it does the bookkeeping after a

