@@ -6,7 +6,7 @@ step's rows. This times exactly that set of float32 products (SmolLM2-135M's sha
 weights random and read from memory as a step reads them, at several row counts, each way in turn
 (`--repeats` times, medians), and prints the times and MKL / oneDNN. oneDNN with the weights as
 stored (models/onednn.py) and packed once into its layout for `--pack-rows` rows (16, as
-models/packed.py packs them where memory allows).
+models/quantized/packed.py packs them where memory allows).
 
     python benchmarks/cpu_matmul.py
     python benchmarks/cpu_matmul.py --rows 1,16 --repeats 3 --json m.json

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, installed or not
 
-from chatd.engine.models.quant import GROUP_SIZE, Fp8Linear, Int4Linear, unavailable_reason  # noqa: E402
+from chatd.engine.models.quantized.quant import GROUP_SIZE, Fp8Linear, Int4Linear, unavailable_reason  # noqa: E402
 
 # (out_features, in_features) of one layer's projections: q/k/v fused, o, gate/up fused, down.
 SHAPES = {"Llama-3.1-8B": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],

@@ -1,7 +1,7 @@
 """One prefill step eager and compiled, side by side in one process, on CPU.
 
 chatd compiles each layer's halves around attention for steps of 192 tokens or more
-(chatd/engine/worker/compiled_prefill.py). This loads a model once, builds one step of several
+(chatd/engine/worker/fast_steps/compiled_prefill.py). This loads a model once, builds one step of several
 prompts (at least that many tokens in all) and runs it eagerly (`model(...)`) and compiled
 (`CompiledPrefill.hidden`) in turn, `--pairs` times, so both meet the machine in the same state.
 It prints each pair's times, the medians, the median of the paired ratios, and how far the
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from chatd.engine import LLM  # noqa: E402
 from chatd.engine.attention import build_step  # noqa: E402
 from chatd.engine.models.demo import ensure_demo_model  # noqa: E402
-from chatd.engine.worker.compiled_prefill import CompiledPrefill  # noqa: E402
+from chatd.engine.worker.fast_steps.compiled_prefill import CompiledPrefill  # noqa: E402
 from chatd.engine.models.loader import default_model_path  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent.parent / "chatd" / "engine" / "models" / "demo_corpus.txt"

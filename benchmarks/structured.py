@@ -55,7 +55,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, installed or not
 
-from chatd.engine.grammar import JSON_OPTIONS  # noqa: E402
+from chatd.engine.structured.grammar import JSON_OPTIONS  # noqa: E402
 
 
 def strict_object(properties: dict, required: list[str] | None = None) -> dict:
@@ -126,7 +126,7 @@ QUICK = dict(repeats=2, walk_steps=30, batch=3, warmup_steps=2, timed_steps=4, r
 
 
 class Llguidance:
-    """llguidance as chatd uses it (engine/grammar.py): masks written into a numpy bit array."""
+    """llguidance as chatd uses it (engine/structured/grammar.py): masks written into a numpy bit array."""
 
     name = "llguidance"
 
@@ -264,7 +264,7 @@ class GrammarStopwatch:
         self.seconds = dict(masking=0.0, masks=0.0, accept=0.0)
 
     def __enter__(self) -> GrammarStopwatch:
-        from chatd.engine import grammar
+        from chatd.engine.structured import grammar
         from chatd.engine.worker import sampler
 
         self._originals = [(sampler, "apply_grammars", "masking", sampler.apply_grammars),

@@ -61,7 +61,7 @@ class ModelConfig:
     # Weights in fewer bits: "none", "int8" (per output channel), "int4" (groups of 32), "gguf" (a GGUF
     # file's own blocks, exactly: config.toml), "fp8" (e4m3, a scale per output channel). On CPU: int8,
     # int4, gguf; on a CUDA GPU: int4 (compute capability 8.0+) and fp8 (8.9+). "auto": "gguf" for a
-    # GGUF file of blocks on a CPU and one rank, else "none" (models/loader.py resolve_quantization).
+    # GGUF file of blocks on a CPU and one rank, else "none" (models/quantized/quantize_model.py resolve_quantization).
     quantization: str = "auto"
     # Ranks the model is split across (Megatron-style): one per GPU of the node (gloo ranks on CPU).
     tensor_parallel_size: int = 1

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     # tests run in CI too. It must be set before triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Compiling decode steps at start (chatd's CPU default, worker/compiled.py) costs 5-12 s per engine
+# Compiling decode steps at start (chatd's CPU default, worker/fast_steps/compiled.py) costs 5-12 s per engine
 # for the demo model; the suite starts dozens. Off for engines made in this process and for the
 # servers it starts (they inherit the environment); tests/engine/test_compiled.py and
 # tests/http/test_compiled_serve.py turn it back on and check the compiled path itself.

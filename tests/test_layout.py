@@ -207,3 +207,57 @@ def test_importing_loads_no_torch(module):
     code = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+# chatd/engine's core path ----------------------------------------------------------------------
+
+# The files that serve one greedy request on a Llama, as chatd/engine/__init__.py lists them: a
+# reader learns how serving works from these alone; every extension lives in a file of its own.
+CORE_PATH = (
+    "chatd/engine/params.py",
+    "chatd/engine/tokenizer.py",
+    "chatd/engine/engine.py",
+    "chatd/engine/step_outputs.py",
+    "chatd/engine/core/sequence.py",
+    "chatd/engine/core/block_manager.py",
+    "chatd/engine/core/scheduler.py",
+    "chatd/engine/worker/runner.py",
+    "chatd/engine/worker/forward_inputs.py",
+    "chatd/engine/worker/sampling_rows.py",
+    "chatd/engine/worker/sampler.py",
+    "chatd/engine/attention/common.py",
+    "chatd/engine/attention/sdpa.py",
+    "chatd/engine/models/llama.py",
+    "chatd/engine/models/layers.py",
+    "chatd/engine/models/rope.py",
+    "chatd/engine/models/loader.py",
+)
+# Issue 58 aims at 3,000 lines; the core stands at 3,517 now (4,066 in these files and their
+# predecessors before the split). Lower it as the core shrinks; never raise it to fit a change.
+CORE_PATH_LINES = 3520
+
+# Classes that are still over 300 lines, each with where it is being split (none in chatd/engine).
+CLASSES_OVER_300 = {"chatd/http/limits.py: Limits"}
+
+
+def test_the_core_path_is_the_list_the_engine_package_gives_and_fits_its_budget():
+    documented = [line.split()[0] for line in chatd.engine.__doc__.splitlines()
+                  if line.strip().startswith("chatd/engine/") and line.split()[0].endswith(".py")]
+    assert tuple(documented) == CORE_PATH
+    missing = [path for path in CORE_PATH if not (ROOT / path).is_file()]
+    assert missing == []
+    lines = {path: len((ROOT / path).read_text().splitlines()) for path in CORE_PATH}
+    assert sum(lines.values()) <= CORE_PATH_LINES, lines
+
+
+def classes_over(limit: int) -> list[str]:
+    """`path: Class` for every class in chatd/ longer than `limit` lines, from its `class` line to its last."""
+    return [f"{path.relative_to(ROOT)}: {node.name}" for path in sorted(PACKAGE.rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_no_class_passes_300_lines():
+    # A class past 300 lines holds more than one responsibility (STYLE.md: a file is one idea).
+    assert set(classes_over(300)) <= CLASSES_OVER_300
+    assert [name for name in CLASSES_OVER_300 if name not in classes_over(300)] == []  # split: take it off the list

@@ -14,50 +14,73 @@ Public names (the rest is internal; `chatd.http` imports only these):
     StructuredOutput the grammar a request's output must follow (JSON schema...) params.py
     MAX_LOGPROBS     the most top_logprobs a request may ask for                params.py
     MAX_N            the most choices (n) a request may ask for                  params.py
-    EngineStats      counters for metrics                                      core/scheduler.py
+    EngineStats      counters for metrics                                      core/engine_stats.py
     STAGES           the stages of a step's host work, timed                   core/stage_times.py
     Tokenizer        chat template, tokens, incremental detokenizer            tokenizer.py
     Embedder         an embedding model beside the chat model, on its thread   embeddings.py
 
-Reading order, following one request in:
+The core path: the files that serve one greedy request on a Llama, read in this order
+(tests/test_layout.py CORE_PATH holds the same list, and its line budget):
 
-    params.py          what a request asks for and what comes back               (no torch)
-    tokenizer.py       chat template -> token ids; token ids -> text and stop strings
-                       (chat_tokens.py: control tokens typed inside messages stay text)
-    grammar.py         structured output: a request's grammar compiled, probed and cached
-                       (grammar_threads.py: masks computed ahead, off the engine thread)
-    async_engine.py    AsyncEngine.generate queues it; the engine thread steps
-    request.py         what a request must pass before anything is allocated for it
-    engine.py          LLMEngine.step: schedule -> launch -> postprocess -> detokenize (with
-                       async scheduling, the next step launched before the last is waited for);
-                       step_outputs.py: a step's tokens as each request's delta
-    model_info.py      what the engine reports of its model; drain_rate.py, of its queue
-    engine_process.py  the same engine in a child process, driven from AsyncEngine's thread
-    loading.py         config -> model, tokenizer, KV pool, runner (LLMEngine.from_config)
-    core/              no torch: sequence.py (one choice), block_manager.py (the paged KV pool
-                       and prefix cache), scheduler.py (the step's batch, preemption, postprocess),
-                       grammar_matcher.py (a sequence's place in its grammar), stage_times.py
-                       (where a step's host time goes), ragged.py (ragged lists to numpy)
-    worker/            torch: build.py (a runner, on every rank), runner.py (one forward over a
-                       flat batch), sampler.py, cuda_graphs.py, host_kv.py (the host KV tier's
-                       copies), parallel.py (tensor-parallel ranks: started, fed, supervised) and
-                       parallel_worker.py (a rank's own process)
-    attention/         backends over the paged KV cache: sdpa, torch-varlen, triton, flash-attn
-    models/            llama.py (the Llama family; rope.py, layers.py), tensor_parallel.py (what
-                       one rank holds), loader.py (checkpoints), demo.py
-    llm.py             LLM: the same engine, stepped by the caller for offline use
-    embeddings.py      the embedding model beside it, run in passes that embedding_queue.py
-                       fills with waiting requests' inputs, tenant by tenant        (no torch there)
+    chatd/engine/params.py                 what a request asks for and what comes back (no torch)
+    chatd/engine/tokenizer.py              chat template -> token ids; ids -> text, stop strings
+    chatd/engine/engine.py                 LLMEngine: add_request, then step: schedule -> launch ->
+                                           postprocess -> detokenize
+    chatd/engine/step_outputs.py           a step's tokens as each request's delta
+    chatd/engine/core/sequence.py          one choice: its tokens, counters and block table
+    chatd/engine/core/block_manager.py     the paged KV pool and the prefix cache
+    chatd/engine/core/scheduler.py         the step's batch under a token budget, preemption,
+                                           postprocess
+    chatd/engine/worker/runner.py          one flat forward over the step's tokens, then sampling
+    chatd/engine/worker/forward_inputs.py  the step as the forward's inputs
+    chatd/engine/worker/sampling_rows.py   each sequence's row of the sampler, and its RNG
+    chatd/engine/worker/sampler.py         logits -> tokens (greedy: the argmax)
+    chatd/engine/attention/common.py       the step's batch layout, the backend interface
+    chatd/engine/attention/sdpa.py         the portable attention backend over the pages
+    chatd/engine/models/llama.py           the Llama family's decoder
+    chatd/engine/models/layers.py          its linears, norm and embedding
+    chatd/engine/models/rope.py            rotary position embeddings
+    chatd/engine/models/loader.py          a safetensors checkpoint into the model
 
-Imports run one way: params <- core <- attention, models <- worker <- the modules here
-(tests/test_layout.py).
+Beside them, small helpers the core calls: request.py (what a request must pass), core/fairness.py
+(who goes first), loading.py and worker/build.py (config -> model, tokenizer, KV pool, runner).
+
+The extensions, each readable without the core's details and never needed to read the core:
+
+    async_engine.py, llm.py      the engine on its own thread for a server; offline use
+    engine_process.py            the engine in a child process (--engine-process)
+    chat_tokens.py               control tokens typed inside messages stay text
+    structured/                  structured output: grammars compiled, masks computed ahead
+                                 (core/grammar_matcher.py and worker/grammar_masks.py are their
+                                 hooks below)
+    speculative/                 speculative decoding: n-gram and draft-model proposers
+    embeddings.py                an embedding model beside the chat model (embedding_queue.py)
+    core/host_tier.py            the host KV tier's bookkeeping (worker/host_kv.py: its tensors)
+    core/engine_stats.py         the counters metrics read; core/stage_times.py: where a step's
+                                 host time goes; model_info.py, drain_rate.py, frame_room.py: what
+                                 the engine reports and how it keeps steps lean
+    worker/fast_steps/           compiled decode and prefill steps, CUDA graphs
+    worker/parallel.py           tensor-parallel ranks: started, fed, supervised
+                                 (parallel_worker.py: a rank's process; models/tensor_parallel.py:
+                                 what one rank holds)
+    worker/penalties.py, sampling_choices.py, host_sampling.py, logprobs.py, prompt_logprobs.py
+                                 sampling beyond greedy: penalties, temperature/top-k/top-p/min-p
+                                 (batched, or row by row on a CPU), logprobs, prompt logprobs
+    worker/kv_memory.py, heap.py sizing the KV pool on a GPU; keeping a CPU step's memory
+    attention/kv_dtypes.py       float16 and fp8 KV caches
+    attention/gpu.py, select.py  triton, torch-varlen and flash-attn backends; choosing one
+    models/quantized/            GGUF files and weight-only quantization (int8, int4, fp8)
+    models/matvec.py, onednn.py  CPU matmul paths; models/demo.py: the demo model
+
+Imports run one way: params <- core <- attention, models <- worker <- the modules here and
+structured/, speculative/ (tests/test_layout.py).
 
 Importing this package loads no torch: loading.py, and through it the worker, is loaded when an
 engine is built.
 """
 
 from chatd.engine.async_engine import AsyncEngine, EngineClient, EngineUnavailable, RequestHandle, RequestStream
-from chatd.engine.core.scheduler import EngineStats
+from chatd.engine.core.engine_stats import EngineStats
 from chatd.engine.core.stage_times import STAGES
 from chatd.engine.embeddings import Embedder
 from chatd.engine.engine import LLMEngine

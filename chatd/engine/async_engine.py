@@ -32,7 +32,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from chatd.engine.core.scheduler import EngineStats
+from chatd.engine.core.engine_stats import EngineStats
 from chatd.engine.engine import LLMEngine, freeze_startup_objects
 from chatd.engine.frame_room import with_frame_room
 from chatd.engine.model_info import ModelInfo

@@ -32,11 +32,12 @@ from dataclasses import dataclass
 
 from chatd.config import CacheConfig, Config, SchedulerConfig
 from chatd.engine.core.block_manager import BlockManager
-from chatd.engine.core.scheduler import EngineStats, Scheduler, SchedulerOutput
+from chatd.engine.core.engine_stats import EngineStats
+from chatd.engine.core.scheduler import Scheduler, SchedulerOutput
 from chatd.engine.core.sequence import Sequence, SequenceStatus
 from chatd.engine.core.stage_times import StageTimes
 from chatd.engine.drain_rate import DrainRate
-from chatd.engine.grammar import GrammarCompiler
+from chatd.engine.structured.grammar import GrammarCompiler
 from chatd.engine.model_info import ModelInfo, read_model_info
 from chatd.engine.params import (
     CacheScope,
@@ -106,7 +107,7 @@ class LLMEngine:
         sampling_defaults: Mapping[str, float] | None = None,
         clock=time.monotonic,
         num_host_blocks: int = 0,
-        compile_job=None,  # worker/compile_job.py: the runner's steps compiling on a thread, or None
+        compile_job=None,  # worker/fast_steps/compile_job.py: the runner's steps compiling on a thread, or None
         speculator=None,  # speculative/: proposes tokens for decoding sequences to verify, or None
     ) -> None:
         self.runner = runner

@@ -19,6 +19,7 @@ import torch
 from chatd.config import Config, ModelConfig, chatd_home
 from chatd.engine.models.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
 from chatd.engine.models.matvec import MAX_ROWS_AS_REDUCTIONS
+from chatd.engine.models.quantized.quantize_model import int8_blocks_per_row
 from chatd.engine.models.loader import (
     DEFAULT_MODEL_INSTALL,
     default_model_path,
@@ -29,8 +30,8 @@ from chatd.engine.models.loader import (
 from chatd.engine.models.tensor_parallel import TPGroup, check_head_layout
 from chatd.engine.tokenizer import Tokenizer
 from chatd.engine.worker.build import build_runner, resolve_device
-from chatd.engine.worker.compile_job import CompileJob
-from chatd.engine.worker.compiled import keep_compiled_in, unavailable_reason
+from chatd.engine.worker.fast_steps.compile_job import CompileJob
+from chatd.engine.worker.fast_steps.compiled import keep_compiled_in, unavailable_reason
 from chatd.engine.worker.parallel import ParallelError, ParallelRunner, Workers, check_gpus
 from chatd.engine.worker.parallel_worker import (
     cpu_threads_per_rank,
@@ -42,7 +43,8 @@ from chatd.engine.worker.parallel_worker import (
 )
 from chatd.engine.speculative import Speculator, build_speculator, flat_cost
 from chatd.engine.speculative.draft_model import DraftModelProposer
-from chatd.engine.worker.runner import ModelRunner, kv_block_bytes
+from chatd.engine.worker.kv_memory import kv_block_bytes
+from chatd.engine.worker.runner import ModelRunner
 
 log = logging.getLogger("chatd.engine")
 
@@ -118,7 +120,7 @@ def load_engine_parts(config: Config, background_compile: bool = False) -> Engin
         else:
             compile_job = compile_steps(local, config, background=background_compile and size == 1)
             if compile_job is not None:
-                num_blocks -= 1  # the job's dummy steps write the pool's last block (compile_job.py)
+                num_blocks -= 1  # the job's dummy steps write the pool's last block (worker/fast_steps/compile_job.py)
     except BaseException as exc:
         if runner is not None and hasattr(runner, "close"):
             runner.close()
@@ -275,7 +277,7 @@ def size_kv_pool(config: Config, runner, block_bytes: int, context: int) -> int:
 
 
 def compile_steps(runner: ModelRunner, config: Config, background: bool = False) -> CompileJob | None:
-    """On CPU, compile decode and large prefill steps when configured (worker/compiled.py, compiled_prefill.py):
+    """On CPU, compile decode and large prefill steps when configured (worker/fast_steps/compiled.py, compiled_prefill.py):
     now, or with `background` on a thread while the engine serves eagerly (the job, started; the
     caller keeps the pool's last block from the block manager). A failed compile serves eagerly."""
     if not config.model.compile:
@@ -299,7 +301,7 @@ def compile_steps(runner: ModelRunner, config: Config, background: bool = False)
 def _eager_steps(runner: ModelRunner) -> None:
     """Eager steps take int8 layers with a scale per row only: a GGUF file's blocks (Q8_0, Q6_K,
     Q5_*) are quantized again per row."""
-    requantized = runner.model.int8_blocks_per_row()
+    requantized = int8_blocks_per_row(runner.model)
     if requantized:
         log.info("%d int8 layers of GGUF blocks get a scale per row: eager decode steps have no kernel "
                  "for a scale per block (compiled steps keep the file's blocks)", requantized)

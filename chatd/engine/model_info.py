@@ -34,8 +34,8 @@ class ModelInfo:
     num_host_kv_blocks: int = 0  # the host tier's blocks (0: off)
     tensor_parallel_size: int = 1  # ranks the model is split over
     quantization: str = "none"  # model.quantization: how the weights are stored and computed
-    compiled_decode: bool = False  # decode steps run through torch.compile (CPU; worker/compiled.py)
-    compiled_prefill_tokens: int = 0  # steps of this many tokens or more do too (worker/compiled_prefill.py); 0: none
+    compiled_decode: bool = False  # decode steps run through torch.compile (CPU; worker/fast_steps/compiled.py)
+    compiled_prefill_tokens: int = 0  # steps of this many tokens or more do too (worker/fast_steps/compiled_prefill.py); 0: none
 
     @property
     def name(self) -> str:

@@ -32,7 +32,7 @@ class FinishReason(str, enum.Enum):
 class StructuredOutput:
     """Constrain a request's output to a grammar: exactly one of the kinds below.
 
-    The engine compiles it (engine/grammar.py) and masks every token the grammar does not
+    The engine compiles it (structured/grammar.py) and masks every token the grammar does not
     allow, so the output always matches: a JSON schema, any JSON object, a regular expression,
     one of a list of strings, or a Lark grammar (llguidance's dialect, with `%json` for embedded
     schemas). `param` is the request field it came from, named in errors.

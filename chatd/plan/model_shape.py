@@ -119,7 +119,7 @@ def _read_config(model: str | None):
     from transformers import AutoConfig
 
     from chatd.engine.models.demo import ensure_demo_model
-    from chatd.engine.models.gguf import GGUFCheckpoint, find_gguf, is_gguf
+    from chatd.engine.models.quantized.gguf import GGUFCheckpoint, find_gguf, is_gguf
     from chatd.engine.models.loader import DEFAULT_MODEL_INSTALL, default_model_path
 
     if model is None:

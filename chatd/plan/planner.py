@@ -68,7 +68,7 @@ def build_plan(args: argparse.Namespace, log=print) -> dict:
     inputs.set("--gpu", kind_name, "given" if args.gpu else "this machine (--measure)")
     on_gpu = kind.memory_gib is not None
     quantization = inputs.flag(args, "--quantization", "auto")
-    if quantization == "auto":  # as chatd serve resolves it (models/loader.py resolve_quantization)
+    if quantization == "auto":  # as chatd serve resolves it (models/quantized/quantize_model.py resolve_quantization)
         quantization = inputs.set("--quantization", "gguf" if shape.file_blocks and not on_gpu else "none",
                                   inputs.values["--quantization"]["source"],
                                   "auto: a GGUF file's own blocks on a CPU, else the float weights")

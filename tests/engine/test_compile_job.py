@@ -1,4 +1,4 @@
-"""The compile job's life (worker/compile_job.py): compiling while eager steps serve, the steps
+"""The compile job's life (worker/fast_steps/compile_job.py): compiling while eager steps serve, the steps
 handed to the runner once made, and a failure leaving every step eager with the reason logged.
 Compiling for real through a server is tests/http/test_compiled_serve.py (slow: a minute of
 inductor); here the runner's compile is stood in for, so the job's own rules run in milliseconds."""
@@ -9,7 +9,7 @@ import logging
 import threading
 from types import SimpleNamespace
 
-from chatd.engine.worker.compile_job import COMPILED, COMPILING, FAILED, CompileJob
+from chatd.engine.worker.fast_steps.compile_job import COMPILED, COMPILING, FAILED, CompileJob
 
 
 class Runner:
@@ -20,11 +20,12 @@ class Runner:
         self.error = error
         self.release = threading.Event()
         self.requantized = 0
-        self.model = SimpleNamespace(int8_blocks_per_row=self._requantize)
+        # int8_blocks_per_row walks the model's modules once: a model of none.
+        self.model = SimpleNamespace(modules=self._requantize, quantized_head=None)
 
-    def _requantize(self) -> int:
+    def _requantize(self) -> list:
         self.requantized += 1
-        return 0
+        return []
 
     def enable_compiled_steps(self, folder) -> float:
         self.release.wait(10)

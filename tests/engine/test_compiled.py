@@ -1,4 +1,4 @@
-"""Compiled decode steps (worker/compiled.py) and prefill steps (compiled_prefill.py): the same
+"""Compiled decode steps (worker/fast_steps/compiled.py) and prefill steps (compiled_prefill.py): the same
 tokens as eager steps, no compile after start.
 
 The suite runs with torch.compile off (tests/conftest.py); these tests turn it on. Decode-only
@@ -19,9 +19,10 @@ import torch
 from chatd.engine import SamplingParams
 from chatd.engine.attention import SdpaBackend, build_step, quantize_kv
 from chatd.engine.attention.decode import DecodeAttention, DecodeContext
-from chatd.engine.models.quant import Int8Linear
-from chatd.engine.worker.compiled import DYNAMIC_BATCH, CompiledDecode, compile_count
-from chatd.engine.worker.compiled_prefill import PREFILL_TOKENS, CompiledPrefill
+from chatd.engine.models.quantized.quant import Int8Linear
+from chatd.engine.models.quantized.quantize_model import quantized_layers
+from chatd.engine.worker.fast_steps.compiled import DYNAMIC_BATCH, CompiledDecode, compile_count
+from chatd.engine.worker.fast_steps.compiled_prefill import PREFILL_TOKENS, CompiledPrefill
 from tests.engine.conftest import make_llm
 from tests.engine.test_attention import make_problem
 
@@ -118,7 +119,7 @@ def test_compiled_quantized_decode_stays_close_to_eager(model_dirs, q8_gguf, q5_
         want = generate(eager_llm)
     with make_llm(model, quantization=quantization) as llm:
         assert llm.engine.runner.compiled is not None
-        assert llm.engine.runner.model.quantized_layers() == {kind: 9}
+        assert quantized_layers(llm.engine.runner.model) == {kind: 9}
         before = compile_count()
         got = generate(llm)
         assert compile_count() == before, "a decode step compiled after start"
@@ -245,7 +246,7 @@ def test_compile_is_off_when_configured_or_disabled(model_dirs):
 def test_compiled_code_is_kept_under_chatd_home_unless_the_user_named_a_place(tmp_path, monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from chatd.engine.worker.compiled import keep_compiled_in
+    from chatd.engine.worker.fast_steps.compiled import keep_compiled_in
 
     for before in (None, default_cache_dir()):  # unset, or the default importing torch._dynamo set
         if before is None:

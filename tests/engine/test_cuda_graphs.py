@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from chatd.engine import SamplingParams
-from chatd.engine.worker.cuda_graphs import graph_batch_sizes
+from chatd.engine.worker.fast_steps.cuda_graphs import graph_batch_sizes
 from tests.engine.conftest import make_llm
 from tests.engine.test_engine import prompts, token_ids
 

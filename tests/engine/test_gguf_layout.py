@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from chatd.engine.models.gguf_layout import check_layout
+from chatd.engine.models.quantized.gguf_layout import check_layout
 from tests.engine.conftest import make_llm
 from tests.engine.test_gguf import (LOG_LINE, chatd_generate, chatd_home, chatd_process,  # noqa: F401 (fixtures)
                                     generate_prints_one_line, sound_gguf)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chatd.engine.core.block_manager import KVCopy
+from chatd.engine.core.host_tier import KVCopy
 from chatd.engine.worker.host_kv import HostKVTier
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 2, 4, 2, 3

@@ -15,7 +15,7 @@ import torch
 
 from chatd.engine import SamplingParams
 from chatd.engine.worker.host_sampling import MARGINS, host_choices, host_draw
-from chatd.engine.worker.sampler import MIN_TEMPERATURE, sampling_probs
+from chatd.engine.worker.sampling_choices import MIN_TEMPERATURE, sampling_probs
 from tests.engine.test_sampler import hf_probs, make_row, mixed_logits, random_params
 
 VOCAB = 2048

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chatd.engine.core.block_manager import BlockManager, KVCopy
+from chatd.engine.core.block_manager import BlockManager
+from chatd.engine.core.host_tier import KVCopy
 from chatd.engine.core.sequence import Sequence
 from chatd.engine.params import SamplingParams
 from tests.engine.conftest import make_llm
@@ -24,7 +25,7 @@ class Pools:
     def __init__(self, bm: BlockManager) -> None:
         self.bm = bm
         self.device: list[bytes | None] = [None] * bm.num_blocks
-        self.host: list[bytes | None] = [None] * bm.num_host_blocks
+        self.host: list[bytes | None] = [None] * bm.host.num_blocks
 
     def copy(self, copies: list[KVCopy]) -> None:
         for c in copies:
@@ -36,23 +37,23 @@ class Pools:
     def admit(self, seq: Sequence) -> int:
         """Allocate as the scheduler does, make the copies, check every cached block holds what
         its name says, then compute the rest. Returns how many blocks came from the host."""
-        before = self.bm.num_blocks_from_host
+        before = self.bm.host.num_blocks_from_host
         self.bm.allocate(seq)
         assert self.bm.allocate_slots(seq, seq.num_uncomputed_tokens)
-        self.copy(self.bm.take_copies())
+        self.copy(self.bm.host.take_copies())
         for i in range(seq.num_computed_tokens // BS):  # cached: on the device, or restored just now
             assert self.device[seq.block_table[i]] == seq.block_hashes[i]
         seq.num_computed_tokens = seq.num_tokens
         self.bm.cache_blocks(seq)
         for i, name in enumerate(seq.block_hashes):  # the forward writes the rest
             self.device[seq.block_table[i]] = name
-        return self.bm.num_blocks_from_host - before
+        return self.bm.host.num_blocks_from_host - before
 
     def check(self, live: list[Sequence]) -> None:
         self.bm.check_invariants(live)
         for name, block in self.bm.cached_blocks.items():
             assert self.device[block] == name, "a findable device block holds other contents"
-        for name, slot in self.bm.host_slots.items():
+        for name, slot in self.bm.host.slots.items():
             assert self.host[slot] == name, "a host slot holds other contents than its name says"
 
 
@@ -69,12 +70,12 @@ def test_a_session_evicted_from_the_device_comes_back_from_the_host():
     bm.free(first)
     crowd = make_seq(tokens=session_prompt(2, 5))  # 30 tokens: 8 blocks, the whole pool
     assert pools.admit(crowd) == 0
-    assert bm.num_blocks_to_host == 3 and not bm.cached_blocks.keys() & set(first.block_hashes)
+    assert bm.host.num_blocks_to_host == 3 and not bm.cached_blocks.keys() & set(first.block_hashes)
     bm.free(crowd)
 
     again = make_seq(tokens=session_prompt(1, 3))  # the next turn of the first session
     assert pools.admit(again) == 3  # its history, copied back instead of recomputed
-    assert again.num_cached_tokens == 12 and bm.num_host_hits == 12
+    assert again.num_cached_tokens == 12 and bm.host.num_hits == 12
     pools.check([again])
 
 
@@ -87,10 +88,10 @@ def test_the_host_tier_lets_its_least_recently_used_blocks_go_first():
         pools.admit(seq)
         names[session] = seq.block_hashes[0]
         bm.free(seq)
-    assert list(bm.host_slots) == [names["A"], names["B"], names["C"]]
+    assert list(bm.host.slots) == [names["A"], names["B"], names["C"]]
     again = make_seq(tokens=[ord("A")] * 5)
     assert pools.admit(again) == 1  # A is used again; D goes out, and B, now the least recently used, goes
-    assert list(bm.host_slots) == [names["C"], names["A"], names["D"]]
+    assert list(bm.host.slots) == [names["C"], names["A"], names["D"]]
     bm.free(again)
     pools.check([])
 
@@ -103,12 +104,12 @@ def test_another_tenant_never_finds_a_tenants_blocks_on_the_host():
     bm.free(alice)
     filler = make_seq(tokens=range(50000, 50016), salt="alice")
     pools.admit(filler)  # pushes alice's history to the host
-    assert bm.num_blocks_to_host == 3
+    assert bm.host.num_blocks_to_host == 3
     bm.free(filler)
 
     bob = make_seq(tokens=session_prompt(1, 3), salt="bob")  # the same tokens, another tenant
     bm.allocate(bob)
-    assert bob.num_cached_tokens == 0 and bm.num_host_hits == 0
+    assert bob.num_cached_tokens == 0 and bm.host.num_hits == 0
     bm.free(bob)
     alice_again = make_seq(tokens=session_prompt(1, 3), salt="alice")
     bm.allocate(alice_again)
@@ -144,10 +145,10 @@ def test_random_sessions_keep_every_cached_block_true_to_its_name(num_blocks, nu
             bm.allocate(seq)
             if not bm.allocate_slots(seq, seq.num_uncomputed_tokens):
                 bm.free(seq)  # as the scheduler gives back what a sequence that cannot run took
-                pools.copy(bm.take_copies())
+                pools.copy(bm.host.take_copies())
             else:
                 bm.free(seq)
-                pools.copy(bm.take_copies())
+                pools.copy(bm.host.take_copies())
                 pools.admit(seq)
                 live.append(seq)
         pools.check(live)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from chatd.engine.worker.kv_memory import profile_step
 from tests.engine.conftest import make_llm
 from tests.engine.test_engine import GREEDY, prompts, token_ids
 
@@ -23,7 +24,7 @@ def test_profiling_step_runs_and_leaves_the_engine_correct(model_dirs, max_model
     want = token_ids(make_llm(path, max_model_len=max_model_len).generate(batch, GREEDY))
     llm = make_llm(path, max_model_len=max_model_len)
     runner = llm.engine.runner
-    runner.profile_step(2048, 300)
+    profile_step(runner, 2048, 300)
     assert runner.num_blocks >= 2048 // runner.block_size
     runner.allocate_kv(llm.engine.stats().num_blocks)
     assert token_ids(llm.generate(batch, GREEDY)) == want

@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from chatd.engine import SamplingParams
-from chatd.engine.models import onednn, packed
+from chatd.engine.models import onednn
 from chatd.engine.models.layers import FusedLinear, RowParallelLinear
 from chatd.engine.models.matvec import dense
-from chatd.engine.models.packed import PackedLinear
+from chatd.engine.models.quantized import packed
+from chatd.engine.models.quantized.packed import PackedLinear
 from tests.engine.conftest import make_llm
 from tests.engine.test_compiled import needs_cpp_compiler
 
@@ -68,7 +69,7 @@ def test_inside_a_compiled_graph_the_product_is_the_custom_op_and_matches():
                                        rtol=1e-5, atol=1e-5)
 
 
-# --- weights packed beside the weight as stored (models/packed.py) --------------------------------
+# --- weights packed beside the weight as stored (models/quantized/packed.py) --------------------------------
 
 
 @pytest.mark.parametrize("rows", [1, 16, 300])

@@ -18,12 +18,13 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from chatd.engine import SamplingParams
-from chatd.engine.models.gguf_quant import BLOCK_BYTES, INT8_TYPES, file_blocks, int4_parts, int8_parts
-from chatd.engine.models.loader import Checkpoint, default_model_path, load_model, open_checkpoint, resolve_quantization
+from chatd.engine.models.loader import Checkpoint, default_model_path, load_model, open_checkpoint
 from chatd.engine.models.matvec import block_products
-from chatd.engine.models.quant import (DEQUANTIZED_CHUNK, DEQUANTIZED_ROWS, FP8, FP8_MAX, GROUP_SIZE, INT4_UNPACKED_ROWS,
-                                       NATIVE_BFLOAT16, ConcatLinear, Fp8Linear, Int4Linear, Int8Linear, can_quantize,
-                                       kernel_layout_unpacks, quantize_linear)
+from chatd.engine.models.quantized.gguf_quant import BLOCK_BYTES, INT8_TYPES, file_blocks, int4_parts, int8_parts
+from chatd.engine.models.quantized.quant import (DEQUANTIZED_CHUNK, DEQUANTIZED_ROWS, FP8, FP8_MAX, GROUP_SIZE,
+                                                 INT4_UNPACKED_ROWS, NATIVE_BFLOAT16, ConcatLinear, Fp8Linear, Int4Linear,
+                                                 Int8Linear, can_quantize, kernel_layout_unpacks, quantize_linear)
+from chatd.engine.models.quantized.quantize_model import quantize_model, quantized_layers, resolve_quantization
 from tests.engine.conftest import make_llm
 from tests.engine.test_gguf import write_gguf
 
@@ -85,7 +86,7 @@ def test_importing_the_models_runs_no_torch_work_the_first_int4_layer_probes_the
     """Torch work at import runs on whichever thread imports chatd's modules (the server's event
     loop, say), and left the engine thread's CPU steps slower for the process's life: the int4
     kernel's layout is probed when the first layer is built, on the thread loading the model."""
-    code = ("import chatd.engine.models.quant as q; assert q._int4_unpacks is None, 'probed at import'\n"
+    code = ("import chatd.engine.models.quantized.quant as q; assert q._int4_unpacks is None, 'probed at import'\n"
             "import torch; layer = q.Int4Linear.from_float(torch.randn(64, 64))\n"
             "assert layer.unpacks == q.NATIVE_BFLOAT16 == q._int4_unpacks")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
@@ -199,7 +200,7 @@ def test_int8_blocks_with_zeros_as_reductions_add_each_blocks_zero_times_its_inp
 
 
 class FileBlocks:
-    """A GGUF file's blocks by tensor name, as LlamaForCausalLM.quantize("gguf") reads them."""
+    """A GGUF file's blocks by tensor name, as quantize_model(model, "gguf") reads them."""
 
     def __init__(self, int8: dict, int4: dict | None = None) -> None:
         self.int8, self.int4 = int8, int4 or {}
@@ -232,7 +233,7 @@ def test_a_fused_projection_of_parts_of_different_types_keeps_each_exactly(model
                rng.uniform(1e-4, 1e-2, (sizes[2], columns // 16)).astype(np.float32), None)
     names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
     blocks = FileBlocks({names[0]: int8_parts(raw[0], columns, "Q5_1"), names[1]: int8_parts(raw[1], columns), names[2]: v_parts})
-    model.quantize("gguf", blocks)
+    quantize_model(model, "gguf", blocks)
     layer = model.layers[0].self_attn.qkv_proj.quantized
     assert isinstance(layer, Int8Linear) and layer.kind == "int8 per 16-weight block with zeros"
     expected = np.concatenate([dequantize(r, t).reshape(n, columns) for r, t, n in zip(raw, types, sizes)]
@@ -261,7 +262,7 @@ def test_a_fused_projection_of_4_bit_parts_beside_others_keeps_them_in_the_int4_
         int8[name] = (q.astype(np.int8), scales, mins)
     int8[names[2]] = (rng.integers(-32, 32, (sizes[2], columns), dtype=np.int8),
                       rng.uniform(1e-4, 1e-2, (sizes[2], columns // 16)).astype(np.float32), None)
-    model.quantize("gguf", FileBlocks(int8, int4))
+    quantize_model(model, "gguf", FileBlocks(int8, int4))
     layer = model.layers[0].self_attn.qkv_proj.quantized
     assert isinstance(layer, ConcatLinear) and layer.kind == "int4 + int8 per 16-weight block"
     qk = np.concatenate([(int8[n][0].astype(np.float32).reshape(r, -1, 32) * int8[n][1][..., None] + int8[n][2][..., None])
@@ -380,7 +381,7 @@ def test_eager_decode_steps_take_q8_0_blocks_per_row(q8_gguf):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     with make_llm(q8_gguf, quantization="gguf") as llm:
         assert llm.engine.runner.compiled is None
-        assert llm.engine.runner.model.quantized_layers() == {"int8": 9}
+        assert quantized_layers(llm.engine.runner.model) == {"int8": 9}
         kept = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params)]
     with make_llm(q8_gguf, quantization="int8") as llm:
         assert kept == [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params)]
@@ -497,7 +498,7 @@ def test_cuda_quantized_models_keep_their_logits(tmp_path, family, kind, floor):
     make_hf_model(family, tmp_path)
     reference, _ = load_model(Checkpoint(tmp_path), torch.float32, torch.device("cpu"))
     model, _ = load_model(Checkpoint(tmp_path), torch.bfloat16, torch.device("cuda"), quantization=kind)
-    assert set(model.quantized_layers()) == {kind}
+    assert set(quantized_layers(model)) == {kind}
     ids = prompt(seed=7)
     expected = PagedRunner(reference).step([Chunk(ids, 0, [0, 1, 2])])
     logits = PagedRunner(model).step([Chunk(ids, 0, [0, 1, 2])]).float().cpu()

@@ -18,7 +18,9 @@ from transformers.generation.logits_process import (
 )
 
 from chatd.engine import SamplingParams
-from chatd.engine.worker.sampler import CANDIDATES, WIDER_CANDIDATES, Sampler, SamplingRow, apply_penalties, sampling_choices, sampling_probs
+from chatd.engine.worker.penalties import apply_penalties
+from chatd.engine.worker.sampler import Sampler, SamplingRow
+from chatd.engine.worker.sampling_choices import CANDIDATES, WIDER_CANDIDATES, sampling_choices, sampling_probs
 
 VOCAB = 64
 

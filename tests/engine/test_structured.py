@@ -192,7 +192,7 @@ def test_a_failed_grammar_fails_its_request_and_frees_everything(llm, monkeypatc
     assert [o.finish_reason for o in failed[0].outputs] == [FinishReason.ERROR]
     assert failed[1].error is None and failed[1].outputs[0].token_ids == free.outputs[0].token_ids
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
-    assert not engine.runner.generators
+    assert not engine.runner.rows.generators
 
 
 # -- hostile grammars: bounded cost, failures never served as valid, kept per tenant ------------

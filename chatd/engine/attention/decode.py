@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from chatd.engine.attention.common import AttentionBackend, AttentionMetadata, KVCache, dequantize_kv
+from chatd.engine.attention.common import AttentionBackend, AttentionMetadata, KVCache
+from chatd.engine.attention.kv_dtypes import dequantize_kv
 
 
 @dataclass

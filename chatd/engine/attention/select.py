@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from chatd.engine.attention.common import AttentionBackend, build_step, quantize_kv
+from chatd.engine.attention.common import AttentionBackend, build_step
+from chatd.engine.attention.kv_dtypes import quantize_kv
 from chatd.engine.attention.gpu import FlashAttnBackend, TorchVarlenBackend, TritonBackend
 from chatd.engine.attention.sdpa import SdpaBackend
 

@@ -12,7 +12,8 @@ With a host tier (`num_host_blocks` > 0), a named block pushed out of the device
 copied to a host slot under the same name (least recently used host slots are reused first),
 and a prompt whose chain of names runs on past the device's blocks continues on the host's:
 those blocks are copied back into fresh device blocks instead of being recomputed. The copies
-are queued in order as KVCopy records and the runner makes them before the step's forward.
+are queued in order as KVCopy records (host_tier.py keeps the host's side) and the runner makes
+them before the step's forward.
 
 Plain Python: the runner owns the tensors, this module only hands out block numbers.
 """
@@ -22,18 +23,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
 
+from chatd.engine.core.host_tier import HostTier
 from chatd.engine.core.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class KVCopy:
-    """One block copied between the pools: device block -> host slot (`to_host`) or back."""
-
-    to_host: bool
-    device_block: int
-    host_slot: int
 
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
@@ -60,14 +52,7 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens found (on the device or the host)
-        # The host tier: name -> host slot, least recently used first; and slots holding nothing.
-        self.num_host_blocks = num_host_blocks
-        self.host_slots: OrderedDict[bytes, int] = OrderedDict()
-        self.free_host_slots: list[int] = list(range(num_host_blocks - 1, -1, -1))
-        self.pending_copies: list[KVCopy] = []  # in the order they must be made
-        self.num_host_hits = 0  # tokens of prompts copied back from the host instead of recomputed
-        self.num_blocks_to_host = 0  # blocks copied out to the host, in all
-        self.num_blocks_from_host = 0  # blocks copied back, in all
+        self.host = HostTier(num_host_blocks)  # named blocks kept in host RAM (0 blocks: none)
 
     # -- counters -------------------------------------------------------------------------
 
@@ -103,11 +88,11 @@ class BlockManager:
                 block = self.cached_blocks.get(name)
                 if block is not None:
                     self._take(block)
-                elif name in self.host_slots and self.free_blocks:
+                elif name in self.host and self.free_blocks:
                     block = self._restore_from_host(name)
                     if block is None:
                         break
-                    self.num_host_hits += self.block_size
+                    self.host.num_hits += self.block_size
                 else:
                     break
                 seq.block_table.append(block)
@@ -121,24 +106,17 @@ class BlockManager:
     def _restore_from_host(self, name: bytes) -> int | None:
         """A fresh device block for a block kept on the host, named, held once, its copy back
         queued; None when the host let it go to make room (a one-slot host tier)."""
-        slot = self.host_slots[name]
-        self.host_slots.move_to_end(name)  # used now: the eviction just below takes another slot
+        slot = self.host.use(name)  # used now: the eviction just below takes another slot
         block = self._pop_free_block()
-        if self.host_slots.get(name) != slot:
+        if self.host.slots.get(name) != slot:
             self.free_blocks[block] = None
             self.free_blocks.move_to_end(block, last=False)
             return None
         self.ref_counts[block] = 1
         self.block_hashes[block] = name
         self.cached_blocks[name] = block
-        self.pending_copies.append(KVCopy(False, block, slot))
-        self.num_blocks_from_host += 1
+        self.host.copy_back(block, slot)
         return block
-
-    def take_copies(self) -> list[KVCopy]:
-        """The copies between the pools queued since the last call, in the order they must be made."""
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
 
     def can_allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
@@ -225,24 +203,11 @@ class BlockManager:
         block, _ = self.free_blocks.popitem(last=False)
         name = self.block_hashes[block]
         if name is not None:
-            if self.num_host_blocks:
-                self._keep_on_host(name, block)
+            if self.host.num_blocks:
+                self.host.keep(name, block)
             del self.cached_blocks[name]
             self.block_hashes[block] = None
         return block
-
-    def _keep_on_host(self, name: bytes, block: int) -> None:
-        """Copy a named block leaving the device to a host slot (the least recently used one when full)."""
-        if name in self.host_slots:  # restored from there and never changed: the host copy is the same
-            self.host_slots.move_to_end(name)
-            return
-        if self.free_host_slots:
-            slot = self.free_host_slots.pop()
-        else:
-            _, slot = self.host_slots.popitem(last=False)
-        self.host_slots[name] = slot
-        self.pending_copies.append(KVCopy(True, block, slot))
-        self.num_blocks_to_host += 1
 
     def check_invariants(self, seqs: list[Sequence]) -> None:
         """Assert the pool's bookkeeping agrees with the given live sequences (for tests)."""
@@ -255,5 +220,4 @@ class BlockManager:
         for name, block in self.cached_blocks.items():
             assert self.block_hashes[block] == name
         assert sum(h is not None for h in self.block_hashes) == len(self.cached_blocks)
-        slots = list(self.host_slots.values()) + self.free_host_slots
-        assert sorted(slots) == list(range(self.num_host_blocks)), "host slots lost or shared"
+        self.host.check_invariants()

@@ -4,10 +4,10 @@ A `GrammarMatcher` is sequence state, as a block table is: core's scheduler asks
 next mask is `ready`, feeds it each sampled token (`accept`) and ends the sequence when it
 `is_terminated`; the worker's sampler reads its mask (`fill_masks`). It sits in core, the bottom of
 the engine's ladder, so that both can import it. Compiling grammars and computing masks ahead on
-threads are the engine's (grammar.py, grammar_threads.py), above.
+threads are the engine's (structured/grammar.py, grammar_threads.py), above.
 
 No torch here: masks are numpy bit arrays (bit t of row r set = token t allowed), which the
-sampler moves to the logits' device. llguidance's matcher comes in compiled, from grammar.py.
+sampler moves to the logits' device. llguidance's matcher comes in compiled, from structured/grammar.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ is recomputed later, which the prefix cache makes cheap. A waiting sequence of a
 than some running ones does not wait for them: when the batch or the pool is full, they are
 preempted to make room for it (a paid request never queues behind free ones). A sequence
 with structured output samples only once its grammar's mask for the next token is ready (masks
-are computed off the engine thread, grammar_threads.py); until then it computes all but its last token,
+are computed off the engine thread, structured/grammar_threads.py); until then it computes all but its last token,
 so a costly grammar slows its own reply and nobody else's.
 
 The scheduler is the only user of the block manager, and it does the bookkeeping after a
@@ -31,8 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from chatd.config import SchedulerConfig
-from chatd.engine.core.block_manager import BlockManager, KVCopy
+from chatd.engine.core.block_manager import BlockManager
+from chatd.engine.core.engine_stats import EngineStats
 from chatd.engine.core.fairness import FairShare, WaitQueue
+from chatd.engine.core.host_tier import KVCopy
 from chatd.engine.core.sequence import Sequence, SequenceStatus
 from chatd.engine.params import FinishReason
 
@@ -82,35 +84,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass
-class EngineStats:
-    """Counters for metrics; totals count since the engine started."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of KV blocks held by sequences
-    num_blocks: int
-    num_free_blocks: int
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of those, tokens found
-    num_preemptions: int
-    num_prompt_tokens: int  # tokens computed in prefill (including recompute after preemption)
-    num_generation_tokens: int  # tokens sampled
-    num_draft_tokens: int = 0  # speculative decoding: proposed tokens verified
-    num_accepted_tokens: int = 0  # of those, accepted
-    num_drafts: int = 0  # verify steps of a sequence (proposals of one or more tokens)
-    num_request_streams: int = 0  # AsyncEngine only: requests whose output stream is still open
-    # Prompt tokens computed per second in recent steps that left requests waiting: how fast a
-    # queue drains (LLMEngine measures it; None until a queue has formed).
-    queued_prefill_rate: float | None = None
-    # The host KV tier (0 blocks: off).
-    num_host_blocks: int = 0
-    num_host_blocks_used: int = 0
-    host_cache_hits: int = 0  # prompt tokens copied back from the host instead of recomputed
-    num_blocks_to_host: int = 0  # blocks copied out to the host
-    num_blocks_from_host: int = 0  # blocks copied back to the device
 
 
 def _scheduled(seq: Sequence, num_new: int, prefill: bool, drafts: tuple[int, ...] = ()) -> ScheduledSequence:
@@ -188,14 +161,14 @@ class Scheduler:
 
     @property
     def num_host_kv_blocks(self) -> int:
-        return self.block_manager.num_host_blocks
+        return self.block_manager.host.num_blocks
 
     def kv_blocks_needed(self, num_tokens: int) -> int:
         return self.block_manager.blocks_needed(num_tokens)
 
     def stats(self) -> EngineStats:
         """A snapshot of the queues, the KV pool and the counters."""
-        blocks = self.block_manager
+        blocks, host = self.block_manager, self.block_manager.host
         return EngineStats(
             num_running=self.num_running, num_waiting=self.num_waiting, num_preemptions=self.num_preemptions,
             kv_cache_usage=blocks.usage, num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
@@ -203,9 +176,8 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
             num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
-            num_host_blocks=blocks.num_host_blocks, num_host_blocks_used=len(blocks.host_slots),
-            host_cache_hits=blocks.num_host_hits, num_blocks_to_host=blocks.num_blocks_to_host,
-            num_blocks_from_host=blocks.num_blocks_from_host,
+            num_host_blocks=host.num_blocks, num_host_blocks_used=len(host.slots), host_cache_hits=host.num_hits,
+            num_blocks_to_host=host.num_blocks_to_host, num_blocks_from_host=host.num_blocks_from_host,
         )
 
     def add(self, seq: Sequence) -> None:
@@ -307,7 +279,7 @@ class Scheduler:
         # The runner wants one-token rows (decodes, and verify steps, which it runs as decode rows)
         # first: attention batches them in one call.
         out.scheduled.sort(key=lambda s: s.num_new_tokens - s.num_draft_tokens != 1)
-        out.kv_copies = self.block_manager.take_copies()
+        out.kv_copies = self.block_manager.host.take_copies()
         self._plan(out)
         return out
 

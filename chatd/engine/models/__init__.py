@@ -1,4 +1,11 @@
-"""Model implementations (one decoder for the Llama family) and the checkpoint loader."""
+"""The model: one decoder for the Llama family, and the checkpoint loader.
+
+The core: llama.py (the decoder: Llama, Mistral, Qwen2, Qwen3), layers.py (its linears, norm and
+embedding), rope.py (rotary embeddings), loader.py (a Hugging Face checkpoint found, read and
+loaded). Beside them: tensor_parallel.py (what one rank holds), matvec.py and onednn.py (CPU
+matmul paths), demo.py (the tiny demo model), and quantized/ (GGUF files, weight-only
+quantization). Imports: attention, core and params; never the worker above.
+"""
 
 from chatd.engine.models.llama import LlamaForCausalLM
 from chatd.engine.models.loader import (

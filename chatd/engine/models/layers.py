@@ -3,7 +3,7 @@ embedding that tensor parallelism splits.
 
 Each parallel module says which part of a checkpoint tensor it holds (`checkpoint_shard`), so a
 rank reads only that part, and ends in an all-reduce where its outputs are partial. The fused and
-row-parallel linears can hand their compute to a quantized layer (quant.py). llama.py assembles
+row-parallel linears can hand their compute to a quantized layer (quantized/quant.py). llama.py assembles
 them into layers; it is apart from them so the model reads as the model.
 """
 
@@ -47,7 +47,8 @@ class FusedLinear(nn.Linear):
         return slice(start, start + self.output_sizes[index])
 
     def quantize(self, quantized: nn.Module | None) -> None:
-        """Compute with `quantized` (quant.py: the weight and bias in it) and drop the float weight; None: stay float."""
+        """Compute with `quantized` (quantized/quant.py: the weight and bias in it) and drop the float
+        weight; None: stay float."""
         self.quantized = quantized
         if quantized is not None:
             self.register_parameter("weight", None)

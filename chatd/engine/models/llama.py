@@ -22,9 +22,7 @@ embeddings are rope.py.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,49 +32,8 @@ from transformers import PretrainedConfig
 from chatd.engine.attention import AttentionBackend, AttentionMetadata, KVCache
 from chatd.engine.models.layers import FusedLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from chatd.engine.models.matvec import dense
-from chatd.engine.models.packed import PackedLinear, can_pack
-from chatd.engine.models.quant import ConcatLinear, Int4Linear, Int8Linear, quantize_linear
 from chatd.engine.models.rope import apply_rope, build_rope_cache, max_positions
 from chatd.engine.models.tensor_parallel import HeadLayout, Shard, TPGroup
-
-
-def _int4_layer(parts: list[tuple], bias: Tensor | None) -> Int4Linear:
-    """One int4 layer of a fused projection's parts, each (q, scales, zeros) numpy arrays."""
-    q, scales, zeros = (torch.cat([torch.from_numpy(part[i]) for part in parts]) for i in range(3))
-    return Int4Linear(q.to(torch.int32), scales, zeros, bias)
-
-
-def _int8_blocks_layer(parts: list[tuple], bias: Tensor | None) -> Int8Linear:
-    """One int8 layer of a fused projection's parts, each (q, scales, zeros or None) numpy arrays.
-    Parts of different types, as Q4_K_M and Q5_K_M files' fused projections have (Q5_0 or Q5_1 q/k
-    beside a Q8_0 or Q6_K v), take the finest part's blocks, each part's scales (and zeros: 0 for a
-    type without) repeated to them, exactly."""
-    width = max(part[1].shape[1] for part in parts)
-
-    def per_finest_block(values) -> Tensor:  # [rows, blocks] numpy -> [rows, width] float32
-        return torch.from_numpy(values).float().repeat_interleave(width // values.shape[1], dim=1)
-
-    q = torch.cat([torch.from_numpy(part[0]) for part in parts])
-    scales = torch.cat([per_finest_block(part[1]) for part in parts])
-    zeros = None
-    if any(part[2] is not None for part in parts):
-        zeros = torch.cat([per_finest_block(part[2]) if part[2] is not None else torch.zeros(len(part[1]), width)
-                           for part in parts])
-    return Int8Linear(q, scales, bias, zeros)
-
-
-class GGUFBlocks(Protocol):
-    """What quantize("gguf") reads of a GGUF file (gguf.GGUFCheckpoint), by Hugging Face tensor name."""
-
-    def int4_parts(self, name: str) -> tuple | None:
-        """(q, scales, zeros) numpy arrays of a 4-bit tensor, rows as the model wants them; None otherwise."""
-
-    def int8_parts(self, name: str) -> tuple | None:
-        """(q, a scale per block of 32 or 16 weights, a zero per block or None) numpy arrays of a tensor
-        of a type gguf_quant.INT8_TYPES names, rows as the model wants them; None otherwise."""
-
-    def is_quantized(self, name: str) -> bool:
-        """Whether the file stores the tensor quantized (in any block format)."""
 
 
 # Checkpoint module name -> (our fused module, which of its row blocks). The index is the order of
@@ -174,7 +131,7 @@ class DecoderLayer(nn.Module):
         q, k, v = self.before_attention(x, cos, sin)
         return self.after_attention(x, self.self_attn.attend(q, k, v, kv_cache, meta, backend))
 
-    # The layer in two halves around attention, which a compiled prefill (worker/compiled_prefill.py)
+    # The layer in two halves around attention, which a compiled prefill (worker/fast_steps/compiled_prefill.py)
     # compiles apart from the attention backend's own kernels between them.
     def before_attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The norm, then the new tokens' queries, keys and values (Attention.project)."""
@@ -212,8 +169,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, tp.padded_vocab(config.vocab_size), bias=False)
-        self.quantized_head: nn.Module | None = None  # the LM head as quant.py computes it (quantize())
-        self.quantization = "none"  # what quantize() was asked for
+        self.quantized_head: nn.Module | None = None  # the LM head as a quantized layer computes it (quantized/quantize_model.py)
+        self.quantization = "none"  # what quantize_model() was asked for
         # On "meta" (load_model builds there, then calls reset_rope_cache on the device) only its
         # shape: computing it there would import dynamo (torch's reference decompositions).
         if torch.get_default_device().type == "meta":
@@ -255,102 +212,6 @@ class LlamaForCausalLM(nn.Module):
             local = dense(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
         logits = self.tp.gather_columns(local)  # [N, ranks * vocab rows per rank]
         return None if logits is None else logits[:, : self.vocab_size].float()
-
-    def quantize(self, kind: str, gguf: GGUFBlocks | None = None) -> list[str]:
-        """Weight-only quantization of every projection and the LM head (quant.py); the embedding,
-        norms and biases stay as they are. A tied head gets a quantized copy of the embedding.
-        `kind` "gguf": a layer whose GGUF tensors are 4-bit blocks keeps them (int4, exactly), one of
-        Q8_0 or Q6_K blocks keeps them too (int8 with a scale per block), another quantized one is
-        int8 with a scale per row, a float one stays float. `kind` "int4" on a GGUF file keeps its
-        4-bit blocks too (they are the int4 kernel's groups). Returns the checkpoint tensors that
-        were quantized in the file and have been rounded a second time (the caller warns)."""
-        self.quantization = kind
-        rounded_again: list[str] = []
-        layers = []
-        for name, module in self.named_modules():
-            if isinstance(module, FusedLinear):
-                parent, _, fused = name.rpartition(".")
-                parts = [f"model.{parent}.{shard}.weight" for shard, (owner, _) in FUSED_SHARDS.items() if owner == fused]
-                layers.append((module, module.weight, module.bias, parts))
-            elif isinstance(module, RowParallelLinear):
-                layers.append((module, module.weight, None, [f"model.{name}.weight"]))
-        for module, weight, bias, parts in layers:
-            module.quantize(self._quantized(kind, weight, bias, parts, gguf, rounded_again))
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
-        self.quantized_head = self._quantized(kind, head, None, [head_name], gguf, rounded_again)
-        if self.quantized_head is not None and self.lm_head is not None:
-            self.lm_head.register_parameter("weight", None)
-        return rounded_again
-
-    def pack_float_weights(self) -> int:
-        """Give every float32 projection left unquantized, and the LM head, a copy of its weight
-        packed for oneDNN (packed.py), kept beside the weight; returns how many were packed."""
-        linears = [m for m in self.modules() if isinstance(m, (FusedLinear, RowParallelLinear))]
-        packed = 0
-        for module in linears:
-            if module.quantized is None and can_pack(module.weight):
-                module.quantize(PackedLinear(module.weight, module.bias if isinstance(module, FusedLinear) else None))
-                packed += 1
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.quantized_head is None and can_pack(head):
-            self.quantized_head, packed = PackedLinear(head), packed + 1
-        return packed
-
-    def int8_blocks_per_row(self) -> int:
-        """Make every int8 layer with a scale per block (a GGUF file's types) one with a scale per row; returns
-        how many were. For eager decode steps: a block layer has no kernel, so each eager step
-        dequantized all of them (SmolLM2 Q8_0: 185 ms a step against 25 per row)."""
-        changed = 0
-        for module in self.modules():
-            if isinstance(module, (FusedLinear, RowParallelLinear)) and getattr(module.quantized, "per_block", False):
-                module.quantized, changed = module.quantized.per_row(), changed + 1
-        if getattr(self.quantized_head, "per_block", False):
-            self.quantized_head, changed = self.quantized_head.per_row(), changed + 1
-        return changed
-
-    def quantized_layers(self) -> dict[str, int]:
-        """How many projections (and the head) each kind of layer computes, for the startup log."""
-        layers = [m.quantized for m in self.modules() if isinstance(m, (FusedLinear, RowParallelLinear))]
-        counts: dict[str, int] = {}
-        for layer in [*layers, self.quantized_head]:
-            name = "float" if layer is None else layer.kind
-            counts[name] = counts.get(name, 0) + 1
-        return counts
-
-    def _quantized(self, kind: str, weight: Tensor, bias: Tensor | None, names: list[str],
-                   gguf: GGUFBlocks | None, rounded_again: list[str]) -> nn.Module | None:
-        # The blocks are whole rows and columns of the file's tensors: exact only on one rank.
-        keeps_blocks = gguf is not None and self.tp.size == 1 and weight.device.type == "cpu"
-        if kind != "gguf":
-            if kind == "int4" and keeps_blocks:
-                int4 = [gguf.int4_parts(name) for name in names]
-                if all(part is not None for part in int4):
-                    return _int4_layer(int4, bias)
-            layer = quantize_linear(weight, bias, kind)
-            if layer is not None and gguf is not None:
-                rounded_again.extend(name for name in names if gguf.is_quantized(name))
-            return layer
-        if keeps_blocks:
-            int4 = [gguf.int4_parts(name) for name in names]
-            int8 = [gguf.int8_parts(name) if part is None else None for name, part in zip(names, int4)]
-            if all(part is not None for part in int4):
-                return _int4_layer(int4, bias)
-            if all(part is not None for part in int8):
-                return _int8_blocks_layer(int8, bias)
-            if all(a is not None or b is not None for a, b in zip(int4, int8)):
-                # 4-bit parts beside others: each run of one kind a layer of its own, side by side.
-                layers, start = [], 0
-                for is_int4, run in itertools.groupby(range(len(names)), key=lambda i: int4[i] is not None):
-                    parts = [int4[i] if is_int4 else int8[i] for i in run]
-                    rows = sum(len(part[0]) for part in parts)
-                    run_bias = None if bias is None else bias[start : start + rows]
-                    layers.append(_int4_layer(parts, run_bias) if is_int4 else _int8_blocks_layer(parts, run_bias))
-                    start += rows
-                return ConcatLinear(layers)
-        if gguf is not None and any(gguf.is_quantized(name) for name in names):
-            return quantize_linear(weight, bias, "int8")
-        return None
 
     def checkpoint_destinations(self) -> dict[str, tuple[Tensor, Shard | None]]:
         """Every tensor a checkpoint must hold, by Hugging Face name -> the parameter, or rows of one,

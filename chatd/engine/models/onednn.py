@@ -5,7 +5,7 @@ CPUs even where they have AVX-512. On the 2-core EPYC (Zen 5) measured here, Smo
 projections and LM head took 29-30 ms at 1 row, 55 at 16, 136 at 64 (216-240 GFLOP/s at 256 to
 1024 rows), while oneDNN, which torch ships too and which picks its kernels by the CPU's
 instruction sets, not its vendor, took 16, 25 and 62 ms (505-530 GFLOP/s): 1.8-2.3x at every
-row count, on the same weights as they are stored (packed.py keeps a copy laid out for 16 rows
+row count, on the same weights as they are stored (quantized/packed.py keeps a copy laid out for 16 rows
 where memory allows, faster again from 1 to 64 rows). llama.cpp's own
 float32 kernels sit between the two, which is why chatd's float32 batches trailed it (design
 notes, issue 54). The results differ from MKL's by float32 rounding only: the same sums in

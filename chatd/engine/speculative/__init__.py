@@ -13,9 +13,10 @@ with probability p(g) (min(1, p/q) with q one-hot) and otherwise draws from p wi
 normalized. Sampling the target's own token t at that position, from p with the row's own
 uniform number, and accepting g exactly when t == g does the same: P(accept) = p(g), and on a
 miss t is distributed as p without g. It also draws exactly as decoding one token at a time would
-(each position uses the same uniform number of the sequence's generator: the runner rewinds what
-the rows past the first miss drew), so a seeded reply is the same with speculation on or off, and
-greedy output is token for token the same (up to the arithmetic of a batch of several rows).
+(each position uses the same uniform number of the sequence's generator: worker/sampling_rows.py
+rewinds what the rows past the first miss drew), so a seeded reply is the same with speculation
+on or off, and greedy output is token for token the same (up to the arithmetic of a batch of
+several rows).
 
 Penalties, min_tokens' bans and logprobs are worked out per row as if the guesses before it were
 already the sequence's; a grammar's mask after each guess is computed on the engine thread (a

@@ -1,5 +1,12 @@
-"""The engine's torch side: build.py makes a ModelRunner (runner.py), which turns a step into one
-forward's inputs (forward_inputs.py), runs it, samples (sampler.py), replays CUDA graphs for decodes
-(cuda_graphs.py), computes the prompt logprobs a request asked for (prompt_logprobs.py) and moves
-blocks between the device pool and the host KV tier (host_kv.py). Under tensor parallelism
-parallel.py starts and supervises the other ranks, each a process running parallel_worker.py."""
+"""The engine's torch side: a scheduled step run on the model, and its tokens sampled.
+
+The core: runner.py (ModelRunner: the KV tensors; a step's one flat forward, then sampling),
+forward_inputs.py (the step as the forward's inputs), sampling_rows.py (each sequence's sampler
+row and RNG) and sampler.py (logits -> tokens). build.py makes a runner from a config, on every
+rank. Around them: penalties.py, sampling_choices.py (temperature, top-k/p, min-p, batched),
+host_sampling.py (the same, row by row on a CPU), logprobs.py, prompt_logprobs.py and
+grammar_masks.py (structured output's masks) for sampling beyond greedy; kv_memory.py (sizing the
+KV pool on a GPU) and heap.py (a CPU step's memory kept); host_kv.py (the host KV tier's
+tensors); fast_steps/ (compiled steps, CUDA graphs); parallel.py and parallel_worker.py (tensor
+parallel ranks, each a process, started and supervised). Imports: core, attention, models, params.
+"""

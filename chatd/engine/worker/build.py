@@ -15,6 +15,7 @@ import torch
 from chatd.config import Config, ModelConfig
 from chatd.engine.attention import AttentionShape, resolve_kv_dtype, select_backend
 from chatd.engine.models.loader import Checkpoint, load_model, max_model_len, resolve_dtype
+from chatd.engine.models.quantized.quantize_model import pack_float_weights, quantized_layers
 from chatd.engine.models.tensor_parallel import TPGroup
 from chatd.engine.worker.heap import keep_freed_memory
 from chatd.engine.worker.runner import ModelRunner
@@ -44,7 +45,7 @@ def build_runner(config: Config, checkpoint: Checkpoint, tp: TPGroup, device: to
         keep_freed_memory()
         pack_where_it_fits(model, tp)
     context = context_length(hf_config, config.model)
-    quantized_on_cpu = device.type == "cpu" and set(model.quantized_layers()) != {"float"}
+    quantized_on_cpu = device.type == "cpu" and set(quantized_layers(model)) != {"float"}
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, quantized_on_cpu)
     heads = hf_config.num_attention_heads // tp.size
     shape = AttentionShape(heads, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype, kv_dtype)
@@ -54,7 +55,7 @@ def build_runner(config: Config, checkpoint: Checkpoint, tp: TPGroup, device: to
 
 
 def pack_where_it_fits(model, tp: TPGroup) -> None:
-    """Pack the float32 weights for oneDNN (models/packed.py) when their copy fits in a quarter of
+    """Pack the float32 weights for oneDNN (models/quantized/packed.py) when their copy fits in a quarter of
     the memory the system has available now; a float32 model too large for that keeps one copy."""
     weights = sum(p.numel() * 4 for p in model.parameters() if p.dtype == torch.float32 and p.dim() == 2)
     available = available_memory()
@@ -63,7 +64,7 @@ def pack_where_it_fits(model, tp: TPGroup) -> None:
             log.info("float32 weights not packed for oneDNN: a %.2f GiB copy, %s GiB available", weights / 2**30,
                      "?" if available is None else f"{available / 2**30:.1f}")
         return
-    packed = model.pack_float_weights()
+    packed = pack_float_weights(model)
     if packed and tp.rank == 0:
         log.info("float32 weights packed for oneDNN: %d of %d projections and the LM head (%.2f GiB more)",
                  packed, 4 * model.num_layers + 1, weights / 2**30)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from chatd.engine.attention import KVCache
-from chatd.engine.core.block_manager import KVCopy
+from chatd.engine.core.host_tier import KVCopy
 
 
 @dataclass

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from chatd.config import Config
-from chatd.engine.core.block_manager import KVCopy
+from chatd.engine.core.host_tier import KVCopy
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.worker.parallel_worker import HEARTBEAT_SECONDS, WorkerSpec, leave_group, worker_main
 from chatd.engine.worker.forward_inputs import ForwardInputs, StepHandle, forward_inputs

@@ -18,33 +18,23 @@ from pathlib import Path
 import torch
 
 from chatd.engine.attention import AttentionBackend, KVCache, StepInputs, build_step
-from chatd.engine.core.block_manager import KVCopy
-from chatd.engine.core.stage_times import StageTimes
+from chatd.engine.core.host_tier import KVCopy
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.core.sequence import Sequence
-from chatd.engine.params import SamplingParams
+from chatd.engine.core.stage_times import StageTimes
 from chatd.engine.models.matvec import ROWS_AS_REDUCTIONS
-from chatd.engine.worker.compiled import CompiledDecode, step_cost
-from chatd.engine.worker.compiled_prefill import CompiledPrefill
-from chatd.engine.worker.cuda_graphs import DecodeGraphs
-from chatd.engine.worker.host_kv import HostKVTier
+from chatd.engine.worker.fast_steps.compiled import CompiledDecode, step_cost
+from chatd.engine.worker.fast_steps.compiled_prefill import CompiledPrefill
+from chatd.engine.worker.fast_steps.cuda_graphs import DecodeGraphs
 from chatd.engine.worker.forward_inputs import ForwardInputs, StepHandle, fill_pending, forward_inputs
+from chatd.engine.worker.host_kv import HostKVTier
+from chatd.engine.worker.kv_memory import profile_kv_blocks
 from chatd.engine.worker.prompt_logprobs import prompt_logprobs
-from chatd.engine.worker.sampler import SampledTokens, Sampler, SamplingRow, draw_uniform
+from chatd.engine.worker.sampler import SampledTokens, Sampler
+from chatd.engine.worker.sampling_rows import SamplingRows
 
 log = logging.getLogger("chatd.engine")
 
-
-
-def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (keys and values)."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-def kv_budget_bytes(total: int, used: int, activation_peak: int, utilization: float) -> int:
-    """Bytes the KV pool may take: the configured share of the GPU, less what is in use now
-    (weights, CUDA context, other processes) and the peak a step's activations reach."""
-    return int(total * utilization) - used - activation_peak
 
 
 class ModelRunner:
@@ -69,14 +59,11 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype  # the KV pool's: the model's dtype, or fp8 (cache.kv_cache_dtype)
-        self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.sampler = Sampler()
+        self.rows = SamplingRows(eos_token_ids, device, seed)  # each sequence's sampling row and RNG
         # The last forward's prompt logprobs (forward_inputs.py's StepHandle.prompt_logprobs), for its launch to take.
         self.prompt_logprobs: dict[int, tuple[int, list]] = {}
-        self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own RNG
-        self._rewinds: dict[int, torch.Tensor] = {}  # seq_id -> its RNG's state before a verify step's draws
-        self._seed_source = torch.Generator().manual_seed(seed)  # seeds requests that bring none
         self.kv_caches: list[KVCache] = []
         self.host_tier: HostKVTier | None = None  # allocate_host_kv
         self.graphs: DecodeGraphs | None = None
@@ -136,9 +123,9 @@ class ModelRunner:
         return seconds
 
     def enable_compiled_steps(self, folder: Path | None = None) -> float:
-        """Run decode-only steps (compiled.py) and steps of PREFILL_TOKENS or more (compiled_prefill.py)
-        through torch.compile, keeping what is compiled in `folder` for later starts; returns the
-        seconds compiling (or reading back) took."""
+        """Run decode-only steps (fast_steps/compiled.py) and steps of PREFILL_TOKENS or more
+        (fast_steps/compiled_prefill.py) through torch.compile, keeping what is compiled in `folder`
+        for later starts; returns the seconds compiling (or reading back) took."""
         decode = CompiledDecode(self.model, self.kv_caches, self.block_size, self.backend.k_scale, self.backend.v_scale,
                                 folder, measure=self.measure_steps, max_rows=self.compiled_rows)
         prefill = CompiledPrefill(self.model, folder)
@@ -248,120 +235,16 @@ class ModelRunner:
         that samples, in order); None without logits."""
         if logits is None:
             return None
-        rows = []
-        for s in scheduled:
-            if s.draft_token_ids:
-                rows += self._verify_rows(s.seq, s.draft_token_ids)
-            elif s.samples:
-                rows.append(self._sampling_row(s.seq))
-        return self.sampler.launch(logits, rows)
+        return self.sampler.launch(logits, self.rows.of(scheduled))
 
     def profile_kv_blocks(self, num_tokens: int, num_seqs: int, utilization: float, block_bytes: int) -> int:
-        """On CUDA: run the largest step (`profile_step`), measure its peak, and say how many KV
-        blocks fit in what is left of `utilization` of the GPU's memory."""
-        device = self.device
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        self.profile_step(num_tokens, num_seqs)
-        torch.cuda.synchronize(device)
-        activation_peak = torch.cuda.max_memory_allocated(device) - before - self.num_blocks * block_bytes
-        self.allocate_kv(0)  # free the profiling pool before measuring what is in use
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        budget = kv_budget_bytes(total, total - free, activation_peak, utilization)
-        log.info(
-            "GPU memory on %s: %.1f GiB total, %.1f GiB in use after loading, step peak %.2f GiB; KV budget %.1f GiB "
-            "(gpu_memory_utilization %.2f)",
-            device, total / 2**30, (total - free) / 2**30, activation_peak / 2**30, max(budget, 0) / 2**30, utilization,
-        )
-        return max(0, budget // block_bytes)
-
-    @torch.inference_mode()
-    def profile_step(self, num_tokens: int, num_seqs: int) -> None:
-        """Run the largest step the scheduler can plan, so its peak memory can be measured.
-
-        num_tokens new tokens (prompts of at most max_model_len) through the model, then logits
-        and top-p sampling for num_seqs rows: the sampler's most memory-hungry path. It replaces
-        the KV pool with one just large enough; the caller allocates the real pool afterwards.
-        """
-        max_len = self.max_model_len or num_tokens
-        lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-        blocks = iter(range(10**9))  # consecutive blocks, each prompt starting a new one
-        tables = [[next(blocks) for _ in range(-(-n // self.block_size))] for n in lens]
-        self.allocate_kv(sum(map(len, tables)))
-        step = build_step([0] * num_tokens, [0] * len(lens), lens, tables, self.block_size, self.device)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, self.backend)
-        rows_index = torch.arange(num_seqs, device=self.device) % num_tokens
-        logits = self.model.compute_logits(hidden[rows_index])
-        if logits is None:  # a tensor-parallel rank other than 0: it never samples
-            return
-        params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=1)
-        generator = torch.Generator(device=self.device).manual_seed(0)
-        self.sampler(logits, [SamplingRow(params, [0], [], generator) for _ in range(num_seqs)])
+        """On CUDA: how many KV blocks fit beside the largest step's peak (kv_memory.py)."""
+        return profile_kv_blocks(self, num_tokens, num_seqs, utilization, block_bytes)
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished sequence's RNG."""
-        self.generators.pop(seq.seq_id, None)
-        self._rewinds.pop(seq.seq_id, None)
-
-    def _sampling_row(self, seq: Sequence, drafts: tuple[int, ...] = (), grammar=None) -> SamplingRow:
-        """What the sampler needs of a sequence's next token; after `drafts` (a verify row: as if
-        the proposed tokens before it were its own, and `grammar` its matcher's state there)."""
-        if not drafts and seq.sampling_row is not None:
-            return seq.sampling_row
-        params = seq.params
-        banned: tuple[int, ...] = ()
-        # A grammar decides where structured output ends: min_tokens does not ban its EOS. The token
-        # drawn now is already counted (pending from when its step was planned).
-        if seq.num_output_tokens + len(drafts) <= params.min_tokens and seq.grammar is None:
-            banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
-        row = SamplingRow(
-            params=params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids + list(drafts) if drafts else seq.output_token_ids,
-            generator=None if params.greedy else self._generator(seq),
-            banned_token_ids=banned,
-            grammar=grammar if drafts else seq.grammar,
-        )
-        if not drafts and not banned:  # past min_tokens it stays so: the same row every step
-            seq.sampling_row = row
-        return row
-
-    def _verify_rows(self, seq: Sequence, drafts: tuple[int, ...]) -> list[SamplingRow]:
-        """A verify step's rows: the next token as usual, then one after each proposed token. Each
-        is sampled as if the tokens before it were accepted; the scheduler keeps the rows up to the
-        first whose token differs from the guess. A seeded sequence's generator is rewound to where
-        the kept rows leave it (`keep_draws`), so its reply is the one it gets without guesses."""
-        masks = seq.grammar.draft_masks(drafts) if seq.grammar is not None else [None] * len(drafts)
-        if not seq.params.greedy:
-            self._rewinds[seq.seq_id] = self._generator(seq).get_state()
-        return [self._sampling_row(seq)] + [self._sampling_row(seq, drafts[: i + 1], masks[i])
-                                            for i in range(len(drafts))]
+        self.rows.release(seq)
 
     def keep_draws(self, kept: list[tuple[Sequence, range]]) -> None:
-        """After a verify step: each sampling sequence's generator as if it had drawn only for the
-        tokens it kept (one uniform number each), not for the rows past them."""
-        if not self._rewinds:
-            return
-        for seq, rows in kept:
-            state = self._rewinds.pop(seq.seq_id, None)
-            if state is not None:
-                generator = self.generators[seq.seq_id]
-                generator.set_state(state)
-                for _ in rows:
-                    draw_uniform(generator, self.device)
-        self._rewinds.clear()  # sequences that ended meanwhile
-
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        generator = self.generators.get(seq.seq_id)
-        if generator is None:
-            seed = seq.params.seed
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (), generator=self._seed_source))
-            # Each choice of a request gets its own stream, derived from the request's seed.
-            seed = (seed + seq.index * 0x9E3779B97F4A7C15) % 2**63
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-            self.generators[seq.seq_id] = generator
-        return generator
+        """After a verify step: each sampling sequence's RNG as if it had drawn only for the tokens it kept."""
+        self.rows.keep_draws(kept)

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor, nn
 
 from chatd.engine.attention import AttentionBackend, KVCache, StepInputs
-from chatd.engine.models.quant import INT4_UNPACKED_ROWS
-from chatd.engine.worker.compiled import code_digest, described, ready_compiled
+from chatd.engine.models.quantized.quant import INT4_UNPACKED_ROWS
+from chatd.engine.worker.fast_steps.compiled import code_digest, described, ready_compiled
 
 # Steps of this many tokens or more run compiled: as many as an int4 layer needs to take its
 # unpacked path (quant.py), where the unpacking itself gains most from being fused.

@@ -27,7 +27,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from chatd.engine.worker.compiled_prefill import CompiledPrefill
+from chatd.engine.models.quantized.quantize_model import int8_blocks_per_row
+from chatd.engine.worker.fast_steps.compiled_prefill import CompiledPrefill
 
 log = logging.getLogger("chatd.engine")
 
@@ -76,7 +77,7 @@ class CompileJob:
             self.runner.enable_compiled_steps(self.folder)
         except Exception as exc:  # no C++ compiler, an operation inductor refuses: serve eagerly, say why
             self.runner.compiled = self.runner.compiled_prefill = None
-            self.runner.model.int8_blocks_per_row()  # as loading.py's eager steps: GGUF blocks get a scale per row
+            int8_blocks_per_row(self.runner.model)  # as loading.py's eager steps: GGUF blocks get a scale per row
             state = FAILED
             log.warning("compiling decode and prefill steps failed (%s: %s); every step runs eagerly",
                         type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "")

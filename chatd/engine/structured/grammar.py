@@ -45,7 +45,7 @@ from collections.abc import Callable, Hashable
 import numpy as np
 
 from chatd.engine.core.grammar_matcher import CompiledGrammar, GrammarMatcher, failure_message, first_lines, mask_words
-from chatd.engine.grammar_threads import SLOW_MASK_SECONDS, GrammarThreads, MaskWorkers
+from chatd.engine.structured.grammar_threads import SLOW_MASK_SECONDS, GrammarThreads, MaskWorkers
 from chatd.engine.params import ParamError, StructuredOutput
 from chatd.engine.tokenizer import Tokenizer
 

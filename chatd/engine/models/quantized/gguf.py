@@ -10,9 +10,10 @@ so later starts read plain tokenizer files instead of re-parsing 50k tokens.
 
 A bad file is refused before anything is built, by a ValueError that names it and says what is
 wrong: gguf_layout.py first checks its structure against its size (the gguf library trusts every
-length, count and offset a file states); this module then checks what the metadata says (each
-config value, the tokenizer's arrays and ids) and each tensor's name and shape against the config.
-It knows nothing of the file's byte layout (gguf_layout.py) nor of block formats (gguf_quant.py).
+length, count and offset a file states); gguf_metadata.py checks each metadata value this module
+reads (config values, the tokenizer's arrays and ids); this module checks each tensor's name and
+shape against the config. It knows nothing of the file's byte layout (gguf_layout.py) nor of block
+formats (gguf_quant.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -31,8 +31,9 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
-from chatd.engine.models.gguf_layout import ARRAY, NUMBER_TYPES, STRING, WHOLE_TYPES, check_layout, shown
-from chatd.engine.models.gguf_quant import INT4_TYPES, INT8_TYPES, int4_parts, int8_parts
+from chatd.engine.models.quantized.gguf_layout import check_layout, shown
+from chatd.engine.models.quantized.gguf_metadata import GGUFMetadata
+from chatd.engine.models.quantized.gguf_quant import INT4_TYPES, INT8_TYPES, int4_parts, int8_parts
 
 log = logging.getLogger("chatd.engine")
 
@@ -105,7 +106,8 @@ class GGUFCheckpoint:
             self.reader = GGUFReader(path)
         except Exception as exc:  # past check_layout, what the library still trips on is in the file's bytes
             raise ValueError(f"{path} is not a readable GGUF file: {one_line(exc)}") from exc
-        self.architecture = str(self.field("general.architecture", ""))
+        self.metadata = GGUFMetadata(self.reader.fields, path.name)
+        self.architecture = str(self.metadata.get("general.architecture", ""))
         if self.architecture not in ARCHITECTURES:
             supported = ", ".join(sorted(ARCHITECTURES))
             raise ValueError(f"GGUF architecture {self.architecture[:60]!r} ({path.name}) is not supported; "
@@ -116,97 +118,50 @@ class GGUFCheckpoint:
             raise ValueError(f"GGUF file {path.name} scales rope with a rope_freqs tensor (Llama 3.1 style), "
                              "which chatd does not support yet; use the model's Hugging Face folder")
 
-    def field(self, key: str, default=None):
-        """A metadata value (strings and arrays as Python values), or `default` when absent."""
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
-
-    def _invalid(self, problem: str) -> ValueError:
-        return ValueError(f"GGUF file {self.path.name}: {problem}")
-
-    def _count(self, key: str, default: int | None = None) -> int:
-        """A metadata value that counts something: a whole number of at least 1."""
-        value = self.field(key, default)
-        if value is None:
-            raise ValueError(f"GGUF file {self.path.name} lacks the metadata {key}")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise self._invalid(f"metadata {key} must be a whole number of at least 1, got {value!r}")
-        return value
-
-    def _positive_number(self, key: str, default: float | None = None) -> float:
-        """A metadata value that must be a positive number (an epsilon, a rope base or factor)."""
-        value = self.field(key, default)
-        if value is None:
-            raise ValueError(f"GGUF file {self.path.name} lacks the metadata {key}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-            raise self._invalid(f"metadata {key} must be a positive number, got {value!r}")
-        return float(value)
-
-    def _array(self, key: str, item_types: tuple[int, ...], items: str) -> list | None:
-        """A metadata array whose items are of one of `item_types`, or None when absent."""
-        field = self.reader.fields.get(key)
-        if field is None:
-            return None
-        # field.types: [ARRAY] for an empty array, [ARRAY, item type] for a flat one, longer for an array of arrays.
-        if field.types[0] != ARRAY or len(field.types) > 2 or (len(field.types) == 2 and field.types[1] not in item_types):
-            kind = " of ".join(t.name.lower() for t in field.types)
-            raise self._invalid(f"metadata {key} must be an array of {items}, got {kind}")
-        return field.contents()
-
-    def _num_tokens(self) -> int | None:
-        """How many tokens tokenizer.ggml.tokens holds (counted without decoding them), or None."""
-        field = self.reader.fields.get("tokenizer.ggml.tokens")
-        if field is None:
-            return None
-        if field.types != [ARRAY, STRING]:
-            kind = " of ".join(t.name.lower() for t in field.types)
-            raise self._invalid(f"metadata tokenizer.ggml.tokens must be a non-empty array of strings, got {kind}")
-        return len(field.data)
-
     def config(self) -> PretrainedConfig:
         """A transformers config for the model, from the file's `<architecture>.*` metadata (each
         value checked: a ValueError names the key and what it holds)."""
         arch = self.architecture
         config_class, architecture = ARCHITECTURES[arch]
-        heads = self._count(f"{arch}.attention.head_count")
-        hidden = self._count(f"{arch}.embedding_length")
-        kv_heads = self._count(f"{arch}.attention.head_count_kv", heads)
+        heads = self.metadata.count(f"{arch}.attention.head_count")
+        hidden = self.metadata.count(f"{arch}.embedding_length")
+        kv_heads = self.metadata.count(f"{arch}.attention.head_count_kv", heads)
         if heads % kv_heads:
-            raise self._invalid(f"metadata {arch}.attention.head_count ({heads}) must be a multiple of "
+            raise self.metadata.invalid(f"metadata {arch}.attention.head_count ({heads}) must be a multiple of "
                             f"{arch}.attention.head_count_kv ({kv_heads})")
-        if f"{arch}.attention.key_length" in self.reader.fields:
-            head_dim = self._count(f"{arch}.attention.key_length")
+        if f"{arch}.attention.key_length" in self.metadata:
+            head_dim = self.metadata.count(f"{arch}.attention.key_length")
         elif hidden % heads:
-            raise self._invalid(f"metadata {arch}.embedding_length ({hidden}) must be a multiple of "
+            raise self.metadata.invalid(f"metadata {arch}.embedding_length ({hidden}) must be a multiple of "
                             f"{arch}.attention.head_count ({heads}) when {arch}.attention.key_length is not given")
         else:
             head_dim = hidden // heads
         if head_dim % 2:  # rope turns pairs of a head's dimensions
-            raise self._invalid(f"a head's size ({arch}.attention.key_length, or embedding_length / head_count) "
+            raise self.metadata.invalid(f"a head's size ({arch}.attention.key_length, or embedding_length / head_count) "
                             f"must be even, got {head_dim}")
-        num_tokens = self._num_tokens()
-        if f"{arch}.vocab_size" in self.reader.fields:
-            vocab = self._count(f"{arch}.vocab_size")
+        num_tokens = self.metadata.num_tokens()
+        if f"{arch}.vocab_size" in self.metadata:
+            vocab = self.metadata.count(f"{arch}.vocab_size")
         elif num_tokens is not None:
             vocab = num_tokens
         elif "token_embd.weight" in self.tensor_names:
             vocab = self._tensor_rows("token_embd.weight")
         else:
-            raise self._invalid(f"it gives no vocabulary size ({arch}.vocab_size, tokenizer.ggml.tokens or a token_embd.weight tensor)")
+            raise self.metadata.invalid(f"it gives no vocabulary size ({arch}.vocab_size, tokenizer.ggml.tokens or a token_embd.weight tensor)")
         fields = dict(
             architectures=[architecture],
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=self._count(f"{arch}.feed_forward_length"),
-            num_hidden_layers=self._count(f"{arch}.block_count"),
+            intermediate_size=self.metadata.count(f"{arch}.feed_forward_length"),
+            num_hidden_layers=self.metadata.count(f"{arch}.block_count"),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=self._count(f"{arch}.context_length"),
-            rms_norm_eps=self._positive_number(f"{arch}.attention.layer_norm_rms_epsilon"),
-            rope_parameters=self._rope_parameters(self._positive_number(f"{arch}.rope.freq_base", 10000.0)),
+            max_position_embeddings=self.metadata.count(f"{arch}.context_length"),
+            rms_norm_eps=self.metadata.positive_number(f"{arch}.attention.layer_norm_rms_epsilon"),
+            rope_parameters=self._rope_parameters(self.metadata.positive_number(f"{arch}.rope.freq_base", 10000.0)),
             tie_word_embeddings="output.weight" not in self.tensor_names,
-            **self._special_token_ids(num_tokens or vocab),
+            **self.metadata.special_token_ids(num_tokens or vocab),
         )
         if arch == "llama":
             fields["attention_bias"] = "blk.0.attn_q.bias" in self.tensor_names
@@ -214,27 +169,17 @@ class GGUFCheckpoint:
             fields["sliding_window"] = None  # llama.cpp files carry none; attention is over the whole context
         return config_class(**fields)
 
-    def _special_token_ids(self, num_tokens: int) -> dict[str, int | None]:
-        """bos_token_id and eos_token_id for the config; every special token id is checked to name a token."""
-        for name in ("bos", "eos", "unknown", "padding"):
-            key = f"tokenizer.ggml.{name}_token_id"
-            value = self.field(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < num_tokens):
-                raise self._invalid(f"metadata {key} must be a token id from 0 to {num_tokens - 1}, got {value!r}")
-        return {"bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
-                "eos_token_id": self.field("tokenizer.ggml.eos_token_id")}
-
     def _rope_parameters(self, theta: float) -> dict:
-        kind = self.field(f"{self.architecture}.rope.scaling.type", "none")
+        kind = self.metadata.get(f"{self.architecture}.rope.scaling.type", "none")
         if kind in ("none", None):
             return {"rope_type": "default", "rope_theta": theta}
-        factor = self._positive_number(f"{self.architecture}.rope.scaling.factor", 1.0)
+        factor = self.metadata.positive_number(f"{self.architecture}.rope.scaling.factor", 1.0)
         if kind == "linear":
             return {"rope_type": "linear", "rope_theta": theta, "factor": factor}
-        if kind == "yarn" and f"{self.architecture}.rope.scaling.original_context_length" in self.reader.fields:
+        if kind == "yarn" and f"{self.architecture}.rope.scaling.original_context_length" in self.metadata:
             return {"rope_type": "yarn", "rope_theta": theta, "factor": factor,
-                    "original_max_position_embeddings": self._count(f"{self.architecture}.rope.scaling.original_context_length")}
-        raise self._invalid(f"rope scaling {kind!r} is not supported")
+                    "original_max_position_embeddings": self.metadata.count(f"{self.architecture}.rope.scaling.original_context_length")}
+        raise self.metadata.invalid(f"rope scaling {kind!r} is not supported")
 
     def _tensor_rows(self, name: str) -> int:
         tensor = next(t for t in self.reader.tensors if t.name == name)
@@ -249,17 +194,17 @@ class GGUFCheckpoint:
             try:
                 name = hf_name(tensor.name)
             except ValueError as exc:
-                raise self._invalid(str(exc)) from exc
+                raise self.metadata.invalid(str(exc)) from exc
             layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
             if layer and int(layer.group(1)) >= config.num_hidden_layers:
-                raise self._invalid(f"tensor {shown(tensor.name)} is in layer {layer.group(1)}, but metadata "
+                raise self.metadata.invalid(f"tensor {shown(tensor.name)} is in layer {layer.group(1)}, but metadata "
                                 f"{self.architecture}.block_count is {config.num_hidden_layers}")
             want = shapes.get(layer.group(2) if layer else name)  # [rows, columns], as Hugging Face stores it
             if want is None:  # a known name with an unknown ending (`blk.0.attn_q.weigXt`, `ffn_up.bias`)
-                raise self._invalid(f"GGUF tensor {shown(repr(tensor.name))} is not part of a Llama-family model")
+                raise self.metadata.invalid(f"GGUF tensor {shown(repr(tensor.name))} is not part of a Llama-family model")
             got = tuple(int(n) for n in reversed(tensor.shape))
             if got != want:
-                raise self._invalid(f"tensor {shown(tensor.name)} has shape {list(reversed(got))}, but the file's metadata "
+                raise self.metadata.invalid(f"tensor {shown(tensor.name)} has shape {list(reversed(got))}, but the file's metadata "
                                 f"make it {list(reversed(want))} (GGUF order, columns first)")
 
     @property
@@ -270,8 +215,8 @@ class GGUFCheckpoint:
         """Yield (Hugging Face name, tensor in `dtype`) one tensor at a time, dequantized."""
         from gguf import dequantize
 
-        heads = int(self.field(f"{self.architecture}.attention.head_count"))
-        kv_heads = int(self.field(f"{self.architecture}.attention.head_count_kv", heads))
+        heads = int(self.metadata.get(f"{self.architecture}.attention.head_count"))
+        kv_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count_kv", heads))
         for tensor in self.reader.tensors:
             name = hf_name(tensor.name)
             try:
@@ -322,8 +267,8 @@ class GGUFCheckpoint:
 
     def _rows_as_hf(self, tensor, parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
         """Per-row arrays (or None) of a tensor with a `llama` file's q/k rows put back in Hugging Face's order."""
-        heads = int(self.field(f"{self.architecture}.attention.head_count"))
-        kv_heads = int(self.field(f"{self.architecture}.attention.head_count_kv", heads))
+        heads = int(self.metadata.get(f"{self.architecture}.attention.head_count"))
+        kv_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count_kv", heads))
         if self.architecture == "llama" and tensor.name.endswith("attn_q.weight"):
             return tuple(None if part is None else unpermute_rope_rows(part, heads) for part in parts)
         if self.architecture == "llama" and tensor.name.endswith("attn_k.weight"):
@@ -344,15 +289,15 @@ class GGUFCheckpoint:
             return folder
         config = self.config().to_dict()
         config.pop("dtype", None)
-        has_tokenizer = self.field("tokenizer.ggml.model") is not None
+        has_tokenizer = self.metadata.get("tokenizer.ggml.model") is not None
         if has_tokenizer:
-            self._check_tokenizer()
+            self.metadata.check_tokenizer()
         partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         try:
             (partial / "config.json").write_text(json.dumps(config, indent=2))
-            sampling = {name: self.field(f"general.sampling.{key}") for key, name in SAMPLING_KEYS.items()}
+            sampling = {name: self.metadata.get(f"general.sampling.{key}") for key, name in SAMPLING_KEYS.items()}
             # Stored as float32: 0.7 reads back as 0.699999988; 7 significant digits give back what was written.
             sampling = {name: float(f"{value:.7g}") if isinstance(value, float) else value
                         for name, value in sampling.items() if value is not None}
@@ -368,26 +313,6 @@ class GGUFCheckpoint:
         partial.rename(folder)
         return folder
 
-    def _check_tokenizer(self) -> None:
-        """Check what transformers' converter reads, so that garbage is refused by its key."""
-        model = self.field("tokenizer.ggml.model")
-        if not isinstance(model, str):
-            raise self._invalid(f"metadata tokenizer.ggml.model must be a string, got {model!r}")
-        num_tokens = self._num_tokens()
-        if num_tokens is None:
-            raise self._invalid("it has tokenizer.ggml.model but no tokenizer.ggml.tokens")
-        for key, item_types, items in (("tokenizer.ggml.scores", NUMBER_TYPES, "numbers"),
-                                       ("tokenizer.ggml.token_type", WHOLE_TYPES, "whole numbers")):
-            values = self._array(key, item_types, items)
-            if values is not None and len(values) != num_tokens:
-                raise self._invalid(f"metadata {key} holds {len(values)} values for {num_tokens} tokens")
-        for index, merge in enumerate(self._array("tokenizer.ggml.merges", (STRING,), "strings") or ()):
-            if len(merge.split(" ")) != 2:
-                raise self._invalid(f"metadata tokenizer.ggml.merges[{index}] must be two tokens and a space, got {merge!r}")
-        template = self.field("tokenizer.chat_template")
-        if template is not None and not isinstance(template, str):
-            raise self._invalid(f"metadata tokenizer.chat_template must be a string, got {template!r}")
-
     def _convert_tokenizer(self):
         """The tokenizer transformers' GGUF converter builds from this file's metadata."""
         from transformers import AutoTokenizer
@@ -395,7 +320,7 @@ class GGUFCheckpoint:
         try:
             return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
         except Exception as exc:  # it reads nothing but this file's metadata: what it trips on is in there
-            raise self._invalid(f"transformers cannot build a tokenizer from its tokenizer.* metadata ({one_line(exc)})") from exc
+            raise self.metadata.invalid(f"transformers cannot build a tokenizer from its tokenizer.* metadata ({one_line(exc)})") from exc
 
 
 def hf_name(gguf_name: str) -> str:
