@@ -31,10 +31,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 from chatd.config import Config, StoreConfig
 from chatd.engine import AsyncEngine, Embedder, EngineProcess, LLMEngine, SamplingParams, engine_process_wanted
 from chatd.http.app import create_app
-from chatd.http.buckets import check_storage
-from chatd.http.served_model import fleet_config
-from chatd.http.starting import Startup, starting_app
-from chatd.http.state import ServerState
+from chatd.http.admission.buckets import check_storage
+from chatd.http.models.served_model import fleet_config
+from chatd.http.server.starting import Startup, starting_app
+from chatd.http.server.state import ServerState
 from chatd.safety.guard import GuardModel
 from chatd.safety.pipeline import SafetyPipeline
 from chatd.store.db import SCHEMA_VERSION, Store
