@@ -63,6 +63,40 @@ class TokenBucket:
         return (self.capacity - self.level(now)) / self.rate
 
 
+
+@dataclass
+class Budget:
+    """One holder's buckets (None: that bucket is unlimited) and the requests it has generating."""
+
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+    in_flight: int = 0
+
+    def idle(self, now: float) -> bool:
+        """Nothing running and both buckets full: forgetting it changes nothing."""
+        return self.in_flight == 0 and all(b is None or b.level(now) >= b.capacity for b in (self.requests, self.tokens))
+
+    def shortfall(self, reserved_tokens: int | None, now: float) -> tuple[str, TokenBucket, int, float] | None:
+        """The first bucket short of one request and `reserved_tokens` (None: not known yet, not
+        checked): (kind, bucket, cost, seconds until it has them); None when both have enough."""
+        for kind, bucket, cost in (("requests", self.requests, 1), ("tokens", self.tokens, reserved_tokens)):
+            if bucket is not None and cost is not None and (wait := bucket.wait(cost, now)):
+                return kind, bucket, cost, wait
+        return None
+
+    def take(self, reserved_tokens: int, now: float) -> None:
+        """One request and `reserved_tokens` from the buckets (checked before, by shortfall)."""
+        for bucket, cost in ((self.requests, 1), (self.tokens, reserved_tokens)):
+            if bucket is not None:
+                bucket.take(cost, now)
+
+    def set_levels(self, requests: float | None, tokens: float | None, now: float) -> None:
+        """The levels the shared store answered (None: not known), as this replica's view."""
+        for bucket, level in ((self.requests, requests), (self.tokens, tokens)):
+            if bucket is not None and level is not None:
+                bucket.set_level(level, now)
+
+
 # Both scripts read a bucket through LEVEL: a key that holds anything but a bucket (another type,
 # as `SET` or `LPUSH` by hand or another program would leave; fields that are not finite numbers;
 # a time far ahead of Redis's clock) is deleted, and the holder's bucket starts full again. That

@@ -39,6 +39,11 @@ because the store shares limits, it does not gate the service: bills come from t
 still protect its GPU. Choose "closed" where going over a quota costs more than refusing. Either
 way a call waits at most a fraction of a second, and Redis is used again as soon as it answers.
 
+This module is admission's entry: Limits and the Lease it hands out. An admission goes down
+once into each helper and comes back: tier_checks.py (every check, in order, Refused if one
+fails), then the holder's Budget takes (buckets.py), then the queue counts it (queued_work.py),
+then the metrics. No helper calls back into this module.
+
 Why not a library: `limits` counts hits in fixed or moving windows and cannot give back a
 reservation, and reads the wall clock; `aiolimiter` waits for capacity instead of refusing with
 a time to retry, and cannot give back either. A continuous bucket is a few lines of arithmetic,
@@ -50,14 +55,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from chatd.config import TierConfig
 from chatd.engine import Placement
-from chatd.http.admission.buckets import SharedBuckets, StoreUnavailable, TokenBucket
+from chatd.http.admission import tier_checks
+from chatd.http.admission.buckets import Budget, SharedBuckets, StoreUnavailable, TokenBucket
 from chatd.http.errors import APIError
 from chatd.http.telemetry.metrics import ServerMetrics
 from chatd.http.admission.queued_work import QueuedWork
@@ -67,19 +72,6 @@ from chatd.store.db import Tenant
 log = logging.getLogger("chatd.http")
 
 SWEEP_EVERY = 1024  # admissions between sweeps of idle holders' budgets
-
-
-@dataclass
-class Budget:
-    """One holder's buckets and the requests it has generating."""
-
-    requests: TokenBucket | None
-    tokens: TokenBucket | None
-    in_flight: int = 0
-
-    def idle(self, now: float) -> bool:
-        """Nothing running and both buckets full: forgetting it changes nothing."""
-        return self.in_flight == 0 and all(b is None or b.level(now) >= b.capacity for b in (self.requests, self.tokens))
 
 
 @dataclass(eq=False)
@@ -254,15 +246,9 @@ class Limits:
         if not self.enabled:
             return Lease(self, tenant.tier, tenant.id, priority, prompt_tokens)
         budget = self._check(tenant, tier, reserved_tokens, prompt_tokens, priority, drain_rate, param)
-        self._take(budget, reserved_tokens)
+        budget.take(reserved_tokens, self.clock())
         budget.in_flight += 1
         return Lease(self, tenant.tier, tenant.id, priority, prompt_tokens, budget, reserved_tokens)
-
-    def _take(self, budget: Budget, reserved_tokens: int) -> None:
-        now = self.clock()
-        for bucket, cost in ((budget.requests, 1), (budget.tokens, reserved_tokens)):
-            if bucket is not None:
-                bucket.take(cost, now)
 
     async def _take_shared(self, tenant: Tenant, tier: TierConfig, budget: Budget, reserved_tokens: int) -> str | None:
         """Take from the holder's buckets in Redis, or refuse (Refused) taking nothing; the holder,
@@ -274,56 +260,21 @@ class Limits:
         except StoreUnavailable:
             if not self.fail_open:
                 raise Refusal(tenant, tier).store_unavailable(1.0) from None
-            self._check_buckets(Refusal(tenant, tier), budget, reserved_tokens)
-            self._take(budget, reserved_tokens)
+            tier_checks.check_buckets(tenant, tier, budget, reserved_tokens, self.clock())
+            budget.take(reserved_tokens, self.clock())
             return None
-        now = self.clock()
-        for bucket, level in ((budget.requests, taken.requests), (budget.tokens, taken.tokens)):
-            if bucket is not None and level is not None:
-                bucket.set_level(level, now)
+        budget.set_levels(taken.requests, taken.tokens, self.clock())
         if not taken.taken:  # the view now holds Redis's levels: the bucket it found short refuses
-            self._check_buckets(Refusal(tenant, tier), budget, reserved_tokens)
+            tier_checks.check_buckets(tenant, tier, budget, reserved_tokens, self.clock())
         return holder
 
     def _check(self, tenant: Tenant, tier: TierConfig, reserved_tokens: int | None, prompt_tokens: int,
                priority: int, drain_rate: Callable[[], float | None], param: str, buckets: bool = True) -> Budget:
-        """Refuse (Refused) unless every limit lets the request in; `reserved_tokens` None: not known
-        yet; `buckets` False: all but the buckets (the shared store checks them)."""
-        now = self.clock()
-        budget = self._budget(tenant, tier, now)
-        refuse = Refusal(tenant, tier)
-        if reserved_tokens is not None and tier.tokens_per_minute and reserved_tokens > tier.tokens_per_minute:
-            reducible = reserved_tokens - prompt_tokens
-            raise refuse.never(reserved_tokens, param if prompt_tokens < tier.tokens_per_minute and reducible else None)
-        if tier.max_concurrent_requests and budget.in_flight >= tier.max_concurrent_requests:
-            raise refuse.concurrency(budget.in_flight)
-        if buckets:
-            self._check_buckets(refuse, budget, reserved_tokens)
-        waiting = self.queued.requests.get(tenant.tier, 0)
-        if tier.max_queued_requests and waiting >= tier.max_queued_requests:
-            raise refuse.queue_full(waiting, self._expected_wait(tenant, tier, priority, prompt_tokens, drain_rate))
-        if tier.ttft_p95_seconds:
-            expected = self._expected_wait(tenant, tier, priority, prompt_tokens, drain_rate)
-            if expected > tier.ttft_p95_seconds:
-                raise refuse.overloaded(expected)
+        """The holder's budget, once every check lets the request in (tier_checks.py; Refused if not)."""
+        budget = self._budget(tenant, tier, self.clock())
+        tier_checks.check(tenant, tier, budget, self.queued, reserved_tokens, prompt_tokens, priority, drain_rate, param,
+                          self.clock, buckets)
         return budget
-
-    def _check_buckets(self, refuse: Refusal, budget: Budget, reserved_tokens: int | None) -> None:
-        now = self.clock()
-        for kind, bucket, cost in (("requests", budget.requests, 1), ("tokens", budget.tokens, reserved_tokens)):
-            if bucket is not None and cost is not None and (wait := bucket.wait(cost, now)):
-                raise refuse.rate(kind, bucket.capacity, bucket.level(now), cost, wait)
-
-    def _expected_wait(self, tenant: Tenant, tier: TierConfig, priority: int, prompt_tokens: int,
-                       drain_rate: Callable[[], float | None]) -> float:
-        """Seconds the request would wait for the engine to reach it (0 while no queue has been measured)."""
-        ahead = self.queued.ahead(priority, tenant.id, tier.weight, prompt_tokens)
-        if not ahead:
-            return 0.0
-        rate = drain_rate()
-        if rate is None:
-            return 0.0
-        return ahead / rate if rate > 0 else math.inf
 
     def _leave_queue(self, lease: Lease, queue_time: float | None, ttft: float | None) -> None:
         self.queued.remove(lease)
