@@ -1,7 +1,7 @@
 """A conversation's next message as a turn (turns.py): its prompt (the conversation's history and
 the new message), its rows, and its reply told as chat-completion chunks.
 
-The routes are conversations.py's.
+The routes are routes/conversations.py's.
 """
 
 from __future__ import annotations

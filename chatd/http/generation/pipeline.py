@@ -1,18 +1,18 @@
 """The stages every generating route runs, in one order: chat and text completions
-(completions.py), conversation messages and Responses (turns.py).
+(routes/completions.py), conversation messages and Responses (turns.py).
 
-  pick     the model (`pick`: fleet.py's choice, and an escalating alias's small model asked
-           how sure it is, escalation.py), before the route parses the body against its limits
+  pick     the model (`pick`: models/fleet.py's choice, and an escalating alias's small model asked
+           how sure it is, models/escalation.py), before the route parses the body against its limits
   check    a store that can bill it, and what its tier refuses whatever the prompt (a refused
            flood costs no tokenizing)
   screen   the safety pipeline's input check on the texts the model will read (http/server/safety.py)
   render   the route's own prompts, tokenized: a chat template, a text prompt, a history
   grammar  a structured output compiled for its tenant (errors name the field)
-  admit    the tier's buckets and ceilings (limits.py): the reply's length decided, a lease on
+  admit    the tier's buckets and ceilings (admission/limits.py): the reply's length decided, a lease on
            the buckets, a place among the engine's requests
   launch   one engine request per prompt; a refusal names the client's own fields
 
-With [tracing] on, each stage that runs is a span (tracing.py): chatd.pick, chatd.check, and so on.
+With [tracing] on, each stage that runs is a span (telemetry/tracing.py): chatd.pick, chatd.check, and so on.
 
 A route says what differs (a `Generation`: its texts and its prompts); `start` runs the stages
 and hands back a `Started`: the request as admitted, passed whole from here on. What follows is
@@ -79,7 +79,7 @@ async def start(state: ServerState, served: ServedModel, tenant: Tenant, route: 
                 arrived_at: float | None = None, conversation_id: str | None = None) -> Started:
     """Run every stage for one request on the model `served`; an error (APIError, ParamError)
     leaves nothing held."""
-    stage = state.tracing.stage  # each stage's span (tracing.py); off, a null context
+    stage = state.tracing.stage  # each stage's span (telemetry/tracing.py); off, a null context
     with stage("chatd.check"):
         check(state, served, tenant, route.gen)
     if state.safety.config.check_input:
@@ -109,7 +109,7 @@ async def pick(state: ServerState, requested: str | None, tenant: Tenant, thread
     """The chat model that serves a generating request (ServerState.choose_model; 404 and 403 for
     names it may not use). When an escalating alias keeps it on the small model and the alias has
     a `min_confidence`, the small model answers the request's own messages for a few tokens first
-    (escalation.py), under the tenant's limits as they stand (a refused flood costs no probe), its
+    (models/escalation.py), under the tenant's limits as they stand (a refused flood costs no probe), its
     priority and its prefix-cache scope; too unsure, and the large model serves it."""
     with state.tracing.stage("chatd.pick") as span:
         served = await _pick(state, requested, tenant, thread_model, traits)
@@ -154,7 +154,7 @@ async def check_structured(served: ServedModel, spec: StructuredOutput | None, t
 
 async def admit(state: ServerState, served: ServedModel, tenant: Tenant, gen: GenerationRequest,
                 prompts: list[list[int]], arrived_at: float | None = None) -> Admitted:
-    """Admit tokenized prompts under the tenant's tier, or refuse them (429, 503, 400: limits.py).
+    """Admit tokenized prompts under the tenant's tier, or refuse them (429, 503, 400: admission/limits.py).
     The reply's length is decided here and only here: the client's, within the tier's ceiling (the
     ceiling, within the context window, when the client names none)."""
     max_tokens = state.limits.max_tokens(tenant, gen.params.max_tokens, gen.max_tokens_field)

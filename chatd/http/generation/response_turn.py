@@ -2,7 +2,7 @@
 and its input items, with the tools it may call), its rows, and its reply told as the Responses
 stream's events; and `response_object`, the response as OpenAI shapes it, from its rows.
 
-The routes are responses.py's; the request body is response_request.py's.
+The routes are routes/responses.py's; the request body is openai/response_request.py's.
 """
 
 from __future__ import annotations

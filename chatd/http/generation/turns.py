@@ -1,7 +1,7 @@
 """Turns, generated in the background, and the replies clients follow.
 
 A turn is a conversation's next message (`/messages`, here: MessageTurn) or a response of the
-Responses API (responses.py); each is a TurnJob that renders its prompt, writes its rows and
+Responses API (routes/responses.py); each is a TurnJob that renders its prompt, writes its rows and
 says how its reply is told as events (ReplyEvents: chat-completion chunks, or Responses'
 events). Turns runs what they share.
 
@@ -10,7 +10,7 @@ client goes away the reply still finishes and is saved. The task publishes the r
 events into a ReplyStream with numbered ids; any number of clients follow it, and a client that
 reconnects with `Last-Event-ID` gets what it missed, then the live rest. Finished streams stay
 replayable for `stream_replay_seconds`; after that (or after a restart) a reconnect gets the
-stored message in one piece (conversations.py's `stored_reply`).
+stored message in one piece (routes/conversations.py's `stored_reply`).
 
 Rows: the user message and an empty `partial` assistant message are committed together before
 generation starts; the assistant text is saved every second while it grows and the row is
@@ -19,10 +19,10 @@ finished (`complete`, `partial` when cut short, `error`) with its usage when gen
 A server killed mid-reply leaves that reply `partial` with the text saved so far.
 
 When a reply ends it is observed in the metrics under its job's route, and its counts go on the
-log line of the request that started it; that line waits for the reply (request_log.py), so a
+log line of the request that started it; that line waits for the reply (server/request_log.py), so a
 reply that outlives its client is still logged once, whole.
 
-It knows nothing of routes or of writing to a client: conversations.py does both. The two kinds
+It knows nothing of routes or of writing to a client: routes/conversations.py does both. The two kinds
 of turn are message_turn.py's and response_turn.py's.
 """
 
@@ -150,7 +150,7 @@ class TurnJob(Generation, Protocol):
     """One kind of turn: what it renders (as the pipeline's Generation: its texts, its one prompt
     from its history), what rows it writes, how its reply is told and saved."""
 
-    served: ServedModel  # the model that generates it (fleet.py)
+    served: ServedModel  # the model that generates it (models/fleet.py)
     busy_key: str | None  # a conversation id: at most one turn under way in it (None: no such limit)
     stored: bool  # whether its reply has a row (saved as it grows, and finished through the ledger)
     named_events: bool  # whether its stream names each event (`event:` lines)
@@ -225,7 +225,7 @@ class Turns:
 
     async def _traced_run(self, tenant: Tenant, job: TurnJob, started: asyncio.Future, request_id: str | None,
                           record: GenerationRecord) -> None:
-        """The turn task, as one span (tracing.py): it outlives its request when the client leaves."""
+        """The turn task, as one span (telemetry/tracing.py): it outlives its request when the client leaves."""
         with self.state.tracing.stage("chatd.turn", {"chatd.route": job.route}):
             await self._run(tenant, job, started, request_id, record)
 

@@ -3,7 +3,7 @@ usage, logprobs, finish reasons, and what a reply shows of its prompt (`echo`, v
 `prompt_logprobs`).
 
 Pure shaping of dicts (and, for a stream's every token, of their JSON from prepared parts): it
-knows nothing of HTTP, SSE framing (wire.py) or the store. The serving model's name and its
+knows nothing of HTTP, SSE framing (server/wire.py) or the store. The serving model's name and its
 token texts (for logprobs) are given.
 """
 

@@ -1,6 +1,6 @@
 """A `POST /v1/responses` body, validated: what chatd reads of it (ResponseRequest) and a 400 naming
 the field for anything it does not support. It knows nothing of how a response is generated or
-stored: responses.py does both.
+stored: routes/responses.py does both.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class Operation(TypedDict, total=False):
     statuses: dict[int, Schema]  # other statuses whose JSON body is not the error shape
 
 
-# protocol.py's bodies: a field it does not implement is refused, never ignored.
+# openai/protocol.py's bodies: a field it does not implement is refused, never ignored.
 REFUSED = f"Unknown fields are refused, and so are these, which chatd does not implement: {', '.join(sorted(UNSUPPORTED))}."
 RESPONSE_REFUSED = ("Unknown fields are refused, and so are these, which chatd does not implement: "
                     f"{', '.join(sorted(responses.UNSUPPORTED))}. Give previous_response_id or conversation, not both.")

@@ -1,7 +1,7 @@
 """Request bodies in the OpenAPI document (openapi.py): each field's schema by name, and the
 schema of a body that a parser checks against a field set.
 
-A body that protocol.py, responses.py or tokens.py parses is documented from the very field set it
+A body that openai/protocol.py, routes/responses.py or routes/tokens.py parses is documented from the very field set it
 checks against (Fields), each field's schema taken from FIELD_SCHEMAS: a field with none is an
 error at build time (UndocumentedError), not a gap in the document.
 """
@@ -59,7 +59,7 @@ FUNCTION_TOOL = {"type": "object", "properties": {
 TOKEN_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
 NOT_EMPTY_STRING = {"type": "string", "minLength": 1}
 PENALTY = {"type": "number", "minimum": -2, "maximum": 2}
-# Messages as the Responses and Conversations APIs send them (items.py): text only. An earlier
+# Messages as the Responses and Conversations APIs send them (openai/items.py): text only. An earlier
 # response's output item may come back as it came, with its id, status and annotations.
 ITEM_PART = {
     "type": "object",
@@ -107,7 +107,7 @@ INPUT_ITEM = {"anyOf": [MESSAGE_ITEM, CALL_ITEM, OUTPUT_ITEM],
 KEPT_METADATA = {"type": "object", "description": f"any JSON object, at most the server's `max_metadata_bytes` as JSON "
                                                   f"and {MAX_METADATA_DEPTH} levels deep; kept and returned"}
 
-# Every field of a body checked against a field set (protocol.py's, tokens.py's, ...), by name. A field
+# Every field of a body checked against a field set (openai/protocol.py's, routes/tokens.py's, ...), by name. A field
 # a set allows that is missing here makes build_document raise: it is documented before it is served.
 FIELD_SCHEMAS: dict[str, Schema] = {
     "model": {"type": "string", "description": "the served model's name; may be left out"},
@@ -176,7 +176,7 @@ FIELD_SCHEMAS: dict[str, Schema] = {
     "safety_identifier": {"type": "string", "description": "accepted, not used"},
     "add_generation_prompt": {"type": "boolean", "default": True, "description": "end with the assistant's turn opening"},
     "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}, "description": "token ids of the served model"},
-    # Conversations (conversation_request.py, conversations.create_items) and responses (responses.py).
+    # Conversations (openai/conversation_request.py, conversations.create_items) and responses (routes/responses.py).
     "title": {"type": "string", "description": "at most the server's `max_title_chars`"},
     "system_prompt": {"type": "string", "description": "the conversation's system message, before every turn"},
     "items": {"type": "array", "items": INPUT_ITEM, "minItems": 1, "maxItems": MAX_NEW_ITEMS,
@@ -214,7 +214,7 @@ FIELD_SCHEMAS: dict[str, Schema] = {
 
 @dataclass(frozen=True)
 class Fields:
-    """A body checked against a field set (protocol.py's, tokens.py's, responses.py's): the set, the
+    """A body checked against a field set (openai/protocol.py's, routes/tokens.py's, routes/responses.py's): the set, the
     fields it requires, or of which it requires exactly one or at least one, and the schemas that
     differ in this body from FIELD_SCHEMAS (a completion's logprobs is a count, a chat's a boolean)."""
 

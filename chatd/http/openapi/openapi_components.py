@@ -1,7 +1,7 @@
 """The named schemas of the OpenAPI document (openapi.py): every response shape, in COMPONENTS,
 and the building blocks the request and response schemas share (`ref`, `object_`, `nullable`).
 
-Each shape is declared once here, as openai_format.py, conversations.py, items.py and responses.py
+Each shape is declared once here, as openai/openai_format.py, routes/conversations.py, openai/items.py and routes/responses.py
 write it; tests/http/test_openapi.py checks live responses and streamed events against them.
 """
 
@@ -36,7 +36,7 @@ def nullable(schema: Schema) -> Schema:
 STRING = {"type": "string"}
 COUNT = {"type": "integer", "minimum": 0}
 
-# Structured output (structured.py): a named JSON schema, in chat's and in Responses' shape.
+# Structured output (tools/structured.py): a named JSON schema, in chat's and in Responses' shape.
 _SCHEMA_FORMAT_FIELDS = {"name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
                          "schema": {"type": "object"}, "strict": nullable({"type": "boolean"})}
 JSON_SCHEMA_FORMAT = object_(_SCHEMA_FORMAT_FIELDS, ["name", "schema"])
@@ -50,7 +50,7 @@ FINISH_REASON = {"enum": ["stop", "length", "tool_calls", "content_filter"]}
 
 
 def _completion(object_name: str, choice: Schema, chunk: bool) -> Schema:
-    """openai_format.py's envelope: a whole response carries usage, a chunk carries it only when asked."""
+    """openai/openai_format.py's envelope: a whole response carries usage, a chunk carries it only when asked."""
     properties = {"id": {"type": "string"}, "object": {"const": object_name}, "created": {"type": "integer"},
                   "model": {"type": "string"}, "choices": {"type": "array", "items": choice},
                   "usage": nullable(ref("Usage")) if chunk else ref("Usage"),
@@ -99,7 +99,7 @@ def _page(item: str) -> Schema:
                     "first_id": nullable(STRING), "last_id": nullable(STRING), "has_more": {"type": "boolean"}})
 
 
-# conversations.py's shapes: OpenAI's conversation object with chatd's extras, and chatd's messages.
+# routes/conversations.py's shapes: OpenAI's conversation object with chatd's extras, and chatd's messages.
 CONVERSATION = {"id": STRING, "object": {"const": "conversation"}, "created_at": UNIX_SECONDS,
                 "updated_at": UNIX_SECONDS, "model": STRING, "title": nullable(STRING),
                 "system_prompt": nullable(STRING), "metadata": {"type": "object"}}
@@ -122,7 +122,7 @@ INPUT_TEXT = object_({"type": {"const": "input_text"}, "text": STRING})
 ITEM_STATUS = {"enum": ["completed", "in_progress", "incomplete"]}
 OUTPUT_TEXT = object_({"type": {"const": "output_text"}, "text": STRING, "annotations": NOTHING, "logprobs": NOTHING})
 
-# responses.py's shapes: its `response` object (response_object) and its stream's events (ResponseEvents).
+# routes/responses.py's shapes: its `response` object (response_object) and its stream's events (ResponseEvents).
 RESPONSE_STATUSES = ["in_progress", "completed", "incomplete", "cancelled", "failed"]
 RESPONSE = {
     "id": STRING, "object": {"const": "response"}, "created_at": UNIX_SECONDS, "status": {"enum": RESPONSE_STATUSES},

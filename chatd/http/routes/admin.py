@@ -1,5 +1,5 @@
 """The operator's routes: load or unload one model of the fleet now, by name; see where each canary
-ramp stands, roll one back or start it again (canary.py).
+ramp stands, roll one back or start it again (models/canary.py).
 
 They are off (404) unless `[auth] admin_key` (or CHATD_ADMIN_KEY) is set, and need that key as
 `Authorization: Bearer KEY`, compared in constant time; no tenant's key opens them, and they sit

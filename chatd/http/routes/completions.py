@@ -1,15 +1,15 @@
 """The OpenAI routes `/v1/chat/completions` and `/v1/completions`, whole or streamed.
 
-A handler parses the body (protocol.py), runs the stages every generating route runs
-(pipeline.py: a chat's texts and template, or a completion's prompts, one engine request each),
+A handler parses the body (openai/protocol.py), runs the stages every generating route runs
+(generation/pipeline.py: a chat's texts and template, or a completion's prompts, one engine request each),
 and answers with its merged deltas in OpenAI's shapes
-(openai_format.py), with what they show of their prompts (a completion's `echo`, vLLM's
+(openai/openai_format.py), with what they show of their prompts (a completion's `echo`, vLLM's
 `prompt_logprobs`). A stream writes one SSE event per delta it receives, from whichever prompt's
 request sent it; a slow reader gets bigger merged deltas and never holds the engine back. When
 the request ends, however it ends, it is observed in the metrics, its counts put on its log line
-(request_log.py) and its usage billed, once.
+(server/request_log.py) and its usage billed, once.
 
-It keeps no history: server-side conversations are conversations.py and turns.py.
+It keeps no history: server-side conversations are conversations.py and generation/turns.py.
 """
 
 from __future__ import annotations

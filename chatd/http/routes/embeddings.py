@@ -55,7 +55,7 @@ async def embeddings(request: web.Request) -> web.Response:
     tenant = request[TENANT]
     parsed = await checked(request, parse_request, await read_json(request), embedder, state.config.embeddings.max_inputs)
     check_model(state, embedder, parsed.model, tenant)
-    stage = state.tracing.stage  # the same stages as a generating request's, where they apply (tracing.py)
+    stage = state.tracing.stage  # the same stages as a generating request's, where they apply (telemetry/tracing.py)
     with stage("chatd.check"):
         state.check_store_writable()
         priority = state.limits.placement(tenant, 0).priority

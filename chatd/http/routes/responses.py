@@ -9,13 +9,13 @@ serves it and a turn computes only its new tokens. `instructions` are the system
 this response only (they are not carried to the next one, as OpenAI does); a conversation's
 chatd system prompt comes before them.
 
-A response is a turn (turns.py): generated in the background and saved even if its client
+A response is a turn (generation/turns.py): generated in the background and saved even if its client
 leaves, streamed with OpenAI's event types (`response.created` ... `response.completed`),
 reconnected to with `GET /v1/responses/{id}?stream=true&starting_after=N`. `store: false`
 keeps no text: only a record that the response existed (so continuing it is a clear 400), and
 its usage; its generation stops when its client leaves.
 
-Function tools work as on chat completions (tools.py: the same grammar, the same parser), in the
+Function tools work as on chat completions (tools/tools.py: the same grammar, the same parser), in the
 Responses API's shapes: each call the model makes is a `function_call` output item, and a
 `function_call_output` input item answers it by `call_id`, in the next response of the chain or
 conversation (or in a client's own history, with store=false). Calls and outputs are stored as
@@ -23,8 +23,8 @@ items like messages, so `input_items` and a conversation's items list them.
 
 Too long a history is a 400 (`truncation: "disabled"`, OpenAI's default); with
 `truncation: "auto"` the oldest turns are left out, as in a conversation, and the response says
-how many (`chatd.items_omitted`). The body is validated by response_request.py; the turn and its
-events are response_turn.py's.
+how many (`chatd.items_omitted`). The body is validated by openai/response_request.py; the turn and its
+events are generation/response_turn.py's.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from chatd.http.routes.conversations import move_if_needed
 from chatd.http.models.escalation import request_traits
 from chatd.http.openai.protocol import requested_model, shown
 from chatd.http.server.request_log import REQUEST_LOG
-# The body's parsing. openapi.py (and test_openapi.py) read its fields and limits as responses.X: kept here.
+# The body's parsing. openapi/openapi.py (and test_openapi.py) read its fields and limits as responses.X: kept here.
 from chatd.http.openai.response_request import (MAX_INPUT_ITEMS, RESPONSE_FIELDS, SERVICE_TIERS, UNSUPPORTED,  # noqa: F401
                                          ResponseRequest, parse_response)
 from chatd.http.generation.response_turn import ResponseTurn, replayed, response_object

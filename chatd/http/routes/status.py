@@ -181,7 +181,7 @@ def _loading(state: ServerState) -> dict:
 def _unavailable(state: ServerState) -> web.Response | None:
     """The 503 /health and /ready answer while this replica must get no traffic; None while it can serve.
 
-    `phase` is the server's (starting.py: loading and warming up are answered there); `status` says
+    `phase` is the server's (server/starting.py: loading and warming up are answered there); `status` says
     why. A dead engine gets no Retry-After: it will not come back by itself.
     """
     if state.draining_until is not None:

@@ -7,7 +7,7 @@ equals that request's `usage.prompt_tokens`. Nothing is generated, stored or bil
 
 Tokenizing and decoding run in ServerState's tokenizing threads, never on the event loop, and
 what they take is bounded first: text by the context window (check_text_size), token lists by
-max_model_len entries. The routes sit at the root, as in vLLM, under the same auth as /v1/ (auth.py).
+max_model_len entries. The routes sit at the root, as in vLLM, under the same auth as /v1/ (server/auth.py).
 """
 
 from __future__ import annotations

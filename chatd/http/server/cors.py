@@ -1,6 +1,6 @@
 """CORS: which web pages on other origins may call the API from a browser ([server] allowed_origins).
 
-Off by default: chatd's own page (page.py) is same-origin and needs none, and with no allowed
+Off by default: chatd's own page (routes/page.py) is same-origin and needs none, and with no allowed
 origin nothing here is installed, so responses and OPTIONS (a 405) are as they were. With
 origins allowed, a response to a request from one of them names it in
 Access-Control-Allow-Origin (streams too: the headers are added as a response is prepared), and

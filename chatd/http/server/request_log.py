@@ -10,7 +10,7 @@ counts lines counts requests. So the line is written when the last of two things
 
 - the answer (`request_log_middleware`, around every route), and
 - the generation, when it outlives the answer: a conversation turn or a response goes on, and
-  is saved, after its client leaves (turns.py holds the line open until it ends).
+  is saved, after its client leaves (generation/turns.py holds the line open until it ends).
 
 The client's own text never reaches the line: no prompt, no body; what it names (path, method,
 prompt_cache_key) is cut to a bounded length (`loggable`), and its X-Request-Id is short already.

@@ -1,4 +1,4 @@
-"""What every handler shares: the chat models (fleet.py), the store, metrics, readiness, background work."""
+"""What every handler shares: the chat models (models/fleet.py), the store, metrics, readiness, background work."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ class ServerState:
     embedder: Embedder | None = None  # [embeddings] model, on its own thread (serve.py loads it); None: off
     # Makes the engine of a [[models]] model loaded later (serve.py's; None: only the first model serves).
     make_engine: Callable[[Config], EngineClient] | None = None
-    fleet: Fleet = field(init=False)  # the chat models, the first one above among them (fleet.py)
-    canaries: Canaries = field(init=False)  # the aliases whose canary moves by measurement (canary.py)
+    fleet: Fleet = field(init=False)  # the chat models, the first one above among them (models/fleet.py)
+    canaries: Canaries = field(init=False)  # the aliases whose canary moves by measurement (models/canary.py)
     metrics: ServerMetrics = field(init=False)
     limits: Limits = field(init=False)  # the tiers' buckets, bounds and load shedding
     safety: Safety = field(init=False)  # input checks, output windows, moderation, the audit trail
@@ -70,7 +70,7 @@ class ServerState:
     # hold up everyone else's, and the loop competes for the GIL with few threads.
     tokenizing: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="chatd-tokenize"))
-    heartbeats: object = None  # completions.py's one timer for every stream's keep-alive comments
+    heartbeats: object = None  # routes/completions.py's one timer for every stream's keep-alive comments
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -105,7 +105,7 @@ class ServerState:
 
     def choose_model(self, requested: str | None, tenant: Tenant | None = None, thread_model: str | None = None,
                      traits: RequestTraits = RequestTraits()) -> Choice:
-        """The chat model that serves a request naming `requested` (fleet.py's `choose`): the
+        """The chat model that serves a request naming `requested` (models/fleet.py's `choose`): the
         tenant's tier decides the default and, while limits apply, what it may use (404 for an
         unknown name, 403 for one the tier may not use). `thread_model`: its conversation's or
         chain's model; `traits`: what an escalating alias's rules read of it."""

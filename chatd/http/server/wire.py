@@ -2,7 +2,7 @@
 size once decoded, Content-Encoding, JSON), JSON bodies, and writing Server-Sent Events within
 the limits on output held for a client that does not read.
 
-It knows nothing of OpenAI's shapes (openai_format.py) or the engine; every route module uses it.
+It knows nothing of OpenAI's shapes (openai/openai_format.py) or the engine; every route module uses it.
 """
 
 from __future__ import annotations

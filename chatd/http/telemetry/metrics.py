@@ -49,7 +49,7 @@ class ServerMetrics:
         self._model_names: list[str] = []
         self._tiers: list[str] = []
         # Told of each finished request (model, finish reason, time to first token) and each rating
-        # (model, up or down): the canary ramps measure versions with them (canary.py).
+        # (model, up or down): the canary ramps measure versions with them (models/canary.py).
         self.request_watchers: list[Callable[[str, str, float | None], None]] = []
         self.rating_watchers: list[Callable[[str, str], None]] = []
         self.registry = CollectorRegistry()
@@ -97,7 +97,7 @@ class ServerMetrics:
             "draw), thread (its conversation or chain was there), none (an escalating alias's small model), or the "
             "escalation rule that held (tiers, tools, response_format, prompt_chars, messages).",
             ["alias", "model_name", "why"], registry=self.registry)
-        # A fleet's models coming and going (fleet.py): loads by outcome, unloads by reason, load time.
+        # A fleet's models coming and going (models/fleet.py): loads by outcome, unloads by reason, load time.
         self._model_loads = Counter("chatd:model_loads_total", "Loads of a chat model, by outcome (loaded, failed).",
                                     ["model_name", "outcome"], registry=self.registry)
         self._model_unloads = Counter(

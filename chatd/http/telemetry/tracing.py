@@ -5,7 +5,7 @@ route template, under the caller's `traceparent` when it sends one (W3C trace co
 trace otherwise); its reply carries a `traceparent` header naming that span. Under it, one span
 per stage the request really runs:
 
-  chatd.pick, chatd.check, chatd.screen, chatd.render, chatd.grammar, chatd.admit   (pipeline.py)
+  chatd.pick, chatd.check, chatd.screen, chatd.render, chatd.grammar, chatd.admit   (generation/pipeline.py)
   chat MODEL | text_completion MODEL | embeddings MODEL    the generation, with OpenTelemetry's
       chatd.queue, chatd.prefill, chatd.decode             GenAI attributes (model, token counts,
                                                            finish reasons) and its three phases
