@@ -342,7 +342,7 @@ class SafetyConfig:
 
 @dataclass(frozen=True)
 class TracingConfig:
-    """OpenTelemetry traces over OTLP/HTTP (http/tracing.py), off while no endpoint is named here or in
+    """OpenTelemetry traces over OTLP/HTTP (http/telemetry/tracing.py), off while no endpoint is named here or in
     OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT; needs the `tracing` extra (pip install 'chatd[tracing]')."""
 
     otlp_endpoint: str = ""  # the collector's base URL (http://localhost:4318): spans go to its /v1/traces

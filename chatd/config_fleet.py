@@ -18,7 +18,7 @@ class EscalationRules:
     tools: bool = False  # it offers tools
     response_format: bool = False  # it asks for structured output (a JSON schema, json_object, a grammar)
     tiers: tuple[str, ...] = ()  # its tenant's tier is one of these
-    # None holds, and the small model's first `confidence_tokens` greedy tokens are less sure than this (http/escalation.py)
+    # None holds, and the small model's first `confidence_tokens` greedy tokens are less sure than this (http/models/escalation.py)
     min_confidence: float = 0.0
     confidence_tokens: int = 8
 
@@ -36,7 +36,7 @@ class RampConfig:
     """A canary's ramp ([aliases.NAME] ramp = { canary = "v2", ... }): its share of the alias's new
     threads goes up step by step, each after `bake_seconds`, only while it measures within these
     bounds of the other target's (the stable version), and back to 0 the moment it does not
-    (http/canary.py). A bound of 0 leaves that measure out."""
+    (http/models/canary.py). A bound of 0 leaves that measure out."""
 
     canary: str = ""  # the target ramped ("": no ramp); the alias's other target is the stable version
     steps: tuple[float, ...] = (1.0, 5.0, 25.0, 100.0)  # its percentage of new threads at each step
@@ -63,7 +63,7 @@ class AliasConfig:
     holds, and its thread stays there)."""
 
     targets: dict[str, float] = field(default_factory=dict)
-    ramp: RampConfig | None = None  # a split's canary moved by measurement (http/canary.py)
+    ramp: RampConfig | None = None  # a split's canary moved by measurement (http/models/canary.py)
     small: str = ""
     large: str = ""
     escalate_when: EscalationRules = field(default_factory=EscalationRules)

@@ -206,7 +206,7 @@ async def make_server_state(engine, root, config=None, model_name: str = "script
     """A ServerState around `engine`, with the demo tokenizer and a real SQLite store made in the
     folder `root`; `close_server_state` ends it."""
     from chatd.engine.models.demo import build_tokenizer
-    from chatd.http.state import ServerState
+    from chatd.http.server.state import ServerState
     from chatd.store.db import Store
     from chatd.store.ledger import Ledger
 

@@ -14,15 +14,16 @@ import uuid
 
 from aiohttp import web
 
-from chatd.http import (admin, completions, conversations, embeddings, feedback, moderation, openapi, page, responses,
-                        status, tokens)
-from chatd.http.auth import TENANT, auth_middleware
-from chatd.http.cors import Cors
-from chatd.http.request_log import request_log_middleware
-from chatd.http.tracing import add_traceparent
+from chatd.http.openapi import openapi
+from chatd.http.routes import (admin, completions, conversations, embeddings, feedback, moderation, page, responses, status,
+                               tokens)
+from chatd.http.server.auth import TENANT, auth_middleware
+from chatd.http.server.cors import Cors
+from chatd.http.server.request_log import request_log_middleware
+from chatd.http.telemetry.tracing import add_traceparent
 from chatd.http.errors import MAX_BODY_BYTES, REQUEST_ID, APIError, error_middleware, error_response
-from chatd.http.state import STATE, ServerState
-from chatd.http.turns import TURNS, Turns
+from chatd.http.server.state import STATE, ServerState
+from chatd.http.generation.turns import TURNS, Turns
 
 
 # What a client's X-Request-Id may look like to be logged and echoed: visible ASCII, short.

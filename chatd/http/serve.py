@@ -1,10 +1,10 @@
 """`chatd serve`: open the port, load the model, start the engine thread and the HTTP server, stop gracefully.
 
 Order at start: bind and listen at once, with a small app answering while the server starts
-(starting.py: /health 200, /ready 503 with the phase, other routes 503 with Retry-After) ->
+(server/starting.py: /health 200, /ready 503 with the phase, other routes 503 with Retry-After) ->
 open the store (migrations) -> load -> warm-up request (one prefill, a few decode steps) ->
 the full app takes the port: ready, one log line with the URL. On a CPU the steps compile on a
-thread meanwhile (worker/compile_job.py); the log keeps the start timeline (starting.py). A
+thread meanwhile (worker/compile_job.py); the log keeps the start timeline (server/starting.py). A
 background task purges deleted conversations past retention.
 On SIGINT/SIGTERM: keep listening, answer new requests 503 with Retry-After and /ready 503,
 give in-flight requests the grace period, abort the rest (conversation replies cut short are
@@ -31,10 +31,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 from chatd.config import Config, StoreConfig
 from chatd.engine import AsyncEngine, Embedder, EngineProcess, LLMEngine, SamplingParams, engine_process_wanted
 from chatd.http.app import create_app
-from chatd.http.buckets import check_storage
-from chatd.http.served_model import fleet_config
-from chatd.http.starting import Startup, starting_app
-from chatd.http.state import ServerState
+from chatd.http.admission.buckets import check_storage
+from chatd.http.models.served_model import fleet_config
+from chatd.http.server.starting import Startup, starting_app
+from chatd.http.server.state import ServerState
 from chatd.safety.guard import GuardModel
 from chatd.safety.pipeline import SafetyPipeline
 from chatd.store.db import SCHEMA_VERSION, Store
@@ -404,7 +404,7 @@ async def _purge_forever(store: Store, config: StoreConfig) -> None:
 
 
 async def _beat_forever(store: Store, replica: str, interval: float) -> None:
-    """Tell the replicas sharing the store that this one is alive, every `interval` seconds (idempotency.py)."""
+    """Tell the replicas sharing the store that this one is alive, every `interval` seconds (server/idempotency.py)."""
     while True:
         try:
             await store.beat(replica)

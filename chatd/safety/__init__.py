@@ -1,4 +1,4 @@
-"""chatd's content-safety pipeline. It knows nothing of HTTP or the store: chatd/http/safety.py
+"""chatd's content-safety pipeline. It knows nothing of HTTP or the store: chatd/http/server/safety.py
 applies it to requests and replies, and the store keeps its decisions.
 
     rules.py      the rules stage: per-category word lists and patterns (default_rules.toml),

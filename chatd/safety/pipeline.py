@@ -7,7 +7,7 @@ whose policy fails closed refuse the request, the others let it through and say 
 `output_window` gives each streamed reply its OutputWindow (stream.py). `moderate` is what
 `/v1/moderations` answers: every category, whatever the policies.
 
-It knows nothing of HTTP or the store: chatd/http/safety.py records, counts and answers.
+It knows nothing of HTTP or the store: chatd/http/server/safety.py records, counts and answers.
 """
 
 from __future__ import annotations

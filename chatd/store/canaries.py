@@ -1,4 +1,4 @@
-"""Where each canary ramp stands (http/canary.py), kept so that a restart goes on from the same
+"""Where each canary ramp stands (http/models/canary.py), kept so that a restart goes on from the same
 step with the same weight, and every step and rollback as an event the operator can read.
 
 `CanaryLog` is a mixin of `Store`: a ramp's state changes together with its event, in one

@@ -1,4 +1,4 @@
-"""Canary ramps (chatd/http/canary.py) on a real SQLite store, fed through the server's own metrics
+"""Canary ramps (chatd/http/models/canary.py) on a real SQLite store, fed through the server's own metrics
 as finished requests and ratings are: a healthy canary advances step by step after each bake to
 100% and is done; one that errors, is slow, or draws thumbs down is rolled back to 0% at the first
 check after it has served enough; every step is kept, and a restart goes on from where it was."""
@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from chatd.http.canary import Canaries, Window, verdict
-from chatd.http.metrics import ServerMetrics
+from chatd.http.models.canary import Canaries, Window, verdict
+from chatd.http.telemetry.metrics import ServerMetrics
 from chatd.store.db import Store
 from tests.http.test_fleet import FLEET, make_fleet
 

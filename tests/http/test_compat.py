@@ -16,7 +16,7 @@ import pytest
 
 from chatd.engine import Tokenizer
 from chatd.engine.models.demo import build_demo_model
-from chatd.http.protocol import MAX_PROMPTS, parse_chat
+from chatd.http.openai.protocol import MAX_PROMPTS, parse_chat
 from tests.http.serving import start_server, stop_server
 from tests.http.test_isolation import engine_is_empty
 

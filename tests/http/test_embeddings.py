@@ -1,4 +1,4 @@
-"""POST /v1/embeddings (http/embeddings.py): on a real `chatd serve` with two tenants, driven by
+"""POST /v1/embeddings (http/routes/embeddings.py): on a real `chatd serve` with two tenants, driven by
 the OpenAI SDK and LangChain, its vectors sentence-transformers' own; each bad request a 400 (or
 404) naming its field and limit, checked in-process; a server without an embedding model says how
 to turn one on."""

@@ -16,12 +16,12 @@ import pytest
 from chatd.config_loader import build_config
 from chatd.engine import LLM, AsyncEngine, CacheScope, EngineStats, Placement, SamplingParams
 from chatd.engine.models.demo import build_demo_model
-from chatd.http import escalation
+from chatd.http.models import escalation
 from chatd.http.errors import APIError
-from chatd.http.escalation import RequestTraits, request_traits
-from chatd.http.fleet import Fleet
-from chatd.http.metrics import ServerMetrics
-from chatd.http.served_model import LOADED, UNLOADED, ServedModel, fleet_config
+from chatd.http.models.escalation import RequestTraits, request_traits
+from chatd.http.models.fleet import Fleet
+from chatd.http.telemetry.metrics import ServerMetrics
+from chatd.http.models.served_model import LOADED, UNLOADED, ServedModel, fleet_config
 from tests.factories import make_model_info
 from tests.http.test_metrics import scrape
 

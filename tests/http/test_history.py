@@ -10,11 +10,11 @@ import pytest
 from chatd.config_loader import build_config
 from chatd.engine.models.demo import build_tokenizer
 from chatd.engine import Tokenizer
-from chatd.http.history import render_turn
+from chatd.http.generation.history import render_turn
 from chatd.http.errors import APIError
-from chatd.http.protocol import parse_turn
-from chatd.http.served_model import ServedModel
-from chatd.http.state import ServerState
+from chatd.http.openai.protocol import parse_turn
+from chatd.http.models.served_model import ServedModel
+from chatd.http.server.state import ServerState
 from chatd.store.records import Conversation, Message
 from tests.factories import make_model_info
 

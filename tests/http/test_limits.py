@@ -1,4 +1,4 @@
-"""Tier limits at admission (chatd/http/limits.py) on an injected clock: buckets refill and refund,
+"""Tier limits at admission (chatd/http/admission/limits.py) on an injected clock: buckets refill and refund,
 bounds hold, shedding refuses the lowest tier first and never a fair newcomer. No server, no sleeps."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from chatd.config import DEFAULT_TIERS, TierConfig
 from chatd.engine import Placement
 from chatd.http.errors import APIError
-from chatd.http.limits import Limits, Refused, TokenBucket, duration
+from chatd.http.admission.limits import Limits, Refused, TokenBucket, duration
 from chatd.store.db import Tenant
 
 

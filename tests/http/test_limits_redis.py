@@ -1,4 +1,4 @@
-"""Tier buckets shared in Redis (chatd/http/buckets.py, limits.py) against a real redis-server:
+"""Tier buckets shared in Redis (chatd/http/admission/buckets.py, limits.py) against a real redis-server:
 two replicas' limiters admit exactly a tier's rate between them, tenants keep their own buckets,
 an outage is answered as configured, a key that holds no bucket is that holder's bucket reset (not
 an outage), and Redis is used again once it is back. The slow test at
@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from chatd.config import TierConfig
-from chatd.http.buckets import SharedBuckets, check_storage, shared_buckets, shown_url
-from chatd.http.limits import Lease, Limits, Refused
+from chatd.http.admission.buckets import SharedBuckets, check_storage, shared_buckets, shown_url
+from chatd.http.admission.limits import Lease, Limits, Refused
 from chatd.store.db import Tenant
 from tests.redis_server import RedisServer, skip_without_redis
 

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatd.engine import EngineStats, FinishReason
-from chatd.http.metrics import LATENCY_BUCKETS, ROUTES, ServerMetrics
+from chatd.http.telemetry.metrics import LATENCY_BUCKETS, ROUTES, ServerMetrics
 
 MODEL = "tiny-llama"
 

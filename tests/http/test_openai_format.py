@@ -1,4 +1,4 @@
-"""OpenAI's chunk shapes (http/openai_format.py): a stream's text deltas built from prepared parts
+"""OpenAI's chunk shapes (http/openai/openai_format.py): a stream's text deltas built from prepared parts
 are the very bytes the dicts give, for chat and text completions, any choice and any text; other
 deltas (a finish, logprobs, several choices, a tool parser's) go the dicts' way."""
 
@@ -8,8 +8,8 @@ import orjson
 import pytest
 
 from chatd.engine import CompletionOutput, FinishReason, RequestOutput
-from chatd.http.openai_format import ChunkFormat
-from chatd.http.tool_calls import PARSERS
+from chatd.http.openai.openai_format import ChunkFormat
+from chatd.http.tools.tool_calls import PARSERS
 from tests.factories import ScriptedChatEngine, close_server_state, make_server_state
 
 TEXTS = ["Hello", " world", "\"quoted\" \\ back\\slash", "tab\tnew\nline", "é ü 中文 🙂", "\x00\x1f", "</script>"]

@@ -17,11 +17,13 @@ from types import SimpleNamespace
 from chatd.config import Config, ConversationsConfig
 from chatd.engine import ParamError
 from chatd.engine.models.demo import build_demo_model
-from chatd.http import (app, conversation_request, conversations, items, openapi, openapi_bodies, protocol,
-                        response_request, responses)
-from chatd.http.conversations import MAX_NEW_ITEMS
+from chatd.http import app
+from chatd.http.openai import conversation_request, items, protocol, response_request
+from chatd.http.openapi import openapi, openapi_bodies
+from chatd.http.routes import conversations, responses
+from chatd.http.routes.conversations import MAX_NEW_ITEMS
 from chatd.http.errors import APIError
-from chatd.http.openapi_components import ref
+from chatd.http.openapi.openapi_components import ref
 from tests.http.serving import start_server, stop_server
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about paged attention."}]
@@ -178,7 +180,7 @@ PARSERS = {
     ("POST", "/v1/chat/completions"): (lambda body: protocol.parse_chat(body, 100), {"messages": MESSAGES}),
     ("POST", "/v1/completions"): (lambda body: protocol.parse_completion(body, 4096), {"prompt": "Once"}),
     ("POST", "/v1/conversations/{conversation_id}/messages"): (lambda body: protocol.parse_turn(body, 10_000), {"content": "hi"}),
-    ("POST", "/v1/responses"): (lambda body: responses.parse_response(body, SERVER_STATE), {"input": "hi"}),
+    ("POST", "/v1/responses"): (lambda body: responses.parse_response(body, SERVER_STATE.config.server.max_messages), {"input": "hi"}),
     ("POST", "/v1/conversations"): (lambda body: conversations.parse_conversation(body, SERVER_STATE), {}),
     ("POST", "/v1/conversations/{conversation_id}"): (
         lambda body: conversation_request.parse_conversation_update(body, ConversationsConfig()), {"title": "t"}),

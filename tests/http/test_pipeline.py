@@ -1,4 +1,4 @@
-"""The stages every generating route runs (chatd/http/pipeline.py), each alone: a limit the engine
+"""The stages every generating route runs (chatd/http/generation/pipeline.py), each alone: a limit the engine
 finds names the fields the client sent, the reply's length is decided once at admission, the
 prefix-cache scope keeps tenants apart, and a refused prompt frees what was started and held."""
 
@@ -9,9 +9,9 @@ import pytest
 from chatd.config_loader import build_config
 from chatd.engine import CacheScope, LimitError, ParamError, SamplingParams
 from chatd.engine.request import checked_params
-from chatd.http import pipeline
+from chatd.http.generation import pipeline
 from chatd.http.errors import APIError
-from chatd.http.protocol import parse_chat
+from chatd.http.openai.protocol import parse_chat
 from chatd.store.db import Tenant
 from tests.factories import ScriptedChatEngine, close_server_state, make_scheduler, make_server_state
 

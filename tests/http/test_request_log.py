@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatd.http.app import create_app
-from chatd.http.metrics import ROUTES
+from chatd.http.telemetry.metrics import ROUTES
 from chatd.logs import Formatter
 from tests.factories import ScriptedChatEngine, close_server_state, make_server_state
 

@@ -247,7 +247,7 @@ async def test_a_cut_reply_sends_no_token_of_the_match_in_its_logprobs(serve):
 
 async def test_logprob_alternatives_that_would_complete_a_blocked_phrase_are_left_out():
     from chatd.engine import CompletionOutput, Logprob, RequestOutput
-    from chatd.http.safety import WatchedReply
+    from chatd.http.server.safety import WatchedReply
     from chatd.safety.pipeline import SafetyPipeline
 
     settings = build_config({"safety": {"check_output": True}})

@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chatd.engine import CompletionOutput, FinishReason, RequestOutput
 from chatd.engine.models.demo import build_demo_model
-from chatd.http.metrics import ServerMetrics
-from chatd.http.request_log import GenerationRecord, RequestLog
+from chatd.http.telemetry.metrics import ServerMetrics
+from chatd.http.server.request_log import GenerationRecord, RequestLog
 from tests.http.serving import start_server, stop_server
 
 SPEC_COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")

@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chatd.engine.models.demo import build_demo_model
 from chatd.http.serve import Listening, reserve_port, warn_if_open
-from chatd.http.starting import Startup, starting_app
+from chatd.http.server.starting import Startup, starting_app
 from tests.http.serving import start_server
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

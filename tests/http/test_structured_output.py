@@ -175,7 +175,7 @@ def test_objects_that_list_properties_get_no_others(client):
 
 def test_depth_is_measured_without_recursion_and_checked_before_any_walk():
     from chatd.http.errors import APIError
-    from chatd.http.structured import MAX_SCHEMA_DEPTH, extras, json_depth
+    from chatd.http.tools.structured import MAX_SCHEMA_DEPTH, extras, json_depth
 
     deep: dict = {"type": "string"}
     for _ in range(100_000):  # far past Python's recursion limit

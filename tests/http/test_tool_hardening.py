@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from chatd.engine.models.demo import build_demo_model, build_model_dir
-from chatd.http.structured import MAX_SCHEMA_DEPTH
+from chatd.http.tools.structured import MAX_SCHEMA_DEPTH
 from tests.http.serving import start_server, stop_server
 
 # Slow (two servers): the fast suite checks the same limits in process (test_structured_output.py,

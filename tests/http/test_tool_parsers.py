@@ -1,4 +1,4 @@
-"""Tool-call formats (chatd/http/tool_calls.py, read by tool_stream.py): each family's recorded replies
+"""Tool-call formats (chatd/http/tools/tool_calls.py, read by tool_stream.py): each family's recorded replies
 read back as OpenAI tool calls, streamed in any split exactly as read whole, and the call grammars
 checked by llguidance itself with a real tokenizer."""
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chatd.engine.models.demo import build_tokenizer
-from chatd.http.tool_calls import PARSERS, ToolCallDelta, parser_for_template
+from chatd.http.tools.tool_calls import PARSERS, ToolCallDelta, parser_for_template
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 NESTED = {"filter": {"tags": ["a", "b"], "range": {"from": 1, "to": [2, {"deep": None}]}}, "limit": 10}

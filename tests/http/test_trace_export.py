@@ -17,8 +17,8 @@ from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
 from chatd.config import TracingConfig  # noqa: E402
-from chatd.http.trace_export import SpanShipper, TailSampling  # noqa: E402
-from chatd.http.tracing import Tracing  # noqa: E402
+from chatd.http.telemetry.trace_export import SpanShipper, TailSampling  # noqa: E402
+from chatd.http.telemetry.tracing import Tracing  # noqa: E402
 
 
 def sampled(ratio: float, max_pending: int = 1000):
@@ -111,7 +111,7 @@ def test_tracing_is_on_only_when_a_collector_is_named_and_says_what_it_needs(mon
     on = Tracing.start(TracingConfig(), counted)
     assert on.enabled
     on.close()
-    monkeypatch.setitem(sys.modules, "chatd.http.trace_export", None)  # as without the `tracing` extra
+    monkeypatch.setitem(sys.modules, "chatd.http.telemetry.trace_export", None)  # as without the `tracing` extra
     with pytest.raises(ValueError, match=r"tracing.otlp_endpoint .*pip install 'chatd\[tracing\]'"):
         Tracing.start(TracingConfig(otlp_endpoint="http://127.0.0.1:4318"), counted)
     assert not Tracing.start(TracingConfig(), counted).enabled  # the variable alone: a warning, no traces

@@ -13,7 +13,7 @@ from chatd.config_loader import build_config
 from chatd.engine.models.demo import build_tokenizer
 from chatd.engine import CompletionOutput, FinishReason, RequestOutput, Tokenizer
 from chatd.http.app import create_app
-from chatd.http.state import STATE, ServerState
+from chatd.http.server.state import STATE, ServerState
 from chatd.store.db import Store
 from chatd.store.ledger import Ledger
 from tests.factories import make_model_info

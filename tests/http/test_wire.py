@@ -1,4 +1,4 @@
-"""The bytes of a request (http/wire.py), in-process: a large body's walk in Python (a schema of
+"""The bytes of a request (http/server/wire.py), in-process: a large body's walk in Python (a schema of
 thousands of nodes) runs off the event loop, so the server answers everyone else meanwhile."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import threading
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from chatd.http import structured
+from chatd.http.tools import structured
 from chatd.http.app import create_app
-from chatd.http.wire import INLINE_BODY_BYTES
+from chatd.http.server.wire import INLINE_BODY_BYTES
 from tests.factories import ScriptedChatEngine, close_server_state, make_server_state
 
 # An object schema of 1,000 properties: ~25 KB as JSON, walked node by node when it is closed.
