@@ -4,7 +4,7 @@ Order at start: bind and listen at once, with a small app answering while the se
 (server/starting.py: /health 200, /ready 503 with the phase, other routes 503 with Retry-After) ->
 open the store (migrations) -> load -> warm-up request (one prefill, a few decode steps) ->
 the full app takes the port: ready, one log line with the URL. On a CPU the steps compile on a
-thread meanwhile (worker/compile_job.py); the log keeps the start timeline (server/starting.py). A
+thread meanwhile (worker/fast_steps/compile_job.py); the log keeps the start timeline (server/starting.py). A
 background task purges deleted conversations past retention.
 On SIGINT/SIGTERM: keep listening, answer new requests 503 with Retry-After and /ready 503,
 give in-flight requests the grace period, abort the rest (conversation replies cut short are

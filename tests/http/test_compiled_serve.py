@@ -1,6 +1,6 @@
 """A real `chatd serve` on CPU with compiled decode steps (chatd's default; the suite turns it off).
 
-They compile on a thread while eager steps serve (worker/compile_job.py). Two tenants streaming at once share compiled decode batches: each gets, token for token, the
+They compile on a thread while eager steps serve (worker/fast_steps/compile_job.py). Two tenants streaming at once share compiled decode batches: each gets, token for token, the
 reply it gets alone. A machine without a C++ compiler is told so in the log and served eagerly.
 """
 

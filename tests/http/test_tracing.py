@@ -147,8 +147,8 @@ def test_a_failing_collector_costs_dropped_spans_counted_and_nothing_else(traced
         started = time.monotonic()
         for _ in range(3):
             alice.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-        assert time.monotonic() - started < 10
-        deadline = time.monotonic() + 10
+        assert time.monotonic() - started < 30  # (a busy machine's bound; they take well under a second)
+        deadline = time.monotonic() + 30
         while dropped() == before and time.monotonic() < deadline:
             time.sleep(0.1)
         assert dropped() >= before + 3 * 8  # each request's spans (at least 8 of them) were dropped, and counted

@@ -155,7 +155,7 @@ async def ready(request: web.Request) -> web.Response:
     refused = _unavailable(state)
     if refused is not None:
         return refused
-    # Steps still compiling (CPU, worker/compile_job.py) serve, eagerly: ready, and it says so.
+    # Steps still compiling (CPU, worker/fast_steps/compile_job.py) serve, eagerly: ready, and it says so.
     return web.json_response({"status": "ready", "compiled_steps": _compiled_steps(state),
                               "models": _model_states(state), **_loading(state)})
 

@@ -11,7 +11,7 @@ port to the full app.
 `Startup` keeps the phases and the start timeline: seconds from the process's start to the port
 opening, the model loaded, ready (the warm-up request done), the first token of a client's
 request, and the compiled steps in use (CPU: they compile on a thread while eager steps serve,
-worker/compile_job.py). Each is logged as it happens and the whole once everything is in.
+worker/fast_steps/compile_job.py). Each is logged as it happens and the whole once everything is in.
 """
 
 from __future__ import annotations
