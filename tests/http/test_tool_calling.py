@@ -60,7 +60,9 @@ def with_tools_template(model_dir: Path) -> Path:
     return model_dir
 
 
-@pytest.fixture(scope="module", params=["described", "template"])
+# "described" (tools written into a message for a template without them) is slow here: the fast
+# suite serves it through test_responses_tools.py's demo server.
+@pytest.fixture(scope="module", params=[pytest.param("described", marks=pytest.mark.slow), "template"])
 def server(request, tmp_path_factory):
     """chatd serve on the demo model: its own template (tools described in a message), or one that takes tools."""
     root = tmp_path_factory.mktemp(request.param)
