@@ -33,7 +33,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from chatd.engine.core.engine_stats import EngineStats
-from chatd.engine.engine import LLMEngine, freeze_startup_objects
+from chatd.engine.engine import LLMEngine
+from chatd.engine.gc_freeze import freeze_startup_objects
 from chatd.engine.frame_room import with_frame_room
 from chatd.engine.model_info import ModelInfo
 from chatd.engine.params import (

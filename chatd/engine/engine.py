@@ -21,24 +21,21 @@ Greedy output is the same token for token either way.
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
-import gc
 import itertools
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from chatd.config import CacheConfig, Config, SchedulerConfig
 from chatd.engine.core.block_manager import BlockManager
-from chatd.engine.core.engine_stats import EngineStats
 from chatd.engine.core.scheduler import Scheduler, SchedulerOutput
-from chatd.engine.core.sequence import Sequence, SequenceStatus
+from chatd.engine.core.sequence import Sequence
 from chatd.engine.core.stage_times import StageTimes
 from chatd.engine.drain_rate import DrainRate
+from chatd.engine.engine_reports import EngineReports
 from chatd.engine.structured.grammar import GrammarCompiler
-from chatd.engine.model_info import ModelInfo, read_model_info
 from chatd.engine.params import (
     CacheScope,
     CompletionOutput,
@@ -60,18 +57,6 @@ log = logging.getLogger("chatd.engine")
 IDLE_MASK_WAIT_SECONDS = 0.01
 
 
-def freeze_startup_objects() -> None:
-    """Move every object alive now (torch's, transformers', the model's: hundreds of thousands) out
-    of the cyclic garbage collector's sight, as vLLM's engine does after loading. Left in, the
-    collections that a step's own small objects set off kept walking them: at 512 sequences, 3 ms
-    of a 10 ms step (benchmarks/host.py). At exit they are handed back, so the interpreter's last
-    collection frees them (triton's bindings report every object still alive then as a leak)."""
-    gc.collect()
-    gc.freeze()
-    atexit.unregister(gc.unfreeze)  # once, however many engines a process builds
-    atexit.register(gc.unfreeze)
-
-
 def _async_scheduling(setting: str, runner) -> bool:
     """Whether steps are launched ahead: "on" where the runner can, "auto" where it can on a GPU."""
     if setting == "off" or not getattr(runner, "supports_async_scheduling", False):
@@ -89,8 +74,9 @@ class InFlight:
     queued: bool  # requests were left waiting when it was planned
 
 
-class LLMEngine:
-    """The synchronous engine: `add_request`, `abort`, `step`."""
+class LLMEngine(EngineReports):
+    """The synchronous engine: `add_request`, `abort`, `step`. What it reports (stats, model_info,
+    stage_times, compile_state, health) is engine_reports.py's."""
 
     def __init__(
         self,
@@ -102,7 +88,7 @@ class LLMEngine:
         vocab_size: int,
         tokenizer: Tokenizer | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
-        model_path: str = "",
+        model_path: str | Path = "",
         is_demo: bool = False,
         sampling_defaults: Mapping[str, float] | None = None,
         clock=time.monotonic,
@@ -113,7 +99,7 @@ class LLMEngine:
         self.runner = runner
         self.compile_job = compile_job
         self.clock = clock
-        self.model_path = model_path
+        self.model_path = str(model_path)
         self.is_demo = is_demo
         self.sampling_defaults = dict(sampling_defaults or {})
         self.max_model_len = max_model_len
@@ -138,30 +124,7 @@ class LLMEngine:
         from chatd.engine.loading import load_engine_parts
 
         parts = load_engine_parts(config, background_compile)
-        return cls(
-            parts.runner,
-            config.scheduler,
-            config.cache,
-            num_blocks=parts.num_blocks,
-            max_model_len=parts.max_model_len,
-            vocab_size=parts.vocab_size,
-            tokenizer=parts.tokenizer,
-            eos_token_ids=parts.eos_token_ids,
-            model_path=str(parts.model_path),
-            is_demo=parts.is_demo,
-            sampling_defaults=parts.sampling_defaults,
-            num_host_blocks=parts.num_host_blocks,
-            compile_job=parts.compile_job,
-            speculator=parts.speculator,
-        )
-
-    @property
-    def compile_state(self) -> str:
-        """The compiled steps: "off" (none: eager by config, on a GPU, or none could be made at
-        start), "compiling" (on a thread; eager steps serve), "compiled" or "failed"."""
-        if self.compile_job is not None:
-            return self.compile_job.state
-        return "compiled" if getattr(self.runner, "compiled", None) is not None else "off"
+        return cls(scheduler_config=config.scheduler, cache_config=config.cache, **vars(parts))
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -312,15 +275,6 @@ class LLMEngine:
         failed = {s.seq.request_id for s in plan.scheduled}
         return [self.fail(self.requests[rid], f"engine step failed: {exc}") for rid in failed if rid in self.requests]
 
-    def stage_times(self) -> dict[str, float]:
-        """Seconds each stage of the host's work took since the start, and the steps (core/stage_times.py)."""
-        times = self.times.snapshot()
-        runner_times = getattr(self.runner, "times", None)
-        if runner_times is not None:
-            for stage, seconds in runner_times.seconds.items():
-                times[stage] += seconds
-        return times
-
     def _note_queue_times(self, plan: SchedulerOutput) -> None:
         now = self.clock()
         for scheduled in plan.scheduled:
@@ -346,13 +300,6 @@ class LLMEngine:
             return None
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens)
 
-    # -- introspection ----------------------------------------------------------------------
-
-    def health(self) -> str | None:
-        """None while the engine can serve; otherwise why not (a tensor-parallel rank failed)."""
-        health = getattr(self.runner, "health", None)
-        return health() if health is not None else None
-
     def close(self) -> None:
         """Stop what the runner started (tensor-parallel workers) and the grammar threads; the engine serves no more."""
         close = getattr(self.runner, "close", None)
@@ -361,14 +308,3 @@ class LLMEngine:
         if self.grammars is not None:
             self.grammars.close()
 
-    def stats(self) -> EngineStats:
-        """A snapshot of the counters metrics are made of."""
-        return dataclasses.replace(self.scheduler.stats(), queued_prefill_rate=self.drain_rate.per_second)
-
-    def model_info(self) -> ModelInfo:
-        """Facts about the loaded model and cache, for logs and /v1/models."""
-        return read_model_info(self)
-
-    def live_sequences(self) -> list[Sequence]:
-        """Every sequence that may hold blocks (for invariant checks)."""
-        return [s for r in self.requests.values() for s in r.seqs if s.status != SequenceStatus.FINISHED]

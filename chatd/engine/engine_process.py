@@ -25,7 +25,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from chatd.config import CacheConfig, SchedulerConfig
-from chatd.engine.engine import LLMEngine, freeze_startup_objects
+from chatd.engine.engine import LLMEngine
+from chatd.engine.gc_freeze import freeze_startup_objects
 from chatd.engine.model_info import ModelInfo
 from chatd.engine.params import CompletionOutput, FinishReason, ParamError, RequestOutput, StructuredOutput
 from chatd.engine.request import Request

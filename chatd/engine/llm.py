@@ -11,7 +11,8 @@ import os
 from collections.abc import Sequence as SequenceOf
 
 from chatd.config_loader import config_from_options
-from chatd.engine.engine import LLMEngine, freeze_startup_objects
+from chatd.engine.engine import LLMEngine
+from chatd.engine.gc_freeze import freeze_startup_objects
 from chatd.engine.frame_room import with_frame_room
 from chatd.engine.params import RequestOutput, SamplingParams
 from chatd.engine.tokenizer import Tokenizer

@@ -54,7 +54,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 
 @dataclass
 class EngineParts:
-    """Everything LLMEngine needs that had to be loaded or measured."""
+    """Everything LLMEngine needs that had to be loaded or measured: its fields are LLMEngine's arguments."""
 
     runner: ModelRunner
     tokenizer: Tokenizer | None

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from chatd.engine.core.block_manager import BlockManager
 from chatd.engine.core.sequence import Sequence
 from tests.factories import make_seq
+from tests.engine.invariants import check_invariants
 
 BS = 4
 
@@ -28,7 +29,7 @@ def test_second_request_reuses_a_three_block_prefix():
     assert second.block_table == first.block_table[:3]
     assert all(bm.ref_counts[b] == 2 for b in first.block_table[:3])
     assert bm.num_prefix_hits == 12 and bm.num_prefix_queries == 14 + 15
-    bm.check_invariants([first, second])
+    check_invariants(bm, [first, second])
 
 
 def test_fully_cached_prompt_still_computes_its_last_token():
@@ -62,7 +63,7 @@ def test_evicted_blocks_are_never_served_stale():
     probe = make_seq(tokens=range(9))
     bm.allocate(probe)
     assert probe.num_cached_tokens == 0, "a block reused for other tokens must lose its old name"
-    bm.check_invariants([probe])
+    check_invariants(bm, [probe])
 
 
 def test_plain_blocks_are_handed_out_before_cached_ones():
@@ -123,7 +124,7 @@ def test_fork_shares_blocks_by_reference():
     assert child.block_table == parent.block_table[:2] and child.num_computed_tokens == 8
     bm.free(parent)
     assert all(bm.ref_counts[b] == 1 for b in child.block_table)
-    bm.check_invariants([child])
+    check_invariants(bm, [child])
 
 
 def test_prefix_caching_off_shares_nothing_across_requests():
@@ -162,8 +163,8 @@ def test_random_workload_keeps_books_straight(ops):
                 seq.output_token_ids.pop()
         elif op == "free" and live:
             bm.free(live.pop(pick % len(live)))
-        bm.check_invariants(live)
+        check_invariants(bm, live)
     for seq in live:
         bm.free(seq)
-    bm.check_invariants([])
+    check_invariants(bm, [])
     assert bm.num_free_blocks == 12

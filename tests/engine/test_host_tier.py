@@ -14,6 +14,7 @@ from chatd.engine.core.sequence import Sequence
 from chatd.engine.params import SamplingParams
 from tests.engine.conftest import make_llm
 from tests.factories import make_seq
+from tests.engine.invariants import check_invariants
 
 BS = 4
 
@@ -50,7 +51,7 @@ class Pools:
         return self.bm.host.num_blocks_from_host - before
 
     def check(self, live: list[Sequence]) -> None:
-        self.bm.check_invariants(live)
+        check_invariants(self.bm, live)
         for name, block in self.bm.cached_blocks.items():
             assert self.device[block] == name, "a findable device block holds other contents"
         for name, slot in self.bm.host.slots.items():

@@ -25,6 +25,7 @@ from chatd.engine.models.demo import build_model_dir
 from chatd.engine.speculative import PAUSE_STEPS, Speculator
 from chatd.engine.speculative.ngram import NgramIndex
 from tests.engine.conftest import make_llm
+from tests.engine.invariants import check_invariants
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -81,7 +82,7 @@ def run(llm, batch: list, params, guesses: Oracle | None = None, abort_after: di
         for request_id, after in (abort_after or {}).items():
             if steps == after:
                 engine.abort(request_id)
-        engine.scheduler.block_manager.check_invariants(engine.live_sequences())
+        check_invariants(engine.scheduler.block_manager, engine.live_sequences())
     assert engine.stats().num_free_blocks == engine.stats().num_blocks  # rejected guesses' blocks given back
     return [merged[str(i)] for i in range(len(batch)) if str(i) in merged]
 

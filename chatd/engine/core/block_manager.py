@@ -8,12 +8,8 @@ A block whose last user leaves keeps its name and stays findable in the free lis
 reused; the free list hands out plain blocks first, then named ones least recently freed
 first (so the blocks of conversations active lately go last).
 
-With a host tier (`num_host_blocks` > 0), a named block pushed out of the device pool is first
-copied to a host slot under the same name (least recently used host slots are reused first),
-and a prompt whose chain of names runs on past the device's blocks continues on the host's:
-those blocks are copied back into fresh device blocks instead of being recomputed. The copies
-are queued in order as KVCopy records (host_tier.py keeps the host's side) and the runner makes
-them before the step's forward.
+With a host tier (`num_host_blocks` > 0, host_tier.py), a named block pushed out of the pool is
+kept on the host, and a prompt whose chain of names runs on there gets it copied back.
 
 Plain Python: the runner owns the tensors, this module only hands out block numbers.
 """
@@ -208,16 +204,3 @@ class BlockManager:
             del self.cached_blocks[name]
             self.block_hashes[block] = None
         return block
-
-    def check_invariants(self, seqs: list[Sequence]) -> None:
-        """Assert the pool's bookkeeping agrees with the given live sequences (for tests)."""
-        expected = [0] * self.num_blocks
-        for seq in seqs:
-            for block in seq.block_table:
-                expected[block] += 1
-        assert expected == self.ref_counts, "ref counts disagree with block tables"
-        assert set(self.free_blocks) == {b for b in range(self.num_blocks) if self.ref_counts[b] == 0}
-        for name, block in self.cached_blocks.items():
-            assert self.block_hashes[block] == name
-        assert sum(h is not None for h in self.block_hashes) == len(self.cached_blocks)
-        self.host.check_invariants()

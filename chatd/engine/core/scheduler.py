@@ -18,12 +18,8 @@ The scheduler is the only user of the block manager, and it does the bookkeeping
 step too (`schedule` / `postprocess`, as nano-vllm pairs them): counters, naming blocks that
 became full, appending sampled tokens, forking `n > 1` choices, finishing sequences that hit a
 stop token or a length limit. Stop strings need text, so the engine checks those after it
-detokenizes. Plain Python, no torch: tested without a model.
-
-Speculative decoding: a decoding sequence may carry tokens a proposer guessed (`draft_token_ids`).
-The step that schedules it computes its last token and the guesses together, and samples after
-each; `postprocess` keeps the guesses up to the first that differs from what was sampled there,
-plus that sampled token, and gives back the KV slots and blocks of the rest (engine/speculative/).
+detokenizes. Plain Python, no torch: tested without a model. Speculative decoding's proposed
+tokens, verified in a sequence's decode, are drafts.py's.
 """
 
 from __future__ import annotations
@@ -32,7 +28,7 @@ from dataclasses import dataclass, field
 
 from chatd.config import SchedulerConfig
 from chatd.engine.core.block_manager import BlockManager
-from chatd.engine.core.engine_stats import EngineStats
+from chatd.engine.core.drafts import DraftCounts, drafts_to_verify
 from chatd.engine.core.fairness import FairShare, WaitQueue
 from chatd.engine.core.host_tier import KVCopy
 from chatd.engine.core.sequence import Sequence, SequenceStatus
@@ -92,14 +88,6 @@ def _scheduled(seq: Sequence, num_new: int, prefill: bool, drafts: tuple[int, ..
     return ScheduledSequence(seq, num_new, start, start + num_new - len(drafts) == seq.num_tokens, prefill, drafts)
 
 
-def _drafts(seq: Sequence, num_new: int, budget: int) -> tuple[int, ...]:
-    """The proposed tokens a sequence whose `num_new` ready tokens fit the budget verifies with
-    them: only a decode's (its one last token), as many as are left of the budget."""
-    if not seq.draft_token_ids or num_new != 1 or seq.num_uncomputed_tokens != 1 or seq.is_prefilling:
-        return ()
-    return tuple(seq.draft_token_ids[: budget - num_new])
-
-
 def _ready_tokens(seq: Sequence, max_model_len: int | None) -> int:
     """How many of a sequence's uncomputed tokens may run now: all but the last where sampling
     after it needs what the host does not know yet. That is where its grammar's mask for the next
@@ -136,9 +124,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # tokens computed in prefill (including recompute after preemption)
         self.num_generation_tokens = 0  # tokens sampled
-        self.num_drafts = 0  # speculative decoding: verify steps of a sequence,
-        self.num_draft_tokens = 0  # the proposed tokens they verified,
-        self.num_accepted_tokens = 0  # and those accepted
+        self.drafts = DraftCounts()  # speculative decoding's
 
     @property
     def num_waiting(self) -> int:
@@ -165,20 +151,6 @@ class Scheduler:
 
     def kv_blocks_needed(self, num_tokens: int) -> int:
         return self.block_manager.blocks_needed(num_tokens)
-
-    def stats(self) -> EngineStats:
-        """A snapshot of the queues, the KV pool and the counters."""
-        blocks, host = self.block_manager, self.block_manager.host
-        return EngineStats(
-            num_running=self.num_running, num_waiting=self.num_waiting, num_preemptions=self.num_preemptions,
-            kv_cache_usage=blocks.usage, num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
-            prefix_cache_queries=blocks.num_prefix_queries, prefix_cache_hits=blocks.num_prefix_hits,
-            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
-            num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens,
-            num_host_blocks=host.num_blocks, num_host_blocks_used=len(host.slots), host_cache_hits=host.num_hits,
-            num_blocks_to_host=host.num_blocks_to_host, num_blocks_from_host=host.num_blocks_from_host,
-        )
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (or a freshly forked sibling holding shared blocks)."""
@@ -228,7 +200,7 @@ class Scheduler:
             num_new = min(_ready_tokens(seq, self.max_model_len), budget)
             if num_new == 0:  # waiting for its grammar's mask
                 continue
-            drafts = _drafts(seq, num_new, budget)
+            drafts = drafts_to_verify(seq, num_new, budget)
             if drafts and self.block_manager.can_allocate_slots(seq, num_new + len(drafts)):
                 num_new += len(drafts)  # never preempting anyone for a guess
             else:
@@ -325,15 +297,7 @@ class Scheduler:
                 block_manager.cache_blocks(seq)
                 continue
             drafts = scheduled.draft_token_ids
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == token_ids[first + accepted]:
-                accepted += 1
-            if drafts:
-                self.num_drafts += 1
-                self.num_draft_tokens += len(drafts)
-                self.num_accepted_tokens += accepted
-                seq.num_draft_tokens += len(drafts)
-                seq.num_accepted_tokens += accepted
+            accepted = self.drafts.accepted(seq, drafts, token_ids[first : first + len(drafts)]) if drafts else 0
             for i in range(accepted + 1):
                 seq.append_token(token_ids[first + i])
                 if i < accepted:  # the guess in its place was right: its K/V, computed this step, stay
