@@ -11,7 +11,7 @@ Public names (the rest is internal; `chatd.http` imports only these):
     engine_process_wanted  whether "auto" runs it so on this machine        engine_process.py
     ModelInfo        what the loaded model is (name, context, dtype, ...)      model_info.py
     SamplingParams, RequestOutput, CompletionOutput, FinishReason, ParamError  params.py
-    StructuredOutput the grammar a request's output must follow (JSON schema...) params.py
+    StructuredOutput the grammar a request's output must follow (JSON schema...) structured/spec.py
     MAX_LOGPROBS     the most top_logprobs a request may ask for                params.py
     MAX_N            the most choices (n) a request may ask for                  params.py
     EngineStats      counters for metrics                                      core/engine_stats.py
@@ -99,8 +99,8 @@ from chatd.engine.params import (
     Placement,
     RequestOutput,
     SamplingParams,
-    StructuredOutput,
 )
+from chatd.engine.structured.spec import StructuredOutput
 from chatd.engine.tokenizer import Tokenizer
 
 __all__ = [

@@ -44,8 +44,8 @@ from chatd.engine.params import (
     Placement,
     RequestOutput,
     SamplingParams,
-    StructuredOutput,
 )
+from chatd.engine.structured.spec import StructuredOutput
 from chatd.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("chatd.engine")

@@ -35,7 +35,6 @@ from chatd.engine.core.sequence import Sequence
 from chatd.engine.core.stage_times import StageTimes
 from chatd.engine.drain_rate import DrainRate
 from chatd.engine.engine_reports import EngineReports
-from chatd.engine.structured.grammar import GrammarCompiler
 from chatd.engine.params import (
     CacheScope,
     CompletionOutput,
@@ -44,10 +43,11 @@ from chatd.engine.params import (
     Placement,
     RequestOutput,
     SamplingParams,
-    StructuredOutput,
 )
 from chatd.engine.request import Request, checked_params
 from chatd.engine.step_outputs import step_outputs
+from chatd.engine.structured.grammar import GrammarCompiler
+from chatd.engine.structured.spec import StructuredOutput
 from chatd.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("chatd.engine")

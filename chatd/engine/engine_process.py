@@ -28,7 +28,8 @@ from chatd.config import CacheConfig, SchedulerConfig
 from chatd.engine.engine import LLMEngine
 from chatd.engine.gc_freeze import freeze_startup_objects
 from chatd.engine.model_info import ModelInfo
-from chatd.engine.params import CompletionOutput, FinishReason, ParamError, RequestOutput, StructuredOutput
+from chatd.engine.params import CompletionOutput, FinishReason, ParamError, RequestOutput
+from chatd.engine.structured.spec import StructuredOutput
 from chatd.engine.request import Request
 
 log = logging.getLogger("chatd.engine")

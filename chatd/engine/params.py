@@ -1,4 +1,5 @@
 """What a request asks for and what the engine answers: SamplingParams, Placement, CacheScope, RequestOutput.
+(A request's grammar, StructuredOutput, is structured/spec.py's.)
 
 Plain dataclasses with no torch, shared by every layer above the runner. Validation lives
 here so that a bad value is refused, with the field and the limit named, before anything
@@ -11,11 +12,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP_STRINGS = 16
-MAX_CHOICES = 256  # the most strings a `choice` constraint may list
 
 
 class FinishReason(str, enum.Enum):
@@ -26,46 +27,6 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
     ERROR = "error"
     CONTENT_FILTER = "content_filter"  # never the engine's: a server's output check ended it
-
-
-@dataclass(frozen=True)
-class StructuredOutput:
-    """Constrain a request's output to a grammar: exactly one of the kinds below.
-
-    The engine compiles it (structured/grammar.py) and masks every token the grammar does not
-    allow, so the output always matches: a JSON schema, any JSON object, a regular expression,
-    one of a list of strings, or a Lark grammar (llguidance's dialect, with `%json` for embedded
-    schemas). `param` is the request field it came from, named in errors.
-    """
-
-    json_schema: str | None = None  # the schema as JSON text (property order is the output's order)
-    json_object: bool = False
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None
-    grammar: str | None = None
-    param: str = "structured_outputs"
-
-    def __post_init__(self) -> None:
-        if self.choice is not None:
-            object.__setattr__(self, "choice", tuple(self.choice))
-
-    @property
-    def key(self) -> tuple:
-        """What the compiled grammar depends on (the cache key)."""
-        return (self.json_schema, self.json_object, self.regex, self.choice, self.grammar)
-
-    def validate(self) -> None:
-        kinds = [self.json_schema is not None, self.json_object, self.regex is not None,
-                 self.choice is not None, self.grammar is not None]
-        _check(sum(kinds) == 1, self.param, "must name exactly one of json_schema, json_object, regex, choice, grammar")
-        for name in ("json_schema", "regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None:
-                _check(isinstance(value, str) and value != "", self.param, f"{name} must be a non-empty string")
-        if self.choice is not None:
-            _check(0 < len(self.choice) <= MAX_CHOICES, self.param,
-                   f"choice must list 1 to {MAX_CHOICES} strings, got {len(self.choice)}")
-            _check(all(isinstance(c, str) and c for c in self.choice), self.param, "choice must list non-empty strings")
 
 
 @dataclass(frozen=True)
@@ -91,7 +52,8 @@ class SamplingParams:
     # computed in the prefill: such a request reads nothing from the prefix cache.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    structured: StructuredOutput | None = None  # None = free text
+    # The grammar the output must follow: a StructuredOutput (structured/spec.py); None = free text.
+    structured: Any = None
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string from callers; store tuples (hashable, frozen).

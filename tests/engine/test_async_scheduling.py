@@ -14,7 +14,7 @@ import random
 import pytest
 
 from chatd.engine import Placement, SamplingParams
-from chatd.engine.params import StructuredOutput
+from chatd.engine.structured.spec import StructuredOutput
 from tests.engine.conftest import make_llm
 from tests.factories import FakeRunner, make_engine
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chatd.engine import FinishReason, ParamError, SamplingParams
-from chatd.engine.params import StructuredOutput
+from chatd.engine.structured.spec import StructuredOutput
 from tests.engine.conftest import make_llm
 
 
@@ -306,7 +306,7 @@ sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
 from pathlib import Path
 from chatd.engine.models.demo import build_model_dir
 from chatd.engine import ParamError
-from chatd.engine.params import StructuredOutput
+from chatd.engine.structured.spec import StructuredOutput
 from tests.engine.conftest import make_llm
 engine = make_llm(build_model_dir(Path({str(tmp_path)!r}) / "m", "llama", seed=1)).engine
 lark = "start: r0\\n" + "\\n".join(f'r{{i}}: "x" r{{i + 1}} | "y"' for i in range(3000)) + '\\nr3000: "z"'

@@ -46,7 +46,8 @@ import numpy as np
 
 from chatd.engine.core.grammar_matcher import CompiledGrammar, GrammarMatcher, failure_message, first_lines, mask_words
 from chatd.engine.structured.grammar_threads import SLOW_MASK_SECONDS, GrammarThreads, MaskWorkers
-from chatd.engine.params import ParamError, StructuredOutput
+from chatd.engine.params import ParamError
+from chatd.engine.structured.spec import StructuredOutput
 from chatd.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("chatd.engine")
