@@ -105,7 +105,7 @@ class LLMEngine(EngineReports):
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
-        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                      num_host_blocks)
         self.scheduler = Scheduler(scheduler_config, block_manager, max_model_len, eos_token_ids)
@@ -149,9 +149,8 @@ class LLMEngine(EngineReports):
             for i in range(params.n)
         ]
         if params.structured is not None:
-            compiler = self._grammar_compiler(params.structured)
             for seq in seqs:  # each choice walks its own copy of its tenant's compiled grammar
-                seq.grammar = compiler.matcher(params.structured, scope=placement.tenant)
+                seq.grammar = self.grammars.matcher(params.structured, scope=placement.tenant)
         seqs[0].forks = seqs[1:]
         detokenizers = [self._detokenizer(prompt_token_ids, params) for _ in seqs]
         return Request(request_id, prompt_token_ids, params, seqs, detokenizers, placement, cache)
@@ -161,12 +160,7 @@ class LLMEngine(EngineReports):
         spec.param) if it cannot be. Cached per tenant, and safe from any thread: a server calls it
         off its event loop (a big schema can take a while), and the request's own compile is then a copy."""
         spec.validate()
-        self._grammar_compiler(spec).check(spec, scope=tenant)
-
-    def _grammar_compiler(self, spec: StructuredOutput) -> GrammarCompiler:
-        if self.grammars is None:
-            raise ParamError(spec.param, f"{spec.param} needs a tokenizer, and this model has none")
-        return self.grammars
+        self.grammars.check(spec, scope=tenant)
 
     def default_params(self, **fields) -> SamplingParams:
         """SamplingParams with the model's recommended sampling, then `fields` (None leaves one as recommended)."""
@@ -180,7 +174,7 @@ class LLMEngine(EngineReports):
         request.queued_at = self.clock()
         self.requests[request.request_id] = request
         self.scheduler.add(request.seqs[0])
-        if self.grammars is not None and request.params.structured is not None:
+        if request.params.structured is not None:
             self.grammars.masks.compute(seq.grammar for seq in request.seqs)  # their first masks
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -209,8 +203,7 @@ class LLMEngine(EngineReports):
     def step(self) -> list[RequestOutput]:
         """Plan and launch one batch and return what each touched request produced: in this step,
         or with async scheduling, in the step launched before it (which this one overlaps)."""
-        if self.grammars is not None:
-            self.grammars.masks.wait()  # a few milliseconds at most: a slow grammar's rows sit this step out
+        self.grammars.masks.wait()  # a few milliseconds at most: a slow grammar's rows sit this step out
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         self.times.since("schedule", started)
@@ -224,7 +217,7 @@ class LLMEngine(EngineReports):
             launched, failed = self._launch(plan, previous)
             outputs += failed
         elif previous is None:
-            if self.grammars is not None and self.scheduler.waiting_for_masks():
+            if self.scheduler.waiting_for_masks():
                 self.grammars.masks.wait_any(IDLE_MASK_WAIT_SECONDS)  # nothing else to run: do not spin
             return []
         if self.async_scheduling:  # the device runs the new step while the last one's tokens are handled
@@ -263,8 +256,8 @@ class LLMEngine(EngineReports):
             self.speculator.observe(step.plan, self.clock() - step.started)
             self.runner.keep_draws(seqs)
             self.speculator.propose([s for s, _ in seqs if not s.is_finished], self.scheduler.num_running)
-        if self.grammars is not None:  # the next masks, computed while this step's tokens are detokenized
-            self.grammars.masks.compute(s.grammar for s, _ in seqs if s.grammar is not None and not s.is_finished)
+        # The next masks, computed while this step's tokens are detokenized.
+        self.grammars.masks.compute(s.grammar for s, _ in seqs if s.grammar is not None and not s.is_finished)
         started = self.times.since("postprocess", started)
         outputs = step_outputs(self, seqs, sampled.token_ids, sampled.logprobs)
         self.times.since("detokenize", started)
@@ -305,6 +298,5 @@ class LLMEngine(EngineReports):
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
-        if self.grammars is not None:
-            self.grammars.close()
+        self.grammars.close()
 

@@ -80,8 +80,8 @@ class GrammarCompiler:
     grammar never shares a lexer, its cost or its failure with another's, and how fast a schema
     compiles tells nobody whether someone else sent it."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer  # None: the model has none, and every grammar is refused
         self.vocab_size = vocab_size  # the model's (logits width); the tokenizer's may be smaller
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer = None  # built on first use: ~0.4 s for a 49k vocabulary
@@ -106,6 +106,8 @@ class GrammarCompiler:
         self.masks.close()
 
     def _compiled(self, spec: StructuredOutput, scope: str | None) -> CompiledGrammar:
+        if self.tokenizer is None:
+            raise ParamError(spec.param, f"{spec.param} needs a tokenizer, and this model has none")
         key = (scope, spec.key)
         with self._lock:
             failed = self._failed.get(key)
