@@ -16,12 +16,14 @@ A stored reply is put back into a later prompt as the token ids the model genera
 its text tokenized again (StoredReplies): the prompt of turn N+1 then begins with exactly the
 tokens whose KV blocks turn N left in the prefix cache.
 
+ChatEncoder is what Tokenizer.encode_chat runs: the two above around the model's chat template.
 This file knows the `tokenizers` library and its JSON format; it knows nothing of transformers,
 the engine or HTTP.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -31,6 +33,45 @@ from typing import Any
 # does use some only moves the choice of stand-ins on to others.
 _PRIVATE_USE_RANGES = ((0xE000, 0xF8FF), (0xF0000, 0xFFFFD), (0x100000, 0x10FFFD))
 _PRIVATE_USE_CHAR = re.compile("[\ue000-\uf8ff\U000f0000-\U000ffffd\U00100000-\U0010fffd]")
+
+
+class ChatEncoder:
+    """Renders a chat with the model's template and tokenizes it: control tokens come from the
+    template alone (unless the operator opted out), stored replies go in as their generated ids."""
+
+    def __init__(self, tokenizer: Any, special_tokens_in_messages: bool) -> None:
+        """tokenizer: chatd's Tokenizer (tokenizer.py), which holds this encoder;
+        special_tokens_in_messages: read control-token strings in messages as control tokens."""
+        self._tokenizer = tokenizer
+        backend = getattr(tokenizer.hf, "backend_tokenizer", None)
+        self._guard: ControlTokenGuard | None = None
+        if not special_tokens_in_messages:
+            if backend is None:
+                raise ValueError(
+                    "this tokenizer has no Rust backend, which reading control tokens in messages as text "
+                    "needs; set model.special_tokens_in_messages = true to serve it anyway"
+                )
+            self._guard = ControlTokenGuard(backend, tokenizer.chat_template)
+        decode_all = functools.partial(tokenizer.decode, skip_special_tokens=False)
+        self._stored_replies = StoredReplies(backend, decode_all) if backend is not None else None
+
+    def encode(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
+               reply_ids: dict[int, list[int]] | None) -> list[int]:
+        """Token ids of the rendered chat (Tokenizer.encode_chat)."""
+        tokenizer = self._tokenizer
+        chat = {"messages": messages, "tools": tools}  # a tool's description is client text too
+
+        def render(chat: dict) -> str:
+            return tokenizer.apply_chat_template(chat["messages"], add_generation_prompt, chat["tools"])
+
+        if self._guard is not None and self._guard.finds_control_text(chat):
+            return self._guard.encode(chat, render)
+        if reply_ids and self._stored_replies is not None:
+            spliced = self._stored_replies.encode(chat, reply_ids, tokenizer.chat_template, render)
+            if spliced is not None:
+                return spliced
+        # No control token spelled in any message: the whole rendered text, exactly as always.
+        return tokenizer.encode(render(chat), add_special_tokens=False)
 
 
 class ControlTokenGuard:

@@ -3,26 +3,20 @@ incremental detokenizer that turns a stream of sampled ids into UTF-8-safe text 
 
 The tokenizer itself is Hugging Face's (transformers.AutoTokenizer); this file adds only what a
 server needs around it. Message text that spells a control token is tokenized as plain text
-(chat_tokens.py) unless the operator opts out. It knows nothing of the engine, the scheduler or HTTP.
+(chat_tokens.py) unless the operator opts out; tokenizers without a Rust decoder stream through
+window_detokenizer.py. It knows nothing of the engine, the scheduler or HTTP.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
 
-from chatd.engine.chat_tokens import ControlTokenGuard, StoredReplies
-
-REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
-
-# How many prompt tokens seed a detokenizer's window: enough context for the first output
-# token's leading space, few enough that a step stays cheap (vLLM uses the same number).
-PROMPT_CONTEXT_TOKENS = 5
-_MAX_UTF8_CONTINUATION_BYTES = 3  # a UTF-8 character is at most 4 bytes: a lead byte and 3 more
+from chatd.engine.chat_tokens import ChatEncoder
+from chatd.engine.window_detokenizer import WindowDecodeStream, continuation_byte_ids, prompt_context
 
 
 class Tokenizer:
@@ -46,17 +40,7 @@ class Tokenizer:
         # character, a SentencePiece piece is its text with "▁" for the space. Byte-fallback
         # pieces (<0xE2>) over-count, which only loosens the bound.
         self.max_token_chars: int = max((len(piece) for piece in hf.get_vocab()), default=1)
-        self._control_token_guard: ControlTokenGuard | None = None
-        if not special_tokens_in_messages:
-            backend = getattr(hf, "backend_tokenizer", None)
-            if backend is None:
-                raise ValueError(
-                    "this tokenizer has no Rust backend, which reading control tokens in messages as text "
-                    "needs; set model.special_tokens_in_messages = true to serve it anyway"
-                )
-            self._control_token_guard = ControlTokenGuard(backend, _template_source(hf))
         backend = getattr(hf, "backend_tokenizer", None)
-        self._stored_replies = StoredReplies(backend, self._decode_all) if backend is not None else None
         # The Rust tokenizer's own decode, where transformers' decode adds nothing to it (with no
         # clean-up of spaces, as here): 3.4 us a call against 7.3 us through transformers'
         # wrapper. Streaming calls it twice a token, 512 times a step at 256 sequences.
@@ -64,6 +48,7 @@ class Tokenizer:
         plain = getattr(wrapper, "__qualname__", "") in ("TokenizersBackend._decode", "PreTrainedTokenizerFast._decode")
         self._backend_decode = backend.decode if backend is not None and plain else None
         self._backend = backend if backend is not None and plain else None
+        self._chat_encoder = ChatEncoder(self, special_tokens_in_messages)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, special_tokens_in_messages: bool = False) -> Tokenizer:
@@ -92,20 +77,25 @@ class Tokenizer:
             list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def decode_stream(self, context: list[int], skip_special_tokens: bool = True) -> RustDecodeStream | None:
-        """Tokenizers' own incremental decoder, having read `context` (the prompt's tail, for a first
-        token's leading space); None where transformers' decode adds to the Rust one."""
+    def decode_stream(self, prompt_token_ids: list[int],
+                      skip_special_tokens: bool = True) -> RustDecodeStream | WindowDecodeStream:
+        """New text for each token after the prompt, whose tail it reads first (for a first token's
+        leading space): tokenizers' own incremental decoder, or, where transformers' decode adds to
+        the Rust one, a window decoded twice."""
+        context = prompt_context(prompt_token_ids, self._continuation_byte_ids)
         if self._backend is None:
-            return None
+            return WindowDecodeStream(self.decode, context, skip_special_tokens)
         return RustDecodeStream(self._backend, context, skip_special_tokens)
 
-    def _decode_all(self, token_ids: list[int]) -> str:
-        return self.decode(token_ids, skip_special_tokens=False)
+    @functools.cached_property
+    def _continuation_byte_ids(self) -> frozenset[int]:
+        return continuation_byte_ids(self.hf)  # a set, asked at every request's start
 
     @property
     def chat_template(self) -> str:
-        """The chat template's source text ("" for none)."""
-        return _template_source(self.hf)
+        """The chat template's source text ("" for none); a dict of named templates gives them all."""
+        template = getattr(self.hf, "chat_template", None) or ""
+        return "\n".join(template.values()) if isinstance(template, dict) else template
 
     @functools.cached_property
     def added_token_ids(self) -> dict[str, int]:
@@ -145,37 +135,7 @@ class Tokenizer:
         each is put in the prompt as those ids wherever that is exact (chat_tokens.StoredReplies),
         so a conversation's next prompt starts with the tokens its last turn left in the cache.
         Only the server's own records may fill it: a client's ids could spell any control token."""
-        chat = {"messages": messages, "tools": tools}  # a tool's description is client text too
-
-        def render(chat: dict) -> str:
-            return self.apply_chat_template(chat["messages"], add_generation_prompt, chat["tools"])
-
-        guard = self._control_token_guard
-        if guard is not None and guard.finds_control_text(chat):
-            return guard.encode(chat, render)
-        if reply_ids and self._stored_replies is not None:
-            spliced = self._stored_replies.encode(chat, reply_ids, self.chat_template, render)
-            if spliced is not None:
-                return spliced
-        # No control token spelled in any message: the whole rendered text, exactly as always.
-        return self.encode(render(chat), add_special_tokens=False)
-
-    def is_continuation_byte(self, token_id: int) -> bool:
-        """Whether a token is a byte-fallback token holding a UTF-8 continuation byte (0x80-0xBF)."""
-        return token_id in self._continuation_byte_ids  # (asked at every request's start: a set, not a lookup by name)
-
-    @functools.cached_property
-    def _continuation_byte_ids(self) -> frozenset[int]:
-        # Byte-fallback tokens are named <0xHH>; continuation bytes are 10xxxxxx: <0x80> to <0xBF>.
-        pieces = [f"<0x{byte:02X}>" for byte in range(0x80, 0xC0)]
-        ids = self.hf.convert_tokens_to_ids(pieces)
-        return frozenset(i for i, piece in zip(ids, pieces) if i is not None and self.hf.convert_ids_to_tokens(i) == piece)
-
-
-def _template_source(hf) -> str:
-    """The chat template's source text ("" for none); a dict of named templates gives them all."""
-    template = getattr(hf, "chat_template", None) or ""
-    return "\n".join(template.values()) if isinstance(template, dict) else template
+        return self._chat_encoder.encode(messages, add_generation_prompt, tools, reply_ids)
 
 
 def _generation_config_eos_ids(path: Path) -> list[int]:
@@ -222,6 +182,10 @@ class RustDecodeStream:
         self._unsent.clear()
         return text
 
+    def tail(self) -> str:
+        """At a finish: "" (the stream holds only an unfinished character's bytes, which are dropped)."""
+        return ""
+
     def _restart(self, token_id: int) -> str:
         """A token that rewrites what was sent (after a stray byte, DecodeStream raises "Invalid
         prefix"): what was sent stays sent, the tokens since are decoded on their own, and a fresh
@@ -232,14 +196,9 @@ class RustDecodeStream:
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas for one sequence.
-
-    With a Rust tokenizer, tokenizers' own incremental decoder (`Tokenizer.decode_stream`), primed
-    with the prompt's tail, does it: one call a token. Otherwise each step decodes a short window of
-    recent tokens twice, with and without the unread ones, and emits the difference: the cost of a
-    step does not grow with the sequence, and a SentencePiece token's leading space is kept because
-    the window gives it a left neighbour.
-    """
+    """Turns a stream of token ids into text deltas for one sequence: a decode stream
+    (`Tokenizer.decode_stream`, primed with the prompt's tail) gives the text, and this holds back
+    what could begin a stop string."""
 
     def __init__(
         self,
@@ -248,25 +207,13 @@ class IncrementalDetokenizer:
         stop: tuple[str, ...] = (),
         skip_special_tokens: bool = True,
     ) -> None:
-        self.tokenizer = tokenizer
         self.stop = tuple(stop)
-        self.skip_special_tokens = skip_special_tokens
         self._texts: list[str] = []  # everything emitted so far (`text`), in pieces: not copied a token
         self.stop_string: str | None = None  # the stop string that ended the text, once one has
         self._max_held = max((len(s) for s in self.stop), default=1) - 1
         self._held = ""  # decoded text kept back because it could begin a stop string
         self._finished = False
-
-        # The window: window[:read_offset] was emitted, window[read_offset:] is not yet read.
-        start = max(len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS, 0)
-        # Start the window on a character boundary: a window opening with the tail of a
-        # multi-byte character would make its whole run of byte tokens decode as U+FFFD.
-        lowest = max(start - _MAX_UTF8_CONTINUATION_BYTES, 0)
-        while start > lowest and tokenizer.is_continuation_byte(prompt_token_ids[start]):
-            start -= 1
-        self._stream = tokenizer.decode_stream(prompt_token_ids[start:], skip_special_tokens)
-        self._window: list[int] = [] if self._stream is not None else list(prompt_token_ids[start:])
-        self._read_offset = len(self._window)
+        self._stream = tokenizer.decode_stream(prompt_token_ids, skip_special_tokens)
 
     @property
     def text(self) -> str:
@@ -275,9 +222,9 @@ class IncrementalDetokenizer:
 
     @property
     def plain(self) -> bool:
-        """Whether the next token's text goes out whole (`step_plain`): Rust's decoder, no stop
-        strings, nothing held back, not finished."""
-        return self._stream is not None and not self.stop and not self._held and not self._finished
+        """Whether the next token's text goes out whole (`step_plain`): no stop strings, nothing
+        held back, not finished."""
+        return not self.stop and not self._held and not self._finished
 
     def step_plain(self, token_id: int) -> str:
         """`step` of one token when `plain`: its new text ("" while a character is incomplete)."""
@@ -289,38 +236,16 @@ class IncrementalDetokenizer:
         """Add tokens; return (new text, the stop string if one was hit). Tokens after a stop are ignored."""
         if self._finished:
             return "", None
-        if self._stream is not None:
-            new_text = self._stream(new_token_ids)
-            if not new_text:  # a skipped special token, or a character not complete yet
-                return "", None
-            return self._emit(new_text, final=False) if self.stop or self._held else self._emit_plain(new_text)
-        self._window.extend(int(t) for t in new_token_ids)
-        new_text = self._unread_text()
-        if not new_text or new_text.endswith(REPLACEMENT_CHAR):
-            # Nothing visible yet (a skipped special token), or the end of a multi-byte character
-            # has not arrived: read these tokens again with the next ones (a stop string among
-            # them is found then, one step late, or at flush).
+        new_text = self._stream(new_token_ids)
+        if not new_text:  # a skipped special token, or a character not complete yet
             return "", None
-        # Slide the window: the tokens just read become the left context of the next step.
-        del self._window[: self._read_offset]
-        self._read_offset = len(self._window)
-        return self._emit(new_text, final=False)
+        return self._emit(new_text, final=False) if self.stop or self._held else self._emit_plain(new_text)
 
     def flush(self) -> str:
         """Release held-back text at a finish without a stop string (never a dangling U+FFFD)."""
         if self._finished:
             return ""
-        # The stream may end inside a character (a length limit mid-emoji): release the most
-        # text that some prefix of the unread tokens decodes to, less a dangling U+FFFD. With
-        # byte fallback, dropping the unfinished character's byte tokens also brings back the
-        # whole characters before it in the same run of bytes. (The Rust decoder holds only an
-        # unfinished character's bytes: they are dropped.)
-        num_unread = len(self._window) - self._read_offset
-        drops = range(min(num_unread, _MAX_UTF8_CONTINUATION_BYTES) + 1)
-        tail = max((self._unread_text(drop).rstrip(REPLACEMENT_CHAR) for drop in drops), key=len)
-        self._window.clear()
-        self._read_offset = 0
-        delta, _ = self._emit(tail, final=True)
+        delta, _ = self._emit(self._stream.tail(), final=True)
         self._finished = True
         return delta
 
@@ -328,21 +253,6 @@ class IncrementalDetokenizer:
         """`_emit` where there are no stop strings and nothing is held: all of it goes out."""
         self._texts.append(new_text)
         return new_text, None
-
-    def _unread_text(self, drop: int = 0) -> str:
-        """The text of the unread tokens (less the last `drop`), with the read tokens as context."""
-        decode = self.tokenizer.decode
-        skip = self.skip_special_tokens
-        end = len(self._window) - drop
-        read_text = decode(self._window[: self._read_offset], skip_special_tokens=skip)
-        full_text = decode(self._window[:end], skip_special_tokens=skip)
-        if full_text.startswith(read_text):
-            return full_text[len(read_text) :]
-        # Byte fallback decodes a whole run of byte tokens as U+FFFD when any byte in it is
-        # invalid, so a new byte token can rewrite text already sent (while a character is
-        # incomplete, or after a stray byte). What was sent stays sent: decode the new tokens
-        # on their own.
-        return decode(self._window[self._read_offset : end], skip_special_tokens=skip)
 
     def _emit(self, new_text: str, final: bool) -> tuple[str, str | None]:
         """Pass new text through the stop-string check; return (delta, stop string hit)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import shutil
 
 import pytest
@@ -11,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chatd.engine.models.demo import build_tokenizer
-from chatd.engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from chatd.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from chatd.engine.window_detokenizer import REPLACEMENT_CHAR
 from tests.engine.test_chat_tokens import build_llama3_tokenizer
 
 
@@ -22,9 +22,21 @@ def tokenizer_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="session")
-def tok(tokenizer_dir) -> Tokenizer:
-    return Tokenizer.from_pretrained(tokenizer_dir)
+@pytest.fixture(scope="session", params=["rust-stream", "window"])
+def tok(tokenizer_dir, request) -> Tokenizer:
+    """The demo tokenizer; with "window", one whose class decodes on its own (as some models'
+    tokenizers do), so that its detokenizers decode a window (window_detokenizer.py)."""
+    tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
+    if request.param == "rust-stream":
+        return tokenizer
+
+    class OwnDecode(type(tokenizer.hf)):
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs)
+
+    windowed = Tokenizer(OwnDecode.from_pretrained(str(tokenizer_dir)), tokenizer.eos_token_ids)
+    assert type(windowed.decode_stream([])).__name__ == "WindowDecodeStream"
+    return windowed
 
 
 def byte_id(tok: Tokenizer, byte: int) -> int:
@@ -387,11 +399,3 @@ def test_ids_that_do_not_read_as_the_stored_text_leave_the_text_in_the_prompt(ch
     forged = tok.encode("I will", add_special_tokens=False) + [tok.hf.convert_tokens_to_ids("<|im_end|>")] \
         if "<|im_end|>" in tok.hf.get_vocab() else tok.encode("I will!", add_special_tokens=False)
     assert tok.encode_chat(chat, reply_ids={1: forged}) == tok.encode_chat(chat)
-
-
-def test_continuation_bytes_are_the_byte_fallback_tokens_0x80_to_0xbf(tok):
-    """Where a detokenizer's window may start (not inside a character): every token the vocabulary
-    names <0x80> to <0xBF>, and nothing else."""
-    named = {i for i in range(tok.vocab_size) if re.fullmatch(r"<0x[89AB][0-9A-F]>", tok.hf.convert_ids_to_tokens(i))}
-    assert len(named) == 64
-    assert {i for i in range(tok.vocab_size) if tok.is_continuation_byte(i)} == named
