@@ -141,8 +141,8 @@ def _serve_commands(spec: WorkerSpec, commands: Connection) -> None:
         elif kind == "copy_kv":
             runner.copy_kv(message[1])
         elif kind == "call":
-            _, name, args = message
-            commands.send(("ok", getattr(runner, name)(*args)))
+            _, function, args = message
+            commands.send(("ok", function(runner, *args)))
         elif kind == "stop":
             return
         else:
