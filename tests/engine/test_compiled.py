@@ -96,7 +96,7 @@ def test_compiled_decode_over_a_narrow_cache_gives_the_eager_tokens(model_dirs, 
     with make_llm(model_dirs["llama"], compile=False, kv_cache_dtype=kv_cache_dtype) as eager_llm:
         want = generate(eager_llm)
     # Fixed-size steps of 1 and 2 rows, the dynamic one from 3: both kinds for three compiles, not five.
-    monkeypatch.setattr("chatd.engine.worker.runner.ROWS_AS_REDUCTIONS", 2)
+    monkeypatch.setattr("chatd.engine.worker.fast_steps.fast_steps.ROWS_AS_REDUCTIONS", 2)
     with make_llm(model_dirs["llama"], kv_cache_dtype=kv_cache_dtype) as llm:
         assert llm.engine.runner.fast.compiled is not None and len(llm.engine.runner.fast.compiled.steps) == 3
         got = generate(llm)
