@@ -115,6 +115,21 @@ class TimedModel(torch.nn.Module):
         return hidden @ self.head
 
 
+class TimedHandle:
+    """A launched step (the runner's StepHandle) whose draws are back once the device clock's time
+    for it has passed."""
+
+    def __init__(self, handle, wait) -> None:
+        self.handle, self.wait = handle, wait
+
+    def __getattr__(self, name: str):
+        return getattr(self.handle, name)
+
+    def result(self):
+        self.wait()
+        return self.handle.result()
+
+
 class TimedRunner(ModelRunner):
     """The real ModelRunner (inputs, launch, sampler) over the timed model; each launched step
     takes the device clock's time, and its result waits for it."""
@@ -125,10 +140,7 @@ class TimedRunner(ModelRunner):
         self.clock = clock
 
     def launch(self, scheduled, previous=None):
-        handle = super().launch(scheduled, previous)
-        done = self.clock.launch()
-        handle.wait = functools.partial(self.clock.wait, done)
-        return handle
+        return TimedHandle(super().launch(scheduled, previous), functools.partial(self.clock.wait, self.clock.launch()))
 
     def execute(self, scheduled):
         """What an engine from before steps were launched calls (a checkout measured as it was): run, then wait."""

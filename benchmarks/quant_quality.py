@@ -80,7 +80,10 @@ def perplexity(llm: LLM, window: int) -> tuple[float, int, float]:
         blocks = list(range(-(-len(chunk) // runner.block_size)))
         step = build_step(chunk, [0], [len(chunk)], [blocks], runner.block_size, runner.device)
         started = time.perf_counter()
-        hidden = runner.hidden(step)  # as a served prompt's prefill runs: compiled for a window of 192 tokens or more
+        # As a served prompt's prefill runs: compiled for a window of 192 tokens or more.
+        hidden = runner.fast.hidden(step, runner.kv_caches, runner.backend)
+        if hidden is None:
+            hidden = runner.model(step.input_ids, step.positions, runner.kv_caches, step.meta, runner.backend)
         if len(chunk) == window + 1:
             prefill_ms.append((time.perf_counter() - started) * 1e3)
         logprobs = torch.log_softmax(runner.model.compute_logits(hidden[:-1]), dim=-1)

@@ -54,12 +54,13 @@ The extensions, each readable without the core's details and never needed to rea
                                  (core/grammar_matcher.py and worker/grammar_masks.py are their
                                  hooks below)
     speculative/                 speculative decoding: n-gram and draft-model proposers
+                                 (worker/verify_rows.py: a verify step's rows, and its RNG rewinds)
     embeddings.py                an embedding model beside the chat model (embedding_queue.py)
     core/host_tier.py            the host KV tier's bookkeeping (worker/host_kv.py: its tensors)
     core/engine_stats.py         the counters metrics read; core/stage_times.py: where a step's
                                  host time goes; model_info.py, drain_rate.py, frame_room.py: what
                                  the engine reports and how it keeps steps lean
-    worker/fast_steps/           compiled decode and prefill steps, CUDA graphs
+    worker/fast_steps/           compiled decode and prefill steps, CUDA graphs, what a step costs
     worker/parallel.py           tensor-parallel ranks: started, fed, supervised
                                  (parallel_worker.py: a rank's process; models/tensor_parallel.py:
                                  what one rank holds)

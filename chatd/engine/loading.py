@@ -32,6 +32,8 @@ from chatd.engine.tokenizer import Tokenizer
 from chatd.engine.worker.build import build_runner, resolve_device
 from chatd.engine.worker.fast_steps.compile_job import CompileJob
 from chatd.engine.worker.fast_steps.compiled import keep_compiled_in, unavailable_reason
+from chatd.engine.worker.fast_steps.fast_steps import enable_compiled_steps, enable_decode_graphs, measure_eager_steps
+from chatd.engine.worker.host_kv import allocate_host_kv
 from chatd.engine.worker.parallel import ParallelError, ParallelRunner, Workers, check_gpus
 from chatd.engine.worker.parallel_worker import (
     cpu_threads_per_rank,
@@ -43,7 +45,7 @@ from chatd.engine.worker.parallel_worker import (
 )
 from chatd.engine.speculative import Speculator, build_speculator, flat_cost
 from chatd.engine.speculative.draft_model import DraftModelProposer
-from chatd.engine.worker.kv_memory import kv_block_bytes
+from chatd.engine.worker.kv_memory import kv_block_bytes, profile_kv_blocks
 from chatd.engine.worker.runner import ModelRunner
 
 log = logging.getLogger("chatd.engine")
@@ -111,10 +113,10 @@ def load_engine_parts(config: Config, background_compile: bool = False) -> Engin
         num_host_blocks = size_host_tier(runner, config)
         compile_job = None
         if config.speculative.method and device.type == "cpu" and size == 1:
-            local.compiled_rows = MAX_ROWS_AS_REDUCTIONS  # verify steps are a few rows more than the batch
+            local.fast.compiled_rows = MAX_ROWS_AS_REDUCTIONS  # verify steps are a few rows more than the batch
             if config.speculative.weigh_step_cost:
-                local.measure_eager_steps()  # what guesses cost until (or unless) decode steps are compiled
-                local.measure_steps = True  # and once they are
+                measure_eager_steps(local)  # what guesses cost until (or unless) decode steps are compiled
+                local.fast.measure_steps = True  # and once they are
         if device.type == "cuda":
             capture_cuda_graphs(runner, config)
         else:
@@ -134,7 +136,7 @@ def load_engine_parts(config: Config, background_compile: bool = False) -> Engin
     if sampling:
         log.info("sampling defaults from the model (requests that leave them out): %s",
                  ", ".join(f"{name} {value:g}" for name, value in sampling.items()))
-    step_cost = runner.step_cost if config.speculative.weigh_step_cost else flat_cost
+    step_cost = local.fast.step_cost if config.speculative.weigh_step_cost else flat_cost
     speculator = build_speculator(config.speculative, context, eos, model.vocab_size, draft, step_cost)
     if speculator is not None:
         log.info("speculative decoding: %s, up to %d tokens guessed a step, while at most %d sequences run",
@@ -204,7 +206,7 @@ def size_host_tier(runner: ModelRunner, config: Config) -> int:
     # The size is for all ranks together: each keeps its part of every block.
     block_bytes = runner.kv_bytes_per_token * config.cache.block_size * config.model.tensor_parallel_size
     num_host_blocks = int(config.cache.host_kv_cache_gb * 2**30 // block_bytes)
-    runner.allocate_host_kv(num_host_blocks)
+    every_rank(runner, allocate_host_kv, num_host_blocks)
     log.info("host KV tier: %d blocks (%.2f GiB%s) keep blocks evicted from the device pool for reuse",
              num_host_blocks, num_host_blocks * block_bytes / 2**30, ", pinned" if runner.device.type == "cuda" else "")
     return num_host_blocks
@@ -251,6 +253,21 @@ def load_tokenizer(model_path: Path, hf_config, config: ModelConfig) -> tuple[To
     return tokenizer, eos
 
 
+def every_rank(runner, function, *args) -> list:
+    """`function(runner, *args)` on every tensor-parallel rank's runner (just this one's without
+    tensor parallelism): a set-up call every rank makes; each rank's result, rank 0's first."""
+    return runner.everywhere(function, *args) if isinstance(runner, ParallelRunner) else [function(runner, *args)]
+
+
+def profiled_kv_blocks(runner, config: Config, block_bytes: int) -> int:
+    """On CUDA, the KV blocks every rank has room for beside the largest step (kv_memory.py): the least."""
+    blocks = every_rank(runner, profile_kv_blocks, config.scheduler.max_num_batched_tokens,
+                        config.scheduler.max_num_seqs, config.cache.gpu_memory_utilization, block_bytes)
+    if len(blocks) > 1:
+        log.info("KV blocks each rank has room for: %s; the pool takes the least", ", ".join(map(str, blocks)))
+    return min(blocks)
+
+
 def size_kv_pool(config: Config, runner, block_bytes: int, context: int) -> int:
     """How many KV blocks: as configured, else what the memory budget holds (measured on CUDA, on
     every rank: the least), never more than max_num_seqs full-length sequences could use; fewer
@@ -262,8 +279,7 @@ def size_kv_pool(config: Config, runner, block_bytes: int, context: int) -> int:
     max_useful = config.scheduler.max_num_seqs * blocks_per_seq
     cuda = runner.device.type == "cuda"
     if cuda:
-        num_blocks = min(runner.profile_kv_blocks(config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
-                                                  config.cache.gpu_memory_utilization, block_bytes), max_useful)
+        num_blocks = min(profiled_kv_blocks(runner, config, block_bytes), max_useful)
     else:
         size = config.model.tensor_parallel_size
         num_blocks = min(int(config.cache.cpu_kv_cache_gb * 2**30 // (block_bytes * size)), max_useful)
@@ -311,13 +327,13 @@ def _compiled_steps(runner: ModelRunner) -> bool:
     log.info("compiling decode and prefill steps (torch.compile; the first time for a model this takes a minute or "
              "two, later starts read it back; model.compile = false or --no-compile skips it)")
     try:
-        seconds = runner.enable_compiled_steps(chatd_home() / "compiled" / "steps")
+        seconds = enable_compiled_steps(runner, chatd_home() / "compiled" / "steps")
     except Exception as exc:  # no C++ compiler, an operation inductor refuses: serve eagerly, say why
-        runner.compiled = runner.compiled_prefill = None
+        runner.fast.compiled = runner.fast.compiled_prefill = None
         log.warning("compiling decode and prefill steps failed (%s: %s); every step runs eagerly", type(exc).__name__,
                     str(exc).strip().splitlines()[0] if str(exc).strip() else "")
         return False
-    decode, prefill = runner.compiled, runner.compiled_prefill
+    decode, prefill = runner.fast.compiled, runner.fast.compiled_prefill
     log.info("compiled decode steps and prefill steps of %d tokens or more in %.1f s (%d of %d read back from an "
              "earlier start)", prefill.min_tokens, seconds, decode.read_back + prefill.read_back,
              len(decode.steps) + 2 * len(prefill.halves))
@@ -333,12 +349,12 @@ def capture_cuda_graphs(runner: ModelRunner, config: Config) -> None:
         return
     max_batch = min(config.model.cuda_graph_max_batch, config.scheduler.max_num_seqs)
     try:
-        seconds = runner.enable_decode_graphs(max_batch)
+        seconds = every_rank(runner, enable_decode_graphs, max_batch)[0]
     except ParallelError as exc:  # a rank that failed mid-capture leaves the others in a collective
         raise ValueError(f"CUDA graph capture failed on a tensor-parallel rank ({exc}); "
                          "start with --no-cuda-graphs (model.cuda_graphs = false)") from exc
     except Exception as exc:  # serve eagerly rather than not at all; the log says why
-        runner.graphs = None
+        runner.fast.graphs = None
         log.warning("CUDA graph capture failed (%s: %s); every step runs eagerly", type(exc).__name__, exc)
     else:
         log.info("captured CUDA graphs for decode batches up to %d in %.1f s", max_batch, seconds)

@@ -75,10 +75,10 @@ def generate(llm) -> list:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # GQA; q/k/v biases; q/k norms
 def test_compiled_decode_gives_the_eager_tokens_and_never_compiles_after_start(model_dirs, family, compile_on):
     with make_llm(model_dirs[family], compile=False) as eager_llm:
-        assert eager_llm.engine.runner.compiled is None
+        assert eager_llm.engine.runner.fast.compiled is None
         want = generate(eager_llm)
     with make_llm(model_dirs[family]) as llm:  # model.compile defaults to true
-        assert llm.engine.runner.compiled is not None
+        assert llm.engine.runner.fast.compiled is not None
         assert llm.engine.model_info().details()["compiled_decode"] is True
         before = compile_count()
         got = generate(llm)
@@ -96,9 +96,9 @@ def test_compiled_decode_over_a_narrow_cache_gives_the_eager_tokens(model_dirs, 
     with make_llm(model_dirs["llama"], compile=False, kv_cache_dtype=kv_cache_dtype) as eager_llm:
         want = generate(eager_llm)
     # Fixed-size steps of 1 and 2 rows, the dynamic one from 3: both kinds for three compiles, not five.
-    monkeypatch.setattr("chatd.engine.worker.runner.ROWS_AS_REDUCTIONS", 2)
+    monkeypatch.setattr("chatd.engine.worker.fast_steps.fast_steps.ROWS_AS_REDUCTIONS", 2)
     with make_llm(model_dirs["llama"], kv_cache_dtype=kv_cache_dtype) as llm:
-        assert llm.engine.runner.compiled is not None and len(llm.engine.runner.compiled.steps) == 3
+        assert llm.engine.runner.fast.compiled is not None and len(llm.engine.runner.fast.compiled.steps) == 3
         got = generate(llm)
     assert [list(g.token_ids) for g in got] == [list(w.token_ids) for w in want]
 
@@ -118,7 +118,7 @@ def test_compiled_quantized_decode_stays_close_to_eager(model_dirs, q8_gguf, q5_
     with make_llm(model, compile=False, quantization="none" if quantization == "gguf" else quantization) as eager_llm:
         want = generate(eager_llm)
     with make_llm(model, quantization=quantization) as llm:
-        assert llm.engine.runner.compiled is not None
+        assert llm.engine.runner.fast.compiled is not None
         assert quantized_layers(llm.engine.runner.model) == {kind: 9}
         before = compile_count()
         got = generate(llm)
@@ -147,7 +147,7 @@ def test_compiled_prefill_alone_and_beside_decode_rows_gives_the_eager_tokens(mo
     with make_llm(model_dirs["llama"], compile=False, max_num_batched_tokens=256) as eager_llm:
         want = [out.outputs[0] for out in eager_llm.generate(LONG_PROMPTS, params)]
     with make_llm(model_dirs["llama"], max_num_batched_tokens=256) as llm:
-        prefill, steps = llm.engine.runner.compiled_prefill, []
+        prefill, steps = llm.engine.runner.fast.compiled_prefill, []
         hidden = prefill.hidden
 
         def counted(step, *args):
@@ -194,7 +194,7 @@ def test_a_later_start_reads_the_compiled_steps_back(model_dirs, tmp_path, monke
     instead of compiling, gives the same tokens, and compiles again only a file that does not read."""
     monkeypatch.setenv("CHATD_HOME", str(tmp_path))
     with make_llm(model_dirs["llama"]) as llm:
-        assert llm.engine.runner.compiled.read_back == 0
+        assert llm.engine.runner.fast.compiled.read_back == 0
         first = generate(llm)
     saved = sorted((tmp_path / "compiled" / "steps").glob("decode-*.bin"))
     assert len(saved) == DYNAMIC_BATCH  # batches 1 to 4, and the one for larger batches
@@ -203,13 +203,13 @@ def test_a_later_start_reads_the_compiled_steps_back(model_dirs, tmp_path, monke
     for cut in (saved[2], halves[1]):
         cut.write_bytes(cut.read_bytes()[:1000])  # cut short, as by a full disk
     with make_llm(model_dirs["llama"]) as llm:
-        assert llm.engine.runner.compiled.read_back == DYNAMIC_BATCH - 1
-        assert llm.engine.runner.compiled_prefill.read_back == 1
+        assert llm.engine.runner.fast.compiled.read_back == DYNAMIC_BATCH - 1
+        assert llm.engine.runner.fast.compiled_prefill.read_back == 1
         again = generate(llm)
     assert [list(g.token_ids) for g in again] == [list(f.token_ids) for f in first]
     with make_llm(model_dirs["llama"]) as llm:  # the files compiled again were saved again
-        assert llm.engine.runner.compiled.read_back == DYNAMIC_BATCH
-        assert llm.engine.runner.compiled_prefill.read_back == 2
+        assert llm.engine.runner.fast.compiled.read_back == DYNAMIC_BATCH
+        assert llm.engine.runner.fast.compiled_prefill.read_back == 2
 
 
 def test_compiled_steps_of_a_different_model_or_cache_are_kept_apart(model_dirs):
@@ -238,9 +238,9 @@ def test_compiled_steps_of_a_different_model_or_cache_are_kept_apart(model_dirs)
 
 def test_compile_is_off_when_configured_or_disabled(model_dirs):
     with make_llm(model_dirs["llama"]) as llm:  # TORCH_COMPILE_DISABLE=1 here: chatd respects it
-        assert llm.engine.runner.compiled is None
+        assert llm.engine.runner.fast.compiled is None
     with torch._dynamo.config.patch(disable=False), make_llm(model_dirs["llama"], compile=False) as llm:
-        assert llm.engine.runner.compiled is None
+        assert llm.engine.runner.fast.compiled is None
 
 
 def test_compiled_code_is_kept_under_chatd_home_unless_the_user_named_a_place(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import torch
 
 from chatd.engine import SamplingParams
 from chatd.engine.worker.fast_steps.cuda_graphs import graph_batch_sizes
+from chatd.engine.worker.fast_steps.fast_steps import enable_decode_graphs
 from tests.engine.conftest import make_llm
 from tests.engine.test_engine import prompts, token_ids
 
@@ -30,7 +31,7 @@ def test_padded_decode_path_gives_the_sdpa_engines_tokens(model_dirs):
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 9, 6, 9, 4)]
     want = token_ids(make_llm(path).generate(batch, params))
     llm = make_llm(path, attention_backend="triton")
-    llm.engine.runner.enable_decode_graphs(max_batch=8, capture=False)
+    enable_decode_graphs(llm.engine.runner, max_batch=8, capture=False)
     assert token_ids(llm.generate(batch, params)) == want
     assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
 
@@ -43,7 +44,7 @@ def test_cuda_graph_replay_equals_eager(family, model_dirs):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     eager = make_llm(path, device="cuda", cuda_graphs=False)
     graphs = make_llm(path, device="cuda", cuda_graph_max_batch=4)  # batches of 5-6 run eagerly, 1-4 replay
-    assert graphs.engine.runner.graphs is not None and graphs.engine.runner.graphs.graphs
+    assert graphs.engine.runner.fast.graphs is not None and graphs.engine.runner.fast.graphs.graphs
     assert token_ids(graphs.generate(batch, params)) == token_ids(eager.generate(batch, params))
 
 

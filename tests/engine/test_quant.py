@@ -380,7 +380,7 @@ def test_eager_decode_steps_take_q8_0_blocks_per_row(q8_gguf):
     same file, token for token."""
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     with make_llm(q8_gguf, quantization="gguf") as llm:
-        assert llm.engine.runner.compiled is None
+        assert llm.engine.runner.fast.compiled is None
         assert quantized_layers(llm.engine.runner.model) == {"int8": 9}
         kept = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params)]
     with make_llm(q8_gguf, quantization="int8") as llm:
@@ -517,5 +517,5 @@ def test_cuda_graphs_replay_quantized_steps_as_eager_ones(model_dirs, kind):
     options = dict(device="cuda", dtype="bfloat16", quantization=kind)
     eager = make_llm(model_dirs["qwen3"], cuda_graphs=False, **options)
     graphs = make_llm(model_dirs["qwen3"], cuda_graph_max_batch=4, **options)
-    assert graphs.engine.model_info().quantization == kind and graphs.engine.runner.graphs.graphs
+    assert graphs.engine.model_info().quantization == kind and graphs.engine.runner.fast.graphs.graphs
     assert token_ids(graphs.generate(batch, params)) == token_ids(eager.generate(batch, params))

@@ -3,8 +3,8 @@
 After each step the engine asks the `Speculator` for guesses (`propose`); a proposer makes them:
 n-gram lookup in the sequence's own tokens (ngram.py: no model; strong where a reply quotes its
 prompt) or a small draft model sharing the tokenizer (draft_model.py). The scheduler runs each
-guessing sequence's last token and its guesses in one step, a sample after each (the runner runs
-them as decode rows at consecutive positions), and keeps the guesses up to the first that differs
+guessing sequence's last token and its guesses in one step, a sample after each (worker/verify_rows.py
+makes them decode rows at consecutive positions), and keeps the guesses up to the first that differs
 from the token sampled in its place, plus that sampled token (core/scheduler.py `postprocess`).
 
 Why that keeps the model's distribution: both proposers guess one token, not a distribution (the

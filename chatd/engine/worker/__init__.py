@@ -5,8 +5,9 @@ forward_inputs.py (the step as the forward's inputs), sampling_rows.py (each seq
 row and RNG) and sampler.py (logits -> tokens). build.py makes a runner from a config, on every
 rank. Around them: penalties.py, sampling_choices.py (temperature, top-k/p, min-p, batched),
 host_sampling.py (the same, row by row on a CPU), logprobs.py, prompt_logprobs.py and
-grammar_masks.py (structured output's masks) for sampling beyond greedy; kv_memory.py (sizing the
-KV pool on a GPU) and heap.py (a CPU step's memory kept); host_kv.py (the host KV tier's
-tensors); fast_steps/ (compiled steps, CUDA graphs); parallel.py and parallel_worker.py (tensor
+grammar_masks.py (structured output's masks) for sampling beyond greedy; verify_rows.py (speculative
+decoding's verify rows); kv_memory.py (sizing the KV pool on a GPU) and heap.py (a CPU step's memory
+kept); host_kv.py (the host KV tier's tensors); fast_steps/ (compiled steps, CUDA graphs, step
+costs); parallel.py and parallel_worker.py (tensor
 parallel ranks, each a process, started and supervised). Imports: core, attention, models, params.
 """

@@ -2,15 +2,13 @@
 tensor-parallel rank), and a launched step as its caller holds it (`StepHandle`).
 
 The sequences of a step (one-token decodes first, then prefill chunks) are concatenated into one
-batch of tokens; a sequence verifying proposed tokens becomes one decode row per token. The rows
-that sample are named, and so are the prompt positions whose logprobs a request asked for
-(prompt_logprobs.py).
+batch of tokens. The rows that sample are named, and so are the prompt positions whose logprobs a
+request asked for (prompt_logprobs.py); a verifying sequence's rows are verify_rows.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +17,7 @@ from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.params import Logprob
 from chatd.engine.worker.prompt_logprobs import PromptRows, prompt_rows
 from chatd.engine.worker.sampler import SampledTokens, SamplerOutput
+from chatd.engine.worker.verify_rows import add_verify_rows
 
 
 @dataclass(frozen=True)
@@ -38,44 +37,28 @@ class ForwardInputs:
 
 def forward_inputs(scheduled: list[ScheduledSequence], previous: StepHandle | None = None) -> ForwardInputs:
     """The forward's inputs for a scheduled batch (`previous`: the step in flight, whose draws
-    some of its inputs are). A sequence verifying proposed tokens becomes one decode row per token,
-    its last one and each guess, at consecutive positions over the same blocks: every row's K/V is
-    written before any row attends, so each guess sees the ones before it, and the step stays a
-    decode step (CUDA graphs, compiled CPU steps) with logits for every row."""
-    token_ids: list[int] = []
-    starts: list[int] = []
-    query_lens: list[int] = []
-    block_tables: list[list[int]] = []
-    sampling: list[int] = []
-    pending = []
-    wanted: list[PromptRows] = []
+    some of its inputs are)."""
+    inputs = ForwardInputs(token_ids=[], starts=[], query_lens=[], block_tables=[], sampling=[])
+    token_ids = inputs.token_ids
+    pending, wanted = [], []
     for s in scheduled:
-        seq = s.seq
         if s.draft_token_ids:
-            assert s.start < len(seq.token_ids), "a verify step follows a step whose tokens are back"
-            rows = 1 + len(s.draft_token_ids)
-            sampling.extend(range(len(starts), len(starts) + rows))
-            token_ids.append(seq.token_ids[s.start])
-            token_ids.extend(s.draft_token_ids)
-            starts.extend(range(s.start, s.start + rows))
-            query_lens.extend([1] * rows)
-            block_tables.extend([seq.block_table] * rows)
+            add_verify_rows(inputs, s)
             continue
+        seq = s.seq
         if s.samples:
-            sampling.append(len(starts))
-        if seq.wants_prompt_logprobs:
-            rows = prompt_rows(seq, s.start, s.num_new_tokens, len(token_ids))
-            if rows is not None:
-                wanted.append(rows)
+            inputs.sampling.append(len(inputs.starts))
+        if (rows := prompt_rows(seq, s.start, s.num_new_tokens, len(token_ids))) is not None:
+            wanted.append(rows)
         known = seq.token_ids[s.start : s.start + s.num_new_tokens]
         token_ids.extend(known)
         if len(known) < s.num_new_tokens:  # a decode whose input the step in flight sampled
             pending.append((len(token_ids), previous.rows[seq.seq_id]))
             token_ids.append(0)
-        starts.append(s.start)
-        query_lens.append(s.num_new_tokens)
-        block_tables.append(seq.block_table)
-    return ForwardInputs(token_ids, starts, query_lens, block_tables, sampling, tuple(pending), tuple(wanted))
+        inputs.starts.append(s.start)
+        inputs.query_lens.append(s.num_new_tokens)
+        inputs.block_tables.append(seq.block_table)
+    return dataclasses.replace(inputs, pending=tuple(pending), prompt_rows=tuple(wanted))
 
 
 def fill_pending(inputs: ForwardInputs, draws: list[int]) -> ForwardInputs:
@@ -98,7 +81,6 @@ class StepHandle:
                 self.rows[s.seq.seq_id] = row
                 row += s.num_samples
         self.sampled = sampled
-        self.wait: Callable[[], None] | None = None  # an extra wait before the draws (benchmarks/host.py's device clock)
         # seq_id -> (the index of the first prompt token, the logprobs of the prompt tokens from there)
         self.prompt_logprobs: dict[int, tuple[int, list[Logprob]]] = {}
 
@@ -108,8 +90,6 @@ class StepHandle:
         return self.sampled.token_ids if self.sampled is not None else None
 
     def result(self) -> SamplerOutput:
-        if self.wait is not None:
-            self.wait()
         if self.sampled is None:
             return SamplerOutput(token_ids=[], logprobs=[])
         return self.sampled.result()

@@ -137,3 +137,9 @@ class HostKVTier:
                 host.index_copy_(0, write.slots, part)
             landed += 1
         del self._in_flight[:landed]
+
+
+def allocate_host_kv(runner, num_host_blocks: int) -> None:
+    """(Re)allocate a runner's host tier: `num_host_blocks` blocks laid out as its device pool, in
+    host RAM (pinned when the pool is on a GPU, so copies are asynchronous DMA); 0: none."""
+    runner.host_tier = HostKVTier(runner.kv_caches, num_host_blocks) if num_host_blocks else None

@@ -34,6 +34,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -128,9 +129,10 @@ class Workers:
             answers.append(value)
         return answers
 
-    def call(self, name: str, *args):
-        """Send a runner call to every worker (rank 0 makes its own meanwhile); `collect()` its answers."""
-        self.send("call", name, args)
+    def call(self, function: Callable, *args):
+        """Send every worker `function(runner, *args)` (a module-level function, sent by its name; rank 0
+        makes its own call meanwhile); `collect()` their answers."""
+        self.send("call", function, args)
 
     # -- failure ------------------------------------------------------------------------------
 
@@ -249,8 +251,6 @@ class ParallelRunner:
     block_size = property(lambda self: self.local.block_size)
     kv_caches = property(lambda self: self.local.kv_caches)
     kv_bytes_per_token = property(lambda self: self.local.kv_bytes_per_token)
-    graphs = property(lambda self: self.local.graphs)
-    num_blocks = property(lambda self: self.local.num_blocks)
     tensor_parallel_size = property(lambda self: self.workers.size)
 
     def health(self) -> str | None:
@@ -286,35 +286,19 @@ class ParallelRunner:
     def keep_draws(self, kept) -> None:
         self.local.keep_draws(kept)
 
-    def step_cost(self, rows: int) -> float:
-        return self.local.step_cost(rows)
-
-    def _everywhere(self, name: str, *args) -> tuple[object, list]:
-        """Call a runner method on every rank at once (it may hold collectives); rank 0's result, the workers'."""
-        self.workers.call(name, *args)
+    def everywhere(self, function: Callable, *args) -> list:
+        """`function(runner, *args)` on every rank's runner at once (it may hold collectives: a rank
+        that fails fails the group); each rank's result, rank 0's first."""
+        self.workers.call(function, *args)
         try:
-            mine = getattr(self.local, name)(*args)
+            mine = function(self.local, *args)
         except Exception as exc:
             self.workers.raise_failure(wait=True)
-            raise ParallelError(self.workers.fail(f"rank 0's {name} failed: {exc}")) from exc
-        return mine, self.workers.collect()
+            raise ParallelError(self.workers.fail(f"rank 0's {function.__name__} failed: {exc}")) from exc
+        return [mine, *self.workers.collect()]
 
     def allocate_kv(self, num_blocks: int) -> None:
-        self._everywhere("allocate_kv", num_blocks)
-
-    def allocate_host_kv(self, num_host_blocks: int) -> None:
-        self._everywhere("allocate_host_kv", num_host_blocks)
-
-    def profile_kv_blocks(self, num_tokens: int, num_seqs: int, utilization: float, block_bytes: int) -> int:
-        """The pool every rank can hold: the least of what each rank measured."""
-        mine, theirs = self._everywhere("profile_kv_blocks", num_tokens, num_seqs, utilization, block_bytes)
-        log.info("KV blocks each rank has room for: %s; the pool takes the least", ", ".join(map(str, [mine, *theirs])))
-        return min([mine, *theirs])
-
-    def enable_decode_graphs(self, max_batch: int, capture: bool = True) -> float:
-        """Capture on every rank at once (the graphs hold collectives); a rank that fails fails the group."""
-        seconds, _ = self._everywhere("enable_decode_graphs", max_batch, capture)
-        return seconds
+        self.everywhere(ModelRunner.allocate_kv, num_blocks)
 
     def close(self) -> None:
         """Stop the workers and leave the process group (again: nothing)."""

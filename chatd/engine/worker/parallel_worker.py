@@ -2,9 +2,9 @@
 
 A worker says hello, joins the process group, loads its part of the model (the same
 `build_runner` rank 0 uses), and then does what rank 0's pipe says, in order: a step's forward,
-the step's KV copies, or a runner call that answers back. A thread of its own sends a heartbeat
-every HEARTBEAT_SECONDS and exits the process when rank 0 is gone. Any failure is reported to
-rank 0 in one line before the process ends. Rank 0's side is parallel.py.
+the step's KV copies, or a set-up function of its runner (sent by reference) that answers back.
+A thread of its own sends a heartbeat every HEARTBEAT_SECONDS and exits the process when rank 0
+is gone. Any failure is reported to rank 0 in one line before the process ends. Rank 0's side is parallel.py.
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ def _serve_commands(spec: WorkerSpec, commands: Connection) -> None:
         elif kind == "copy_kv":
             runner.copy_kv(message[1])
         elif kind == "call":
-            _, name, args = message
-            commands.send(("ok", getattr(runner, name)(*args)))
+            _, function, args = message
+            commands.send(("ok", function(runner, *args)))
         elif kind == "stop":
             return
         else:

@@ -37,7 +37,10 @@ class PromptRows:
 def prompt_rows(seq: Sequence, start: int, num_new: int, offset: int) -> PromptRows | None:
     """The positions of a chunk (`num_new` tokens from `start`, at `offset` in the step's tokens)
     whose logits give prompt tokens' logprobs not yet computed: position p predicts token p + 1,
-    up to the prompt's last token (a recomputed chunk after a preemption adds nothing twice)."""
+    up to the prompt's last token (a recomputed chunk after a preemption adds nothing twice); None
+    where the sequence wants none."""
+    if not seq.wants_prompt_logprobs:
+        return None
     first = max(start + 1, len(seq.prompt_logprobs))  # the first prompt token still missing
     end = min(start + num_new + 1, seq.num_prompt_tokens)  # one past the last token this chunk predicts
     if first >= end:

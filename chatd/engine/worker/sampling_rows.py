@@ -3,9 +3,8 @@ its grammar's mask, and its own random generator.
 
 A greedy row draws no random number; a sampling one draws from a generator seeded from the
 request's seed (or from the runner's seed source when it brings none), one per choice, so a seeded
-request gets the same reply alone or in any batch. A verify step (speculative decoding) samples a
-row after each proposed token; the generator of a seeded sequence is then rewound to where the rows
-it kept leave it (`keep_draws`), so its reply is the one it gets without guesses.
+request gets the same reply alone or in any batch. A verify step's rows (speculative decoding) are
+verify_rows.py's.
 """
 
 from __future__ import annotations
@@ -14,7 +13,8 @@ import torch
 
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.core.sequence import Sequence
-from chatd.engine.worker.sampler import SamplingRow, draw_uniform
+from chatd.engine.worker.sampler import SamplingRow
+from chatd.engine.worker.verify_rows import VerifyRows
 
 
 class SamplingRows:
@@ -24,15 +24,15 @@ class SamplingRows:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own RNG
-        self._rewinds: dict[int, torch.Tensor] = {}  # seq_id -> its RNG's state before a verify step's draws
         self._seed_source = torch.Generator().manual_seed(seed)  # seeds requests that bring none
+        self.verify = VerifyRows(self)
 
     def of(self, scheduled: list[ScheduledSequence]) -> list[SamplingRow]:
         """The rows of a step: one per sample of each scheduled sequence that samples, in order."""
         rows = []
         for s in scheduled:
             if s.draft_token_ids:
-                rows += self.verify_rows(s.seq, s.draft_token_ids)
+                rows += self.verify.of(s.seq, s.draft_token_ids)
             elif s.samples:
                 rows.append(self.row(s.seq))
         return rows
@@ -40,57 +40,36 @@ class SamplingRows:
     def release(self, seq: Sequence) -> None:
         """Forget a finished sequence's RNG."""
         self.generators.pop(seq.seq_id, None)
-        self._rewinds.pop(seq.seq_id, None)
+        self.verify.release(seq)
 
-    def row(self, seq: Sequence, drafts: tuple[int, ...] = (), grammar=None) -> SamplingRow:
-        """What the sampler needs of a sequence's next token; after `drafts` (a verify row: as if
-        the proposed tokens before it were its own, and `grammar` its matcher's state there)."""
-        if not drafts and seq.sampling_row is not None:
+    def row(self, seq: Sequence) -> SamplingRow:
+        """What the sampler needs of a sequence's next token."""
+        if seq.sampling_row is not None:
             return seq.sampling_row
         params = seq.params
-        banned: tuple[int, ...] = ()
-        # A grammar decides where structured output ends: min_tokens does not ban its EOS. The token
-        # drawn now is already counted (pending from when its step was planned).
-        if seq.num_output_tokens + len(drafts) <= params.min_tokens and seq.grammar is None:
-            banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
         row = SamplingRow(
             params=params,
             prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids + list(drafts) if drafts else seq.output_token_ids,
-            generator=None if params.greedy else self._generator(seq),
-            banned_token_ids=banned,
-            grammar=grammar if drafts else seq.grammar,
+            output_token_ids=seq.output_token_ids,
+            generator=None if params.greedy else self.generator(seq),
+            banned_token_ids=self.banned(seq, seq.num_output_tokens),
+            grammar=seq.grammar,
         )
-        if not drafts and not banned:  # past min_tokens it stays so: the same row every step
+        if not row.banned_token_ids:  # past min_tokens it stays so: the same row every step
             seq.sampling_row = row
         return row
 
-    def verify_rows(self, seq: Sequence, drafts: tuple[int, ...]) -> list[SamplingRow]:
-        """A verify step's rows: the next token as usual, then one after each proposed token. Each
-        is sampled as if the tokens before it were accepted; the scheduler keeps the rows up to the
-        first whose token differs from the guess. A seeded sequence's generator is rewound to where
-        the kept rows leave it (`keep_draws`), so its reply is the one it gets without guesses."""
-        masks = seq.grammar.draft_masks(drafts) if seq.grammar is not None else [None] * len(drafts)
-        if not seq.params.greedy:
-            self._rewinds[seq.seq_id] = self._generator(seq).get_state()
-        return [self.row(seq)] + [self.row(seq, drafts[: i + 1], masks[i])
-                                            for i in range(len(drafts))]
+    def banned(self, seq: Sequence, num_output_tokens: int) -> tuple[int, ...]:
+        """The tokens a sequence may not draw once it has `num_output_tokens`: its stop tokens and EOS
+        until min_tokens. The token drawn now is already counted (pending from when its step was planned)."""
+        params = seq.params
+        # A grammar decides where structured output ends: min_tokens does not ban its EOS.
+        if num_output_tokens > params.min_tokens or seq.grammar is not None:
+            return ()
+        return tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_token_ids))
 
-    def keep_draws(self, kept: list[tuple[Sequence, range]]) -> None:
-        """After a verify step: each sampling sequence's generator as if it had drawn only for the
-        tokens it kept (one uniform number each), not for the rows past them."""
-        if not self._rewinds:
-            return
-        for seq, rows in kept:
-            state = self._rewinds.pop(seq.seq_id, None)
-            if state is not None:
-                generator = self.generators[seq.seq_id]
-                generator.set_state(state)
-                for _ in rows:
-                    draw_uniform(generator, self.device)
-        self._rewinds.clear()  # sequences that ended meanwhile
-
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def generator(self, seq: Sequence) -> torch.Generator:
+        """The sequence's own RNG, made on its first draw."""
         generator = self.generators.get(seq.seq_id)
         if generator is None:
             seed = seq.params.seed

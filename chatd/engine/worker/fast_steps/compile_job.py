@@ -10,7 +10,7 @@ as one.
 Two things make that safe beside a serving engine. The dummy steps that check each compiled
 step write one KV block, the pool's last (`CompiledDecode.scratch_block`), which the engine's
 block manager is never given, so no sequence's cache is touched. And the hand-over is two
-attribute stores (`runner.compiled`, `runner.compiled_prefill`), each read once per step.
+attribute stores (the runner's `fast.compiled`, `fast.compiled_prefill`), each read once per step.
 
 While it runs, the job and the engine share the CPU and the GIL: eager steps run slower than
 they would alone. The job's thread runs at a lower priority (nice 10) so the serving threads
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from chatd.engine.models.quantized.quantize_model import int8_blocks_per_row
 from chatd.engine.worker.fast_steps.compiled_prefill import CompiledPrefill
+from chatd.engine.worker.fast_steps.fast_steps import enable_compiled_steps
 
 log = logging.getLogger("chatd.engine")
 
@@ -74,16 +75,16 @@ class CompileJob:
         with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own priority (and its compilers')
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
         try:
-            self.runner.enable_compiled_steps(self.folder)
+            enable_compiled_steps(self.runner, self.folder)
         except Exception as exc:  # no C++ compiler, an operation inductor refuses: serve eagerly, say why
-            self.runner.compiled = self.runner.compiled_prefill = None
+            self.runner.fast.compiled = self.runner.fast.compiled_prefill = None
             int8_blocks_per_row(self.runner.model)  # as loading.py's eager steps: GGUF blocks get a scale per row
             state = FAILED
             log.warning("compiling decode and prefill steps failed (%s: %s); every step runs eagerly",
                         type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "")
         else:
             state = COMPILED
-            decode, prefill = self.runner.compiled, self.runner.compiled_prefill
+            decode, prefill = self.runner.fast.compiled, self.runner.fast.compiled_prefill
             log.info("compiled steps in use: decode steps and prefill steps of %d tokens or more, in %.1f s on a "
                      "thread beside the eager steps (%d of %d read back from an earlier start)", prefill.min_tokens,
                      time.perf_counter() - started, decode.read_back + prefill.read_back,
