@@ -70,7 +70,8 @@ class ModelInfo:
 def read_model_info(engine) -> ModelInfo:
     """An LLMEngine's ModelInfo, read now off its runner, scheduler and compile job."""
     runner = engine.runner
-    graphs = getattr(runner, "graphs", None)
+    fast = getattr(runner, "fast", None)  # worker/fast_steps/fast_steps.py's FastSteps (a test's fake runner has none)
+    graphs = fast.graphs if fast is not None else None
     kv_caches = getattr(runner, "kv_caches", [])
     tensor_parallel_size = getattr(runner, "tensor_parallel_size", 1)
     return ModelInfo(
@@ -90,7 +91,7 @@ def read_model_info(engine) -> ModelInfo:
         num_host_kv_blocks=engine.scheduler.num_host_kv_blocks,
         tensor_parallel_size=tensor_parallel_size,
         quantization=getattr(getattr(runner, "model", None), "quantization", "none"),
-        compiled_decode=getattr(runner, "compiled", None) is not None,
+        compiled_decode=fast is not None and fast.compiled is not None,
         compiled_prefill_tokens=(engine.compile_job.prefill_tokens if engine.compile_job is not None
-                                 else getattr(getattr(runner, "compiled_prefill", None), "min_tokens", 0)),
+                                 else getattr(getattr(fast, "compiled_prefill", None), "min_tokens", 0)),
     )

@@ -251,6 +251,7 @@ class ParallelRunner:
     block_size = property(lambda self: self.local.block_size)
     kv_caches = property(lambda self: self.local.kv_caches)
     kv_bytes_per_token = property(lambda self: self.local.kv_bytes_per_token)
+    fast = property(lambda self: self.local.fast)  # its CUDA graphs, captured on every rank alike
     tensor_parallel_size = property(lambda self: self.workers.size)
 
     def health(self) -> str | None:

@@ -64,9 +64,6 @@ class ModelRunner:
         """Make the scheduler's copies between the device pool and the host tier, in order."""
         self.host_tier.copy(copies, self.kv_caches)
 
-    # The compiled decode steps, for engine.py's model info.
-    compiled = property(lambda self: self.fast.compiled)
-
     @property
     def num_blocks(self) -> int:
         return self.kv_caches[0][0].shape[0] if self.kv_caches else 0
