@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write every number here")
     args = p.parse_args(argv)
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    from chatd.engine.models.loader import default_model_path
+    from chatd.engine.models.sources import default_model_path
 
     gguf = default_model_path()
     if gguf is None:

@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.concurrency, args.num_requests, args.output_tokens, args.rounds, args.cold_runs, args.mixed_requests,
          args.probe_requests) = (2, 4, 8, 1, 1, 40, 10)
     from chatd.engine.models.demo import build_demo_model
-    from chatd.engine.models.loader import default_model_path
+    from chatd.engine.models.sources import default_model_path
 
     if default_model_path() is None:
         raise SystemExit("the default model's package is not installed (make install)")

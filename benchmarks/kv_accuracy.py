@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from chatd.engine import LLM, SamplingParams  # noqa: E402
 from chatd.engine.models.demo import ensure_demo_model  # noqa: E402
-from chatd.engine.models.loader import default_model_path  # noqa: E402
+from chatd.engine.models.sources import default_model_path  # noqa: E402
 
 PROMPTS = [
     "What is the capital of Australia, and why is it not Sydney?",

@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM as Ctrl-C, so the try/finally blocks stop the server subprocesses.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    from chatd.engine.models.loader import default_model_path
+    from chatd.engine.models.sources import default_model_path
 
     source = args.model or default_model_path()
     if source is None:

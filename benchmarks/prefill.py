@@ -31,7 +31,7 @@ from chatd.engine import LLM  # noqa: E402
 from chatd.engine.attention import build_step  # noqa: E402
 from chatd.engine.models.demo import ensure_demo_model  # noqa: E402
 from chatd.engine.worker.fast_steps.compiled_prefill import CompiledPrefill  # noqa: E402
-from chatd.engine.models.loader import default_model_path  # noqa: E402
+from chatd.engine.models.sources import default_model_path  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent.parent / "chatd" / "engine" / "models" / "demo_corpus.txt"
 

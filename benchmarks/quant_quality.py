@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from chatd.engine import LLM, SamplingParams  # noqa: E402
 from chatd.engine.attention import build_step  # noqa: E402
 from chatd.engine.models.demo import ensure_demo_model  # noqa: E402
-from chatd.engine.models.loader import default_model_path  # noqa: E402
+from chatd.engine.models.sources import default_model_path  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "quant" / "text.txt"
 PROMPTS = [

@@ -730,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
                     "load_before": os.getloadavg()}
     binary = f32 = None
     if any(run.startswith("llama") for run in args.runs):
-        from chatd.engine.models.loader import default_model_path
+        from chatd.engine.models.sources import default_model_path
 
         source = args.model or default_model_path()
         if source is None:

@@ -147,7 +147,7 @@ def main() -> None:
     results["chatd first start"] = report("chatd first start", first_runs)
     results["chatd later start"] = report("chatd later start", later_runs)
     if args.llama_server:
-        from chatd.engine.models.loader import default_model_path
+        from chatd.engine.models.sources import default_model_path
 
         gguf = args.model or str(default_model_path())
         runs = []

@@ -379,7 +379,7 @@ def load_model(args, tmp: Path):
     """The LLM for --model: the installed default model (SmolLM2), the demo model, or a path."""
     from chatd.engine import LLM
     from chatd.engine.models.demo import build_demo_model
-    from chatd.engine.models.loader import default_model_path
+    from chatd.engine.models.sources import default_model_path
 
     if args.model == "demo":
         path = build_demo_model(tmp / "demo")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from chatd.engine.models.loader import default_model_path
+from chatd.engine.models.sources import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -276,6 +276,6 @@ def test_serve_help_states_the_defaults_the_code_uses():
         assert said, f"{flag}'s help states no default: {helps[flag]!r}"
         assert said.group(1).split()[0] == value, f"{flag}'s help says default {said.group(1)!r}; the code uses {value!r}"
     assert "SmolLM2-135M-Instruct" in helps["--model"]  # what serves when no model is named
-    from chatd.engine.models.loader import DEFAULT_MODEL_FILE
+    from chatd.engine.models.sources import DEFAULT_MODEL_FILE
 
     assert DEFAULT_MODEL_FILE.startswith("SmolLM2-135M-Instruct")

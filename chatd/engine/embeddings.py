@@ -94,7 +94,7 @@ def _pooling_mode(config: dict[str, Any]) -> str:
 def locate_embedding_model(path: str) -> Path:
     """The model's folder: `default` is the packaged all-MiniLM-L6-v2, else a local folder or a hub id."""
     if path != "default":
-        from chatd.engine.models.loader import resolve_model_path
+        from chatd.engine.models.sources import resolve_model_path
 
         try:
             return resolve_model_path(path)

@@ -20,13 +20,8 @@ from chatd.config import Config, ModelConfig, chatd_home
 from chatd.engine.models.demo import DEMO_WARNING, ensure_demo_model, is_demo_model
 from chatd.engine.models.matvec import MAX_ROWS_AS_REDUCTIONS
 from chatd.engine.models.quantized.quantize_model import int8_blocks_per_row
-from chatd.engine.models.loader import (
-    DEFAULT_MODEL_INSTALL,
-    default_model_path,
-    open_checkpoint,
-    resolve_model_path,
-    sampling_defaults,
-)
+from chatd.engine.models.loader import open_checkpoint
+from chatd.engine.models.sources import DEFAULT_MODEL_INSTALL, default_model_path, resolve_model_path, sampling_defaults
 from chatd.engine.models.tensor_parallel import TPGroup, check_head_layout
 from chatd.engine.tokenizer import Tokenizer
 from chatd.engine.worker.build import build_runner, resolve_device
@@ -132,7 +127,7 @@ def load_engine_parts(config: Config, background_compile: bool = False) -> Engin
         if isinstance(exc, ParallelError):  # a worker that could not start: said as plainly as rank 0's errors
             raise ValueError(f"tensor parallelism could not start: {exc}") from exc
         raise
-    sampling = sampling_defaults(checkpoint, model_path)
+    sampling = sampling_defaults(checkpoint.config_dir, model_path)
     if sampling:
         log.info("sampling defaults from the model (requests that leave them out): %s",
                  ", ".join(f"{name} {value:g}" for name, value in sampling.items()))

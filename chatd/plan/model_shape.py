@@ -120,7 +120,7 @@ def _read_config(model: str | None):
 
     from chatd.engine.models.demo import ensure_demo_model
     from chatd.engine.models.quantized.gguf import GGUFCheckpoint, find_gguf, is_gguf
-    from chatd.engine.models.loader import DEFAULT_MODEL_INSTALL, default_model_path
+    from chatd.engine.models.sources import DEFAULT_MODEL_INSTALL, default_model_path
 
     if model is None:
         path = default_model_path()

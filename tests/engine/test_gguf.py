@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from chatd import LLM, SamplingParams
 from chatd.cli import main
 from chatd.engine.models.demo import CHAT_TEMPLATE
-from chatd.engine.models.loader import DEFAULT_MODEL_FILE, default_model_path
+from chatd.engine.models.sources import DEFAULT_MODEL_FILE, default_model_path
 from chatd.engine.models.quantized.gguf import LAYER_NAMES, MODEL_NAMES, GGUFCheckpoint
 from tests.engine.conftest import hf_greedy, make_llm
 

@@ -14,7 +14,9 @@ from chatd.config_loader import build_config
 from chatd.engine import LLM, SamplingParams
 from chatd.engine.models.demo import FAMILIES, build_model_dir
 from chatd.engine.models.llama import LlamaForCausalLM
-from chatd.engine.models.loader import Checkpoint, check_weights_fit, default_model_path, load_model
+from chatd.engine.models.loader import Checkpoint, load_model
+from chatd.engine.models.sources import default_model_path
+from chatd.engine.models.tensor_parallel import check_weights_fit
 from chatd.engine.models.tensor_parallel import HeadLayout, TPGroup
 from chatd.engine.loading import load_engine_parts
 from chatd.engine.worker.parallel import check_gpus

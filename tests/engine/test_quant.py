@@ -18,7 +18,8 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from chatd.engine import SamplingParams
-from chatd.engine.models.loader import Checkpoint, default_model_path, load_model, open_checkpoint
+from chatd.engine.models.loader import Checkpoint, load_model, open_checkpoint
+from chatd.engine.models.sources import default_model_path
 from chatd.engine.models.matvec import block_products
 from chatd.engine.models.quantized.gguf_quant import BLOCK_BYTES, INT8_TYPES, file_blocks, int4_parts, int8_parts
 from chatd.engine.models.quantized.quant import (DEQUANTIZED_CHUNK, DEQUANTIZED_ROWS, FP8, FP8_MAX, GROUP_SIZE,

@@ -464,7 +464,7 @@ def test_default_model_gives_the_same_reply_with_ngram_guesses():
     """SmolLM2-135M-Instruct (the default model, from its PyPI package): a reply that quotes its
     prompt is guessed from it, and greedy output is the same with and without guesses."""
     from chatd.engine import LLM
-    from chatd.engine.models.loader import default_model_path
+    from chatd.engine.models.sources import default_model_path
 
     if default_model_path() is None:
         pytest.skip("the default model's package is not installed")

@@ -19,7 +19,7 @@ import pytest
 
 from chatd.engine import LLM, SamplingParams
 from chatd.engine.models.demo import build_demo_model, build_model_dir
-from chatd.engine.models.loader import default_model_path
+from chatd.engine.models.sources import default_model_path
 from tests.http.serving import create_key, start_server, stop_server
 
 pytestmark = pytest.mark.slow

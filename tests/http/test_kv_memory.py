@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from chatd.engine.models.loader import default_model_path
+from chatd.engine.models.sources import default_model_path
 from tests.http.serving import start_server, stop_server, tenants_server
 
 BLOCK = 16

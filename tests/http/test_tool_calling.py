@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from chatd.engine.models.demo import build_demo_model
-from chatd.engine.models.loader import default_model_path
+from chatd.engine.models.sources import default_model_path
 from tests.http.serving import start_server, stop_server, tenants_server
 from tests.http.test_isolation import engine_is_empty
 

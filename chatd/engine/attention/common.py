@@ -6,18 +6,19 @@ each sequence's pages. KV layout per layer: `[num_blocks, block_size, kv_heads, 
 slot = block * block_size + offset. This module knows nothing of models or scheduling.
 
 The cache is in the model's dtype, in a 16-bit float, or in fp8 (`cache.kv_cache_dtype`):
-kv_dtypes.py says how each stores a value and reads it back.
+kv_dtypes.py says how each stores a value and reads it back. On a GPU, a step's inputs travel in
+one pinned copy and new K/V are written by one triton kernel (gpu_io.py).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from chatd.engine.attention.kv_dtypes import is_fp8, quantize_kv
+from chatd.engine.attention.gpu_io import store_kv_triton, to_device, triton_available
+from chatd.engine.attention.kv_dtypes import write_kv_slots
 from chatd.engine.core.ragged import pad_ragged
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block_size, kv_heads, head_dim]
@@ -56,29 +57,6 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-
-
-def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Move small host tensors to `device` in one pinned host-to-device copy (on CPU: as they are).
-
-    Each separate `.to(device)` of pageable memory is its own staged copy; packing them into one
-    pinned buffer makes a step's inputs one transfer that overlaps with queued GPU work.
-    Tensors of 4- and 8-byte dtypes travel as int32 words, bit for bit.
-    """
-    if device.type == "cpu" or not tensors:  # (a step without decodes has no decode groups to move)
-        return tensors
-    # 8-byte tensors first, so each keeps an 8-byte aligned offset in the staging buffer.
-    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
-    words = [tensors[i].reshape(-1).view(torch.int32) for i in order]  # 4- and 8-byte dtypes, bit for bit
-    staged = torch.empty(sum(w.numel() for w in words), dtype=torch.int32, pin_memory=True)
-    torch.cat(words, out=staged)
-    on_device = staged.to(device, non_blocking=True)
-    moved: list[torch.Tensor] = [on_device] * len(tensors)
-    offset = 0
-    for i, w in zip(order, words):
-        moved[i] = on_device[offset : offset + w.numel()].view(tensors[i].dtype).view(tensors[i].shape)
-        offset += w.numel()
-    return moved
 
 
 def build_step(
@@ -151,23 +129,11 @@ class AttentionBackend:
         return self.supports_cuda_graphs and triton_available()
 
     def write_kv(self, kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Store new keys/values ([T, kv_heads, head_dim]) into their slots.
-
-        On CUDA with triton this is one kernel for keys and values together; elsewhere one
-        indexed copy per tensor (padding slots, -1, only occur in CUDA graphs). An fp8 cache
-        stores them quantized (see quantize_kv).
-        """
-        k_cache, v_cache = kv_cache
-        if k_cache.is_cuda and triton_available():
-            from chatd.engine.attention.triton_kernels import store_kv
-
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-            return
-        for cache, new, scale in ((k_cache, k, self.k_scale), (v_cache, v, self.v_scale)):
-            stored = quantize_kv(new, cache.dtype, scale)
-            if is_fp8(cache.dtype):  # index_copy_ has no fp8 kernel on CPU: copy the bytes
-                cache, stored = cache.view(torch.uint8), stored.view(torch.uint8)
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, meta.slot_mapping, stored)
+        """Store new keys/values ([T, kv_heads, head_dim]) into their slots, as the cache's dtype stores them."""
+        if kv_cache[0].is_cuda and triton_available():  # one kernel for keys and values (gpu_io.py)
+            return store_kv_triton(kv_cache, k, v, meta.slot_mapping, self.k_scale, self.v_scale)
+        for cache, new, scale in zip(kv_cache, (k, v), (self.k_scale, self.v_scale)):
+            write_kv_slots(cache, meta.slot_mapping, new, scale)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
@@ -179,12 +145,3 @@ class AttentionBackend:
         """
         raise NotImplementedError
 
-
-@functools.cache
-def triton_available() -> bool:
-    """Triton is importable (it ships with CUDA builds of torch; CPU tests install it to interpret kernels)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -49,3 +49,11 @@ def dequantize_kv(stored: torch.Tensor, dtype: torch.dtype, scale: float) -> tor
     if not is_fp8(stored.dtype):
         return stored.to(dtype)
     return stored.to(dtype) * scale
+
+
+def write_kv_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, new: torch.Tensor, scale: float) -> None:
+    """new ([T, kv_heads, head_dim]) into the cache's slots ([T] int64), as its dtype stores them."""
+    stored = quantize_kv(new, cache.dtype, scale)
+    if is_fp8(cache.dtype):  # index_copy_ has no fp8 kernel on CPU: copy the bytes
+        cache, stored = cache.view(torch.uint8), stored.view(torch.uint8)
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, stored)

