@@ -88,7 +88,7 @@ def read_model_info(engine) -> ModelInfo:
         sampling_defaults=dict(engine.sampling_defaults),
         kv_cache_dtype=str(kv_caches[0][0].dtype).removeprefix("torch.") if kv_caches else "",
         kv_bytes_per_token=getattr(runner, "kv_bytes_per_token", 0) * tensor_parallel_size,
-        num_host_kv_blocks=engine.scheduler.num_host_kv_blocks,
+        num_host_kv_blocks=engine.scheduler.block_manager.host.num_blocks,
         tensor_parallel_size=tensor_parallel_size,
         quantization=getattr(getattr(runner, "model", None), "quantization", "none"),
         compiled_decode=fast is not None and fast.compiled is not None,

@@ -145,10 +145,6 @@ class Scheduler:
     def num_kv_blocks(self) -> int:
         return self.block_manager.num_blocks
 
-    @property
-    def num_host_kv_blocks(self) -> int:
-        return self.block_manager.host.num_blocks
-
     def kv_blocks_needed(self, num_tokens: int) -> int:
         return self.block_manager.blocks_needed(num_tokens)
 

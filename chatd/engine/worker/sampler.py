@@ -1,18 +1,14 @@
-"""Turn one step's logits into tokens: bans, penalties, grammars, greedy, temperature, top-k/p, min-p.
+"""Turn one step's logits into tokens: the argmax of greedy rows, and the dispatch to the rest.
 
 The sampler knows nothing of sequences, blocks or the model: the runner hands it a [B, V]
 logits tensor and one SamplingRow per row, and gets back a token (and maybe logprobs) per
-row. Everything that is cheap to batch is batched, and work no row asks for is skipped. A
-structured output's grammar masks its row's logits (grammar_masks.py) before any draw.
+row. A step whose rows are all plain greedy (no bans, penalties, grammar or logprobs) is one
+argmax; any other goes through full_sampling.py: bans, penalties, grammar masks, temperature,
+top-k, top-p, min-p, logprobs.
 
-Reproducibility: each row draws one uniform number a step from its own generator, and what it
-may draw is worked out for it alone, so a seeded sequence gets the same tokens whether it is
+Reproducibility: each sampled row draws one uniform number a step from its own generator, and what
+it may draw is worked out for it alone, so a seeded sequence gets the same tokens whether it is
 alone or in a batch of 32 with other requests.
-
-A greedy row's token is the argmax; what a sampled row may draw (temperature, top-k, top-p,
-min-p) is sampling_choices.py's, batched, for logits on a GPU; where the logits are on a CPU,
-sampled rows are worked out one by one in numpy (host_sampling.py): the same choices, at a
-fraction of the cost of torch's small operations. Bans and penalties come first (penalties.py).
 """
 
 from __future__ import annotations
@@ -24,11 +20,9 @@ import torch
 
 from chatd.engine.core.grammar_matcher import GrammarMatcher
 from chatd.engine.params import Logprob, SamplingParams
-from chatd.engine.worker.grammar_masks import apply_grammars
-from chatd.engine.worker.penalties import apply_penalties
-from chatd.engine.worker.sampling_choices import MIN_TEMPERATURE, draw, sampling_choices, select_rows
-from chatd.engine.worker.host_sampling import host_choices, host_draw
-from chatd.engine.worker.logprobs import host_logprobs, logprob_tensors
+from chatd.engine.worker.full_sampling import sample_rows
+from chatd.engine.worker.logprobs import host_logprobs
+from chatd.engine.worker.sampling_choices import MIN_TEMPERATURE
 
 @dataclass
 class SamplingRow:
@@ -105,29 +99,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per SamplingRow"
         if all(row.plain_greedy for row in rows):  # the argmax is all there is to do
             return SampledTokens(_argmax(logits), [], [], rows)
-        raw_logits = logits.float()
-        logits = apply_penalties(raw_logits, rows)
-        logits = apply_grammars(logits, rows)
-
-        sampled_rows = [i for i, row in enumerate(rows) if not row.greedy]
-        if len(sampled_rows) < len(rows):
-            token_ids = logits.argmax(dim=-1)  # [B]
-        else:
-            token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        if sampled_rows and logits.device.type == "cpu":
-            token_ids[sampled_rows] = torch.tensor(_draw_on_host(logits, rows, sampled_rows))
-        elif sampled_rows:
-            subset = [rows[i] for i in sampled_rows]
-            # Each row's uniform drawn in row order, so a sequence whose rows are one per position
-            # (a verify step) uses its stream's numbers in the order it would one step at a time.
-            uniforms = torch.cat([draw_uniform(row.generator, logits.device) for row in subset])
-            for part in sampling_choices(select_rows(logits, sampled_rows), subset):
-                index = torch.tensor([sampled_rows[j] for j in part.rows], device=logits.device)
-                token_ids[index] = draw(part, uniforms[torch.tensor(part.rows, device=logits.device)])
-
-        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        logprobs = logprob_tensors(raw_logits, token_ids, wanted, rows) if wanted else []  # logprobs.py
-        return SampledTokens(token_ids, logprobs, wanted, rows)
+        return SampledTokens(*sample_rows(logits, rows), rows)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -136,18 +108,3 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.from_numpy(logits.numpy().argmax(axis=-1))
     return logits.argmax(dim=-1)
-
-
-def _draw_on_host(logits: torch.Tensor, rows: list[SamplingRow], sampled: list[int]) -> list[int]:
-    """The tokens of the `sampled` rows, each worked out alone in numpy (host_sampling.py)."""
-    host_logits = logits.numpy()  # [B, V], CPU float32
-    return [host_draw(host_choices(host_logits[i], rows[i].params, MIN_TEMPERATURE), draw_uniform(rows[i].generator, logits.device).item())
-            for i in sampled]
-
-
-def draw_uniform(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """One uniform number in [0, 1) from a row's generator, as a [1] tensor on `device`."""
-    # Made on the generator's own device (a CPU generator cannot fill a CUDA tensor), then moved.
-    # A row without a generator falls back to torch's global RNG: random, but not reproducible.
-    where = generator.device if generator is not None else device
-    return torch.rand(1, device=where, generator=generator).to(device)

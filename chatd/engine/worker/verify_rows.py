@@ -18,7 +18,8 @@ import torch
 
 from chatd.engine.core.scheduler import ScheduledSequence
 from chatd.engine.core.sequence import Sequence
-from chatd.engine.worker.sampler import SamplingRow, draw_uniform
+from chatd.engine.worker.full_sampling import draw_uniform
+from chatd.engine.worker.sampler import SamplingRow
 
 
 def add_verify_rows(inputs, s: ScheduledSequence) -> None:
