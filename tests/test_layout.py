@@ -232,9 +232,10 @@ CORE_PATH = (
     "chatd/engine/models/rope.py",
     "chatd/engine/models/loader.py",
 )
-# Issue 58 aims at 3,000 lines; the core stands at 3,517 now (4,066 in these files and their
-# predecessors before the split). Lower it as the core shrinks; never raise it to fit a change.
-CORE_PATH_LINES = 3520
+# Issue 58 asked for under 3,000 lines: the core stands at 2,950 (4,066 in these files and their
+# predecessors before issue 58). Lower it as the core shrinks; never raise it to fit a change: move
+# what the change adds that a greedy request does not need into an extension.
+CORE_PATH_LINES = 2960
 
 def test_the_core_path_is_the_list_the_engine_package_gives_and_fits_its_budget():
     documented = [line.split()[0] for line in chatd.engine.__doc__.splitlines()

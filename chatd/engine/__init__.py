@@ -49,28 +49,34 @@ The extensions, each readable without the core's details and never needed to rea
 
     async_engine.py, llm.py      the engine on its own thread for a server; offline use
     engine_process.py            the engine in a child process (--engine-process)
-    chat_tokens.py               control tokens typed inside messages stay text
-    structured/                  structured output: grammars compiled, masks computed ahead
-                                 (core/grammar_matcher.py and worker/grammar_masks.py are their
-                                 hooks below)
+    chat_tokens.py               control tokens typed inside messages stay text; stored replies
+                                 put back as the ids the model made (ChatEncoder)
+    window_detokenizer.py        streaming text for tokenizers without a Rust decoder
+    structured/                  structured output: the grammar a request asks for (spec.py),
+                                 compiled, its masks computed ahead (core/grammar_matcher.py and
+                                 worker/grammar_masks.py are its hooks below)
     speculative/                 speculative decoding: n-gram and draft-model proposers
-                                 (worker/verify_rows.py: a verify step's rows, and its RNG rewinds)
+                                 (core/drafts.py: which guesses a decode verifies, how many it
+                                 keeps; worker/verify_rows.py: a verify step's rows, RNG rewinds)
     embeddings.py                an embedding model beside the chat model (embedding_queue.py)
     core/host_tier.py            the host KV tier's bookkeeping (worker/host_kv.py: its tensors)
-    core/engine_stats.py         the counters metrics read; core/stage_times.py: where a step's
-                                 host time goes; model_info.py, drain_rate.py, frame_room.py: what
-                                 the engine reports and how it keeps steps lean
+    engine_reports.py            what LLMEngine reports: stats (core/engine_stats.py), model_info
+                                 (model_info.py), stage_times (core/stage_times.py), health;
+                                 drain_rate.py, frame_room.py, gc_freeze.py: how steps stay lean
     worker/fast_steps/           compiled decode and prefill steps, CUDA graphs, what a step costs
+                                 (fast_steps.py: what the runner asks once a step)
     worker/parallel.py           tensor-parallel ranks: started, fed, supervised
                                  (parallel_worker.py: a rank's process; models/tensor_parallel.py:
                                  what one rank holds)
-    worker/penalties.py, sampling_choices.py, host_sampling.py, logprobs.py, prompt_logprobs.py
-                                 sampling beyond greedy: penalties, temperature/top-k/top-p/min-p
-                                 (batched, or row by row on a CPU), logprobs, prompt logprobs
+    worker/full_sampling.py      sampling beyond a plain argmax: bans, penalties, grammar masks,
+                                 draws, logprobs (penalties.py, sampling_choices.py,
+                                 host_sampling.py, logprobs.py); prompt_logprobs.py
     worker/kv_memory.py, heap.py sizing the KV pool on a GPU; keeping a CPU step's memory
     attention/kv_dtypes.py       float16 and fp8 KV caches
     attention/gpu.py, select.py  triton, torch-varlen and flash-attn backends; choosing one
-    models/quantized/            GGUF files and weight-only quantization (int8, int4, fp8)
+                                 (gpu_io.py: a step's inputs in one pinned copy, the triton KV write)
+    models/sources.py            where a model comes from: the default model, hub ids, GGUF files
+    models/quantized/            GGUF weights and weight-only quantization (int8, int4, fp8)
     models/matvec.py, onednn.py  CPU matmul paths; models/demo.py: the demo model
 
 Imports run one way: params <- core <- attention, models <- worker <- the modules here and
