@@ -196,7 +196,7 @@ class Scheduler:
             num_new = min(_ready_tokens(seq, self.max_model_len), budget)
             if num_new == 0:  # waiting for its grammar's mask
                 continue
-            drafts = drafts_to_verify(seq, num_new, budget)
+            drafts = drafts_to_verify(seq, num_new, budget) if seq.draft_token_ids else ()
             if drafts and self.block_manager.can_allocate_slots(seq, num_new + len(drafts)):
                 num_new += len(drafts)  # never preempting anyone for a guess
             else:

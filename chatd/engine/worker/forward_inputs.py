@@ -48,8 +48,9 @@ def forward_inputs(scheduled: list[ScheduledSequence], previous: StepHandle | No
         seq = s.seq
         if s.samples:
             inputs.sampling.append(len(inputs.starts))
-        if (rows := prompt_rows(seq, s.start, s.num_new_tokens, len(token_ids))) is not None:
-            wanted.append(rows)
+        if seq.prompt_logprobs is not None:  # (asked of every sequence, every step: no call for the rest)
+            if (rows := prompt_rows(seq, s.start, s.num_new_tokens, len(token_ids))) is not None:
+                wanted.append(rows)
         known = seq.token_ids[s.start : s.start + s.num_new_tokens]
         token_ids.extend(known)
         if len(known) < s.num_new_tokens:  # a decode whose input the step in flight sampled
