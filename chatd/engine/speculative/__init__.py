@@ -5,7 +5,8 @@ n-gram lookup in the sequence's own tokens (ngram.py: no model; strong where a r
 prompt) or a small draft model sharing the tokenizer (draft_model.py). The scheduler runs each
 guessing sequence's last token and its guesses in one step, a sample after each (worker/verify_rows.py
 makes them decode rows at consecutive positions), and keeps the guesses up to the first that differs
-from the token sampled in its place, plus that sampled token (core/scheduler.py `postprocess`).
+from the token sampled in its place, plus that sampled token (core/scheduler.py `postprocess`, with
+core/drafts.py).
 
 Why that keeps the model's distribution: both proposers guess one token, not a distribution (the
 draft model its most likely one), so the rejection sampling of Leviathan et al. accepts a guess g
@@ -13,7 +14,7 @@ with probability p(g) (min(1, p/q) with q one-hot) and otherwise draws from p wi
 normalized. Sampling the target's own token t at that position, from p with the row's own
 uniform number, and accepting g exactly when t == g does the same: P(accept) = p(g), and on a
 miss t is distributed as p without g. It also draws exactly as decoding one token at a time would
-(each position uses the same uniform number of the sequence's generator: worker/sampling_rows.py
+(each position uses the same uniform number of the sequence's generator: worker/verify_rows.py
 rewinds what the rows past the first miss drew), so a seeded reply is the same with speculation
 on or off, and greedy output is token for token the same (up to the arithmetic of a batch of
 several rows).

@@ -2,8 +2,8 @@
 
 The core: runner.py (ModelRunner: the KV tensors; a step's one flat forward, then sampling),
 forward_inputs.py (the step as the forward's inputs), sampling_rows.py (each sequence's sampler
-row and RNG) and sampler.py (logits -> tokens). build.py makes a runner from a config, on every
-rank. Around them: penalties.py, sampling_choices.py (temperature, top-k/p, min-p, batched),
+row and RNG) and sampler.py (logits -> tokens: greedy's argmax). build.py makes a runner from a
+config, on every rank. Around them: full_sampling.py (any step beyond a plain argmax), penalties.py, sampling_choices.py (temperature, top-k/p, min-p, batched),
 host_sampling.py (the same, row by row on a CPU), logprobs.py, prompt_logprobs.py and
 grammar_masks.py (structured output's masks) for sampling beyond greedy; verify_rows.py (speculative
 decoding's verify rows); kv_memory.py (sizing the KV pool on a GPU) and heap.py (a CPU step's memory
