@@ -232,7 +232,7 @@ CORE_PATH = (
     "chatd/engine/models/rope.py",
     "chatd/engine/models/loader.py",
 )
-# Issue 58 asked for under 3,000 lines: the core stands at 2,950 (4,066 in these files and their
+# Issue 58 asked for under 3,000 lines: the core stands at 2,951 (4,066 in these files and their
 # predecessors before issue 58). Lower it as the core shrinks; never raise it to fit a change: move
 # what the change adds that a greedy request does not need into an extension.
 CORE_PATH_LINES = 2960
