@@ -60,7 +60,7 @@ import torch  # noqa: E402
 
 from chatd.config import CacheConfig, Config, ModelConfig, SchedulerConfig, ServerConfig, StoreConfig  # noqa: E402
 from chatd.engine import LLMEngine, SamplingParams, Tokenizer  # noqa: E402
-from chatd.engine.engine import freeze_startup_objects  # noqa: E402
+from chatd.engine.gc_freeze import freeze_startup_objects  # noqa: E402
 from chatd.engine.attention.sdpa import SdpaBackend  # noqa: E402
 from chatd.engine.models.demo import ensure_demo_model  # noqa: E402
 from chatd.engine.worker.runner import ModelRunner  # noqa: E402

@@ -254,10 +254,10 @@ def compare_libraries(hf_tokenizer, vocab_size: int, eos_token_ids: list[int], a
 
 class GrammarStopwatch:
     """Adds up the time the engine spends in grammar work while entered, by wrapping three functions:
-    the sampler's `apply_grammars` (`masking`: the masks gathered, then the logits masked), the
-    engine's wait for the masks computed off its thread (`masks`: what is left of llguidance's part
-    when the step needs them), and the matchers' `accept` (`accept`: the scheduler feeding each
-    sampled token to its matcher). The one place this script reaches inside chatd.
+    the sampler's `apply_grammars` (as worker/full_sampling.py calls it; `masking`: the masks gathered,
+    then the logits masked), the engine's wait for the masks computed off its thread (`masks`: what is
+    left of llguidance's part when the step needs them), and the matchers' `accept` (`accept`: the
+    scheduler feeding each sampled token to its matcher). The one place this script reaches inside chatd.
     """
 
     def __init__(self) -> None:
@@ -265,9 +265,9 @@ class GrammarStopwatch:
 
     def __enter__(self) -> GrammarStopwatch:
         from chatd.engine.structured import grammar
-        from chatd.engine.worker import sampler
+        from chatd.engine.worker import full_sampling
 
-        self._originals = [(sampler, "apply_grammars", "masking", sampler.apply_grammars),
+        self._originals = [(full_sampling, "apply_grammars", "masking", full_sampling.apply_grammars),
                            (grammar.MaskWorkers, "wait", "masks", grammar.MaskWorkers.wait),
                            (grammar.GrammarMatcher, "accept", "accept", grammar.GrammarMatcher.accept)]
         for owner, name, bucket, function in self._originals:
