@@ -48,6 +48,9 @@ SHUTDOWN_WRITE_SECONDS = 2.0
 # The starting app's last connections get this long to send their requests and have their answers
 # (a probe that connected just before the hand-over, from a busy machine, may take a while to send).
 HAND_OVER_SECONDS = 5.0
+# A connection the OS handed the starting app just before it stopped accepting becomes one of its
+# connections only once asyncio has made its transport, a few loop turns later: counted after this.
+HAND_OVER_SETTLE_SECONDS = 0.2
 GUARD_SEQUENCES = 8  # inputs the guard model judges at once: its KV pool holds this many full contexts
 LEDGER_FLUSH_SECONDS = 10.0  # at stop, billing writes the store refuses are retried this long
 
@@ -120,6 +123,7 @@ class Listening:
         # machine) is waited for, up to HAND_OVER_SECONDS, rather than reset: its client did nothing wrong.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + HAND_OVER_SECONDS
+        await asyncio.sleep(HAND_OVER_SETTLE_SECONDS)  # (else such a connection was reset, request unread)
         while self.early.server.connections and loop.time() < deadline:
             await asyncio.sleep(0.01)
         await self.early.cleanup()
